@@ -1,0 +1,30 @@
+"""ppbackward: a leak-free, exact, hook-faithful stage backward for torch pipeline parallelism.
+
+Public surface (see ``docs/api.md``):
+
+* :func:`stage_backward`, :func:`stage_backward_input`, :func:`stage_backward_weight` — drop-in
+  replacements of the functions of the same names in ``torch.distributed.pipelining._backward``;
+* :func:`install`, :func:`uninstall`, :func:`is_installed`, :func:`installed` — swap them into torch;
+* :class:`ParamGroups` — the opaque B→W hand-off; :class:`UnsupportedTorchError`;
+* ``ppbackward.leaks`` — the tensor-leak checker and activation-lifetime tracker.
+"""
+
+from ppbackward._compat import SUPPORTED_TORCH, UnsupportedTorchError
+from ppbackward._param_groups import ParamGroups
+from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
+from ppbackward.install import install, installed, is_installed, uninstall
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "SUPPORTED_TORCH",
+    "ParamGroups",
+    "UnsupportedTorchError",
+    "install",
+    "installed",
+    "is_installed",
+    "stage_backward",
+    "stage_backward_input",
+    "stage_backward_weight",
+    "uninstall",
+]

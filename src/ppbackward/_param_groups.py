@@ -1,0 +1,83 @@
+"""The opaque hand-off from B (``stage_backward_input``) to W (``stage_backward_weight``).
+
+Private module; :class:`ParamGroups` is re-exported by ``ppbackward`` for type hints only.
+
+Note [param_groups hold no cycle]: a ``ParamGroups`` references gradient tensors and autograd nodes
+(through ``GradientEdge``), and nothing that references it back: no hook, no closure and no autograd
+node ever points at a ``ParamGroups`` or at one of its groups. It is therefore freed by reference
+counting the moment its owner drops it, and :meth:`ParamGroups._release` (called by W whatever
+happens) empties it, so that after W it references no node, tensor or hook at all. Upstream
+(pytorch/pytorch#136584) kept intermediates and grads in dicts that the hooks on those intermediates
+referenced: a cycle that pinned activations until the gc ran.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["ParamGroups"]
+
+
+class ParamGroup(NamedTuple):
+    """One param group ready for W.
+
+    Attributes:
+        roots: the gradient edges W starts from (captured intermediates' slots and output edges that
+            lead straight into weight-only nodes).
+        grads: the gradient fed into each root.
+        params: the leaf tensors whose ``AccumulateGrad`` the group reaches (``inputs=`` of W's
+            engine call).
+        clamps: for groups with several intermediates, each intermediate node with the full tuple of
+            gradients B captured for it (``None`` for slots without gradient): W pins the node's
+            incoming gradients to exactly these, so that a path from one intermediate to another is
+            not counted twice. Empty when the group has one intermediate.
+    """
+
+    roots: list[GradientEdge]
+    grads: list[torch.Tensor]
+    params: list[torch.Tensor]
+    clamps: list[tuple[Node, tuple]]
+
+
+class ParamGroups:
+    """What ``stage_backward_input`` hands to ``stage_backward_weight`` for one microbatch.
+
+    Opaque to callers, like the ``param_groups`` list of dicts upstream returns; pass it to
+    :func:`ppbackward.stage_backward_weight` exactly once. ``len()`` and iteration expose the groups
+    (read-only :class:`ParamGroup` tuples) for inspection and debugging.
+
+    See Note [param_groups hold no cycle] in this module.
+    """
+
+    __slots__ = ("_groups", "_weight_ids", "_consumed")
+
+    def __init__(self, groups: list[ParamGroup], weight_ids: frozenset[int]) -> None:
+        self._groups = groups
+        self._weight_ids = weight_ids
+        self._consumed = False
+
+    @property
+    def consumed(self) -> bool:
+        """True once ``stage_backward_weight`` has run (or failed) with this object."""
+        return self._consumed
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __iter__(self):
+        return iter(tuple(self._groups))
+
+    def __repr__(self) -> str:
+        if self._consumed:
+            return "ParamGroups(consumed)"
+        n_params = sum(len(g.params) for g in self._groups)
+        n_roots = sum(len(g.roots) for g in self._groups)
+        return f"ParamGroups(groups={len(self._groups)}, params={n_params}, roots={n_roots})"
+
+    def _release(self) -> None:
+        """Drop every node, tensor and gradient; mark consumed."""
+        self._groups = []
+        self._consumed = True

@@ -1,0 +1,154 @@
+"""Pair stage outputs with their gradients, with a readable path for every leaf.
+
+Private module. ``stage_backward`` and ``stage_backward_input`` receive a stage's outputs and the
+gradients of those outputs as arbitrarily nested tuples/lists/dicts. This module walks both trees
+together, validates them, and returns flat, aligned lists of the tensors that take part in the
+backward. Every error names the offending leaf by its path, e.g. ``stage_output[1]['h']``.
+
+The walk is an explicit stack, never a nested recursive function: see Note [no closure cycle] in
+``ppbackward.backward``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+__all__: list[str] = []  # private module
+
+
+class FlatOutputs(NamedTuple):
+    """Flat, aligned view of the differentiable outputs of a stage.
+
+    Attributes:
+        tensors: output tensors that take part in the backward (``requires_grad`` or ``grad_fn``).
+        grads: the gradient for each entry of ``tensors`` (implicit ones already materialised for
+            scalar outputs whose gradient was ``None``).
+        paths: the path of each entry, e.g. ``"stage_output[1]['h']"``, for error messages.
+    """
+
+    tensors: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    paths: list[str]
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _is_differentiable(t: torch.Tensor) -> bool:
+    return t.requires_grad or t.grad_fn is not None
+
+
+def _check_grad(out: torch.Tensor, grad: Any, path: str, grads_given: bool) -> torch.Tensor:
+    """Return the gradient to use for ``out``; raise naming ``path`` when it does not fit."""
+    if grad is None:
+        if out.numel() != 1:
+            where = "output_grads is None" if not grads_given else "its gradient is None"
+            raise ValueError(
+                f"{path}: {where} but the output has shape {_shape(out)}; an implicit gradient "
+                "(ones) exists only for outputs with exactly one element"
+            )
+        return torch.ones_like(out, memory_format=torch.preserve_format)
+    if not isinstance(grad, torch.Tensor):
+        raise TypeError(f"{path}: gradient must be a torch.Tensor or None, got {type(grad).__name__}")
+    if grad.shape != out.shape:
+        raise ValueError(f"{path}: grad shape {_shape(grad)} != output shape {_shape(out)}")
+    if grad.dtype != out.dtype:
+        raise TypeError(f"{path}: grad dtype {grad.dtype} != output dtype {out.dtype}")
+    if grad.device != out.device:
+        raise ValueError(f"{path}: grad device {grad.device} != output device {out.device}")
+    return grad
+
+
+def flatten_outputs_and_grads(
+    outputs: Any, grads: Any, root: str = "stage_output"
+) -> FlatOutputs:
+    """Walk ``outputs`` and ``grads`` together and return the differentiable pairs.
+
+    Rules (they mirror torch's ``stage_backward`` tree walk, with errors instead of asserts):
+
+    * a tensor output that neither requires grad nor has a ``grad_fn`` is skipped, whatever its grad;
+    * a tuple/list output whose grad is ``None`` is skipped entirely; otherwise the grad must be a
+      tuple/list of the same length;
+    * a dict output whose grad is ``None`` is skipped; otherwise the grad must be a dict with the
+      same keys;
+    * any other output (int, str, custom object) is ignored;
+    * ``grads=None`` at the top level means "implicit": every differentiable output must then have
+      exactly one element (a loss) and gets a gradient of ones.
+
+    Args:
+        outputs: a tensor, or nested tuples/lists/dicts whose leaves may be anything.
+        grads: ``None``, or a structure matching ``outputs``.
+        root: the name used at the start of every path in error messages.
+
+    Returns:
+        A :class:`FlatOutputs`.
+
+    Raises:
+        ValueError: structure mismatch, shape or device mismatch, ``None`` gradient for an output
+            with more than one element.
+        TypeError: a gradient that is neither a tensor nor ``None``, or a dtype mismatch.
+    """
+    grads_given = grads is not None
+    flat = FlatOutputs([], [], [])
+    # Note [no closure cycle]: an explicit stack of (output, grad, path) instead of a recursive
+    # nested function; nothing here can refer to itself.
+    stack: list[tuple[Any, Any, str, bool]] = [(outputs, grads, root, grads_given)]
+    while stack:
+        out, grad, path, given = stack.pop()
+        if isinstance(out, torch.Tensor):
+            if _is_differentiable(out):
+                flat.tensors.append(out)
+                flat.grads.append(_check_grad(out, grad, path, given))
+                flat.paths.append(path)
+        elif isinstance(out, (tuple, list)):
+            if not given:
+                children = [(o, None, f"{path}[{i}]", False) for i, o in enumerate(out)]
+            elif grad is None:
+                continue
+            elif not isinstance(grad, (tuple, list)):
+                raise TypeError(
+                    f"{path}: output is a {type(out).__name__} of length {len(out)} but its "
+                    f"gradient is a {type(grad).__name__}"
+                )
+            elif len(grad) != len(out):
+                raise ValueError(
+                    f"{path}: output has {len(out)} elements but its gradient has {len(grad)}"
+                )
+            else:
+                children = [(o, g, f"{path}[{i}]", True) for i, (o, g) in enumerate(zip(out, grad))]
+            stack.extend(reversed(children))
+        elif isinstance(out, dict):
+            if not given:
+                children = [(o, None, f"{path}[{k!r}]", False) for k, o in out.items()]
+            elif grad is None:
+                continue
+            elif not isinstance(grad, dict):
+                raise TypeError(
+                    f"{path}: output is a dict but its gradient is a {type(grad).__name__}"
+                )
+            elif set(grad) != set(out):
+                missing = sorted(map(repr, set(out) - set(grad)))
+                extra = sorted(map(repr, set(grad) - set(out)))
+                raise ValueError(
+                    f"{path}: gradient keys differ from output keys "
+                    f"(missing: {', '.join(missing) or '-'}; unexpected: {', '.join(extra) or '-'})"
+                )
+            else:
+                children = [(o, grad[k], f"{path}[{k!r}]", True) for k, o in out.items()]
+            stack.extend(reversed(children))
+        # any other leaf type: not differentiable, ignored
+    return flat
+
+
+def describe_inputs(input_values: Any) -> str:
+    """One-line summary of stage inputs for error messages (types and shapes, no data)."""
+    parts = []
+    for v in input_values:
+        if isinstance(v, torch.Tensor):
+            parts.append(f"Tensor{_shape(v)}:{v.dtype}{':grad' if v.requires_grad else ''}")
+        else:
+            parts.append(type(v).__name__)
+    return "(" + ", ".join(parts) + ")"

@@ -1,0 +1,335 @@
+"""Drop-in stage backward for ``torch.distributed.pipelining``: full backward and the zero-bubble split.
+
+Public names: :func:`stage_backward`, :func:`stage_backward_input` (B),
+:func:`stage_backward_weight` (W). They take the arguments of, and return what
+``torch/distributed/pipelining/stage.py`` expects from, the functions of the same names in
+``torch/distributed/pipelining/_backward.py`` (torch 2.13 is the reference).
+
+Note [no closure cycle]: no function here defines a nested function that refers to itself or to a
+container that will hold it (upstream's recursive ``extract_tensors_with_grads``,
+pytorch/pytorch#136507). Tree walks use explicit stacks; the only hooks are (a) tensor hooks that
+capture a non-leaf input's gradient and (b) W's clamp pre-hooks; each closes over a plain list or a
+tuple of gradient tensors, never over a node, a tensor with a ``grad_fn`` or a ``ParamGroups``, and
+its handle is removed in ``finally``. With the gc disabled, every saved activation is therefore
+freed by reference counting as soon as the last backward of its microbatch returns and the caller
+drops the outputs.
+
+Note [no node mutation]: nothing writes ``node.metadata`` or any other state onto autograd nodes
+(upstream 2.5 stored reverse edges there, pytorch/pytorch#136678). Graph analysis keeps its state in
+local dicts (see ``ppbackward._graph``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from ppbackward._graph import analyze, gradient_edge
+from ppbackward._param_groups import ParamGroup, ParamGroups
+from ppbackward._tree import flatten_outputs_and_grads
+
+__all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
+
+
+def _grad_inputs(input_values: Iterable[Any]) -> list[tuple[int, torch.Tensor]]:
+    """(position, tensor) of every input that is a tensor requiring grad."""
+    return [
+        (i, v)
+        for i, v in enumerate(input_values)
+        if isinstance(v, torch.Tensor) and v.requires_grad
+    ]
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _capture_hook(box: list):
+    """A tensor hook that stores the gradient it sees in ``box`` (Note [no closure cycle])."""
+
+    def hook(grad: torch.Tensor) -> None:
+        box.append(grad)
+
+    return hook
+
+
+def stage_backward(
+    stage_output: Any,
+    output_grads: Any,
+    input_values: list[Any],
+    outputs_with_grads_idxs: Optional[list[int]] = None,
+) -> tuple[Optional[torch.Tensor], ...]:
+    """Full backward of one stage for one microbatch: input grads plus parameter accumulation.
+
+    Mirrors ``torch.distributed.pipelining._backward.stage_backward`` (torch 2.13) and fixes its
+    crash modes: errors name the offending output path instead of an ``AssertionError`` deep in
+    autograd, and the stage inputs' ``.grad`` is left exactly as it was (upstream sets it to ``None``
+    since pytorch/pytorch#164329).
+
+    Args:
+        stage_output: the stage's output: a tensor, or nested tuples/lists/dicts of tensors and
+            non-tensor leaves. Outputs that do not require grad are skipped.
+        output_grads: gradients matching ``stage_output`` (same nesting, same shapes, dtypes and
+            devices), ``None`` leaves allowed for one-element outputs; or ``None`` altogether for a
+            loss (implicit gradient 1).
+        input_values: the stage's flattened inputs (tensors and non-tensors).
+        outputs_with_grads_idxs: deprecated, as upstream; when given, only these top-level outputs
+            (and grads) are used. Emits a ``DeprecationWarning``.
+
+    Returns:
+        A tuple aligned with ``input_values``: the gradient of each input, or ``None`` for inputs
+        that are not tensors, do not require grad, or receive no gradient.
+
+    Raises:
+        ValueError, TypeError: malformed ``output_grads`` (see ``ppbackward._tree``); nothing has
+            been run or accumulated then.
+    """
+    if outputs_with_grads_idxs is not None:
+        warnings.warn(
+            "stage_backward(outputs_with_grads_idxs=...) is deprecated upstream and only kept for "
+            "compatibility",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        stage_output = [stage_output[i] for i in outputs_with_grads_idxs]
+        output_grads = [output_grads[i] for i in outputs_with_grads_idxs]
+    input_values = list(input_values)
+    flat = flatten_outputs_and_grads(stage_output, output_grads)
+    wanted = _grad_inputs(input_values)
+    if not flat.tensors:
+        return tuple(None for _ in input_values)
+
+    # Leaf inputs: the engine accumulates into ``.grad``; park the caller's value and restore it.
+    # Non-leaf inputs: a capture hook. See Note [no closure cycle].
+    parked: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+    boxes: dict[int, list] = {}
+    handles = []
+    try:
+        for t in _unique(t for _, t in wanted):
+            if t.grad_fn is None:
+                parked[id(t)] = (t, t.grad)
+                t.grad = None
+            else:
+                box: list = []
+                boxes[id(t)] = box
+                handles.append(t.register_hook(_capture_hook(box)))
+        torch.autograd.backward(flat.tensors, grad_tensors=flat.grads)
+        found: dict[int, Optional[torch.Tensor]] = {}
+        for key, (t, _) in parked.items():
+            found[key] = t.grad
+        for key, box in boxes.items():
+            found[key] = box[0] if box else None
+    finally:
+        for handle in handles:
+            handle.remove()
+        for t, previous in parked.values():
+            t.grad = previous
+    result: list[Optional[torch.Tensor]] = [None] * len(input_values)
+    for i, t in wanted:
+        result[i] = found[id(t)]
+    return tuple(result)
+
+
+def stage_backward_input(
+    stage_outputs_or_loss: Any,
+    output_grads: Any,
+    input_values: list[Any],
+    weights: Iterable[torch.nn.Parameter],
+) -> tuple[tuple[Optional[torch.Tensor], ...], ParamGroups]:
+    """B: the stage inputs' gradients now, everything weights need for W captured.
+
+    Mirrors ``torch.distributed.pipelining._backward.stage_backward_input`` (torch 2.13). One engine
+    call computes the input grads and, through ``GradientEdge`` captures (no hooks), the gradient
+    flowing into every *intermediate* (a node on an input path with an edge into a weight-only
+    subgraph). No parameter ``.grad`` is touched and no ``AccumulateGrad`` hook fires. The outputs
+    that are neither leaves nor views are detached in place afterwards (as upstream,
+    pytorch/pytorch#138119), freeing the output side of the graph that W does not need.
+
+    Args:
+        stage_outputs_or_loss: the stage outputs (nested like for :func:`stage_backward`), or a
+            tuple holding the loss on the last stage.
+        output_grads: gradients matching the outputs, or ``None`` for a loss.
+        input_values: the stage's flattened inputs (tensors and non-tensors).
+        weights: the stage's parameters (an iterator is fine, e.g. ``module.parameters()``).
+
+    Returns:
+        ``(input_grads, param_groups)``: ``input_grads`` aligned with ``input_values`` (``None`` for
+        non-tensors, inputs not requiring grad and unused inputs); ``param_groups`` an opaque
+        :class:`ParamGroups` to pass to :func:`stage_backward_weight` exactly once.
+
+    Raises:
+        ValueError, TypeError: malformed ``output_grads``; nothing has been run then.
+    """
+    input_values = list(input_values)
+    weights = list(weights)
+    flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads)
+    wanted = _grad_inputs(input_values)
+    weight_ids = frozenset(map(id, weights))
+    if not flat.tensors:
+        return tuple(None for _ in input_values), ParamGroups([], weight_ids)
+
+    grad_inputs = _unique(t for _, t in wanted)
+    input_nodes = {gradient_edge(t).node for t in grad_inputs}
+    root_edges = [gradient_edge(t) for t in flat.tensors]
+    specs = analyze(root_edges, input_nodes)
+
+    captures: list[GradientEdge] = [
+        GradientEdge(node, slot)
+        for spec in specs
+        for node, slot_list in spec.intermediates
+        for slot in slot_list
+    ]
+    found: dict[int, Optional[torch.Tensor]] = {}
+    captured: list[Optional[torch.Tensor]] = []
+    targets: list[Any] = [*grad_inputs, *captures]
+    if targets:
+        results = torch.autograd.grad(
+            flat.tensors,
+            targets,
+            grad_outputs=flat.grads,
+            retain_graph=bool(captures),
+            allow_unused=True,
+        )
+        found = {id(t): g for t, g in zip(grad_inputs, results)}
+        captured = list(results[len(grad_inputs) :])
+
+    groups = _build_groups(specs, captured, flat.grads, root_edges)
+    # Free the output side of the graph (upstream #138119). Views cannot be detached in place
+    # (#142229) and leaves (e.g. a parameter returned as output) must never be.
+    for t in flat.tensors:
+        if t.grad_fn is not None and not t._is_view():
+            t.detach_()
+    result: list[Optional[torch.Tensor]] = [None] * len(input_values)
+    for i, t in wanted:
+        result[i] = found.get(id(t))
+    return tuple(result), ParamGroups(groups, weight_ids)
+
+
+def _build_groups(specs, captured, output_grads, root_edges) -> list[ParamGroup]:
+    """Attach the gradients captured by B (in ``specs`` order) to each group's roots."""
+    groups: list[ParamGroup] = []
+    pos = 0
+    for spec in specs:
+        roots: list[GradientEdge] = []
+        grads: list[torch.Tensor] = []
+        clamps = []
+        for node, slot_list in spec.intermediates:
+            per_slot = captured[pos : pos + len(slot_list)]
+            pos += len(slot_list)
+            full: list[Optional[torch.Tensor]] = [None] * (max(slot_list) + 1)
+            for slot, g in zip(slot_list, per_slot):
+                full[slot] = g
+                if g is not None:
+                    roots.append(GradientEdge(node, slot))
+                    grads.append(g)
+            clamps.append((node, tuple(full)))
+        for i in spec.root_edges:
+            roots.append(root_edges[i])
+            grads.append(output_grads[i])
+        if not roots:
+            continue
+        if len(clamps) < 2:
+            clamps = []
+        params = [leaf.variable for leaf in spec.leaves]
+        groups.append(ParamGroup(roots, grads, params, clamps))
+    return groups
+
+
+def _clamp_hook(pinned: tuple):
+    """Pre-hook replacing a node's incoming gradients by what B captured (Note [no closure cycle])."""
+
+    def hook(grad_outputs):
+        return tuple(
+            pinned[i] if i < len(pinned) else g for i, g in enumerate(grad_outputs)
+        )
+
+    return hook
+
+
+def stage_backward_weight(
+    weights: Iterable[torch.nn.Parameter],
+    param_groups: ParamGroups,
+    retain_graph: bool = False,
+) -> tuple[Optional[torch.Tensor], ...]:
+    """W: accumulate the weights' gradients of one microbatch, through their ``AccumulateGrad``.
+
+    Mirrors ``torch.distributed.pipelining._backward.stage_backward_weight`` (torch 2.13) and fixes
+    it: gradients flow through each parameter's ``AccumulateGrad`` node exactly as in a full
+    backward, so tensor hooks and ``register_post_accumulate_grad_hook`` hooks (DDP,
+    optimizer-in-backward; pytorch/pytorch#144530) fire once per parameter, and the grad layout is
+    the one a full backward produces. Each parameter belongs to exactly one group and is accumulated
+    by exactly one engine call.
+
+    Args:
+        weights: the same parameters that were given to :func:`stage_backward_input`.
+        param_groups: the object :func:`stage_backward_input` returned for this microbatch.
+        retain_graph: passed to the engine for the last group; ``param_groups`` is consumed either
+            way.
+
+    Returns:
+        A tuple aligned with ``weights``: each parameter's ``.grad`` after accumulation.
+
+    Raises:
+        TypeError: ``param_groups`` is not a :class:`ParamGroups` (e.g. upstream's list of dicts).
+        RuntimeError: ``param_groups`` was already consumed by an earlier call.
+        ValueError: ``weights`` are not the parameters given to B (another stage's, or a subset).
+        All three are raised before anything is accumulated. Whatever happens, ``param_groups``
+        is released and no hook stays registered.
+    """
+    weights = list(weights)
+    if not isinstance(param_groups, ParamGroups):
+        raise TypeError(
+            "param_groups: expected the ppbackward.ParamGroups returned by "
+            f"ppbackward.stage_backward_input, got {type(param_groups).__name__}"
+        )
+    if param_groups.consumed:
+        raise RuntimeError(
+            "param_groups: already consumed by an earlier stage_backward_weight call; W runs once "
+            "per microbatch"
+        )
+    try:
+        _check_same_weights(weights, param_groups._weight_ids)
+        groups = param_groups._groups
+        for n, group in enumerate(groups):
+            handles = []
+            try:
+                for node, pinned in group.clamps:
+                    handles.append(node.register_prehook(_clamp_hook(pinned)))
+                torch.autograd.backward(
+                    group.roots,
+                    grad_tensors=group.grads,
+                    inputs=group.params,
+                    retain_graph=True if n + 1 < len(groups) else retain_graph,
+                )
+            finally:
+                for handle in handles:
+                    handle.remove()
+    finally:
+        param_groups._release()
+    return tuple(w.grad for w in weights)
+
+
+def _check_same_weights(weights: list[torch.Tensor], expected: frozenset[int]) -> None:
+    ids = [id(w) for w in weights]
+    for i, key in enumerate(ids):
+        if key not in expected:
+            raise ValueError(
+                f"weights[{i}]: parameter of shape {tuple(weights[i].shape)} was not among the "
+                "weights given to stage_backward_input for these param_groups (another stage's?)"
+            )
+    missing = len(expected - set(ids))
+    if missing:
+        raise ValueError(
+            f"weights: {missing} parameter(s) given to stage_backward_input are missing from "
+            "the weights given to stage_backward_weight"
+        )

@@ -1,0 +1,167 @@
+"""A zoo of small stage modules covering the graph shapes ppbackward must be exact on.
+
+Each entry builds ``(module, make_inputs)``: ``make_inputs(seed)`` returns the stage's input values
+(tensors and non-tensors, fresh leaves each call). Outputs may be tensors, tuples or dicts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+DTYPE = torch.float64
+
+
+def _x(seed: int, *shape: int, requires_grad: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=DTYPE).requires_grad_(requires_grad)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 6, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class SharedLate(nn.Module):
+    """One weight used by three ops, including twice on one path; registered after its users."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 5)
+        self.b = nn.Linear(5, 5)
+        self.shared = nn.Parameter(torch.randn(5, 5))  # registered last, used first
+
+    def forward(self, x):
+        h = x @ self.shared
+        h = self.a(torch.relu(h)) @ self.shared  # used twice on one path
+        return self.b(h) + (self.shared * 0.5).sum()
+
+
+class MultiOutputNodes(nn.Module):
+    """chunk / split / unbind: nodes with several outputs, some outputs unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(6, 6)
+        self.l2 = nn.Linear(3, 4)
+        self.w = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        h = self.l1(x) * self.w
+        a, b = h.chunk(2, dim=-1)
+        p, q, _unused = h.split([2, 2, 2], dim=-1)
+        rows = h.unbind(0)
+        return (self.l2(a) + self.l2(b), p * q, rows[0] * rows[-1])
+
+
+class ViewOutputs(nn.Module):
+    """Outputs that are views (cannot be detached in place, pytorch/pytorch#142229)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 8)
+
+    def forward(self, x):
+        h = self.l(x)
+        return h.view(-1, 2, 4)[:, 0], h.t()
+
+
+class WeightOnlyPaths(nn.Module):
+    """Outputs depending on weights through paths that never pass the input; one ignores it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.bias_net = nn.Linear(3, 4)
+        self.seed = nn.Parameter(torch.randn(2, 3))
+        self.alone = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        offset = self.bias_net(self.seed).sum(0)  # weight-only subgraph
+        y = self.l(x) + offset
+        z = torch.tanh(self.alone) * 2.0  # output ignoring the input
+        return {"y": y, "z": z, "meta": "not-a-tensor"}
+
+
+class MixedInputs(nn.Module):
+    """Non-tensor inputs, inputs not requiring grad, an integer tensor, an unused input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.l = nn.Linear(4, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x, ids, scale, mask, unused):
+        h = self.l(x) + self.emb(ids).sum(1) * scale
+        return self.frozen(h) * mask
+
+
+class Checkpointed(nn.Module):
+    """Non-reentrant activation checkpointing inside the stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = MLP(6, 2)
+        self.out = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = checkpoint(self.inner, x, use_reentrant=False)
+        return self.out(h)
+
+
+class Transformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=DTYPE)
+        self.blocks = nn.ModuleList([layer, nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=DTYPE)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _plain(seed: int, *shape: int):
+    return [_x(seed, *shape)]
+
+
+ZOO = {
+    "mlp": (lambda: MLP(), lambda s: _plain(s, 3, 6)),
+    "shared_late": (SharedLate, lambda s: _plain(s, 2, 5)),
+    "multi_output_nodes": (MultiOutputNodes, lambda s: _plain(s, 3, 6)),
+    "view_outputs": (ViewOutputs, lambda s: _plain(s, 4, 4)),
+    "weight_only_paths": (WeightOnlyPaths, lambda s: _plain(s, 3, 4)),
+    "mixed_inputs": (
+        MixedInputs,
+        lambda s: [
+            _x(s, 2, 4),
+            torch.randint(0, 10, (2, 3), generator=torch.Generator().manual_seed(s)),
+            0.5,
+            _x(s + 1, 2, 4, requires_grad=False),
+            _x(s + 2, 2, 2),
+        ],
+    ),
+    "checkpointed": (Checkpointed, lambda s: _plain(s, 3, 6)),
+    "transformer": (Transformer, lambda s: _plain(s, 2, 3, 8)),
+    "input_not_requiring_grad": (
+        lambda: MLP(4, 2),
+        lambda s: [_x(s, 2, 4, requires_grad=False)],
+    ),
+}
+
+
+def build(name: str) -> tuple[nn.Module, object]:
+    make_module, make_inputs = ZOO[name]
+    torch.manual_seed(0)
+    module = make_module().to(DTYPE)
+    return module, make_inputs
