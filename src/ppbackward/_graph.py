@@ -82,9 +82,21 @@ def _union(parent: dict[Node, Node], a: Node, b: Node) -> None:
         parent[rb] = ra
 
 
-def analyze(
-    root_edges: Sequence[GradientEdge], input_nodes: set[Node]
-) -> list[GroupSpec]:
+class Analysis(NamedTuple):
+    """Result of :func:`analyze`.
+
+    Attributes:
+        groups: the param groups, first reached from the outputs first.
+        used_nodes: every node that some traversed node has an edge into. An output whose
+            ``grad_fn`` is in here feeds another op of the stage, which may have saved it: such an
+            output must not be detached in place (see ``stage_backward_input``).
+    """
+
+    groups: list[GroupSpec]
+    used_nodes: set[Node]
+
+
+def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analysis:
     """Split the graph below ``root_edges`` into param groups. See the module docstring.
 
     Args:
@@ -92,10 +104,11 @@ def analyze(
         input_nodes: the gradient-edge nodes of the stage inputs that require grad.
 
     Returns:
-        The param groups, in a deterministic order (first reached from the outputs first).
+        An :class:`Analysis`.
     """
     flags: dict[Node, int] = {}
     slots: dict[Node, set[int]] = {}  # input slots of a node that receive gradient
+    used: set[Node] = set()
     children: dict[Node, list[Node]] = {}  # distinct, valid next nodes
     order: list[Node] = []  # post-order
 
@@ -116,6 +129,7 @@ def analyze(
                         if nxt is None:
                             continue
                         slots.setdefault(nxt, set()).add(nr)
+                        used.add(nxt)
                         kids.append(nxt)
                 children[node] = kids
                 it = iter(kids)
@@ -174,4 +188,4 @@ def analyze(
     for node in reversed(order):
         if is_accumulate_grad(node) and flags[node] == _REACHES_WEIGHT:
             group_of(node).leaves.append(node)
-    return list(groups.values())
+    return Analysis(list(groups.values()), used)

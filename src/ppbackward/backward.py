@@ -181,7 +181,7 @@ def stage_backward_input(
     grad_inputs = _unique(t for _, t in wanted)
     input_nodes = {gradient_edge(t).node for t in grad_inputs}
     root_edges = [gradient_edge(t) for t in flat.tensors]
-    specs = analyze(root_edges, input_nodes)
+    specs, used_nodes = analyze(root_edges, input_nodes)
 
     captures: list[GradientEdge] = [
         GradientEdge(node, slot)
@@ -204,15 +204,26 @@ def stage_backward_input(
         captured = list(results[len(grad_inputs) :])
 
     groups = _build_groups(specs, captured, flat.grads, root_edges)
-    # Free the output side of the graph (upstream #138119). Views cannot be detached in place
-    # (#142229) and leaves (e.g. a parameter returned as output) must never be.
-    for t in flat.tensors:
-        if t.grad_fn is not None and not t._is_view():
-            t.detach_()
+    _detach_outputs(flat.tensors, used_nodes)
     result: list[Optional[torch.Tensor]] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_ids)
+
+
+def _detach_outputs(outputs: list[torch.Tensor], used_nodes: set) -> None:
+    """Free the output side of the graph after B by detaching outputs in place (as upstream,
+    pytorch/pytorch#138119), except where that would break W or the caller.
+
+    Note [safe in-place detach]: an output is left attached when it is a leaf (a parameter returned
+    as output would lose ``requires_grad``), a view (cannot be detached in place,
+    pytorch/pytorch#142229), or an input of another op of the stage (its ``grad_fn`` is in
+    ``used_nodes``): that op may have saved it, and W re-running the op would fail with "Trying to
+    use a saved tensor that has been detached in-place" (upstream 2.13 crashes there).
+    """
+    for t in outputs:
+        if t.grad_fn is not None and not t._is_view() and t.grad_fn not in used_nodes:
+            t.detach_()
 
 
 def _build_groups(specs, captured, output_grads, root_edges) -> list[ParamGroup]:
@@ -283,8 +294,11 @@ def stage_backward_weight(
         TypeError: ``param_groups`` is not a :class:`ParamGroups` (e.g. upstream's list of dicts).
         RuntimeError: ``param_groups`` was already consumed by an earlier call.
         ValueError: ``weights`` are not the parameters given to B (another stage's, or a subset).
-        All three are raised before anything is accumulated. Whatever happens, ``param_groups``
-        is released and no hook stays registered.
+        All three are raised before anything runs; ``param_groups`` stays usable then. Once the
+        engine has started, ``param_groups`` is released whatever happens, and no hook stays
+        registered. An exception raised inside the engine (e.g. by a user hook) leaves the groups
+        that finished accumulated; within a group each parameter is accumulated by one
+        ``AccumulateGrad`` call, so no parameter is ever half-accumulated.
     """
     weights = list(weights)
     if not isinstance(param_groups, ParamGroups):
@@ -297,8 +311,8 @@ def stage_backward_weight(
             "param_groups: already consumed by an earlier stage_backward_weight call; W runs once "
             "per microbatch"
         )
+    _check_same_weights(weights, param_groups._weight_ids)
     try:
-        _check_same_weights(weights, param_groups._weight_ids)
         groups = param_groups._groups
         for n, group in enumerate(groups):
             handles = []

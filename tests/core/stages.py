@@ -131,6 +131,19 @@ class Transformer(nn.Module):
         return x
 
 
+class OutputFeedsAnotherOp(nn.Module):
+    """An output that a later op of the stage saved (must not be detached in place after B)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.v = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        h = x @ self.w
+        return h, h @ self.v
+
+
 def _plain(seed: int, *shape: int):
     return [_x(seed, *shape)]
 
@@ -151,6 +164,7 @@ ZOO = {
             _x(s + 2, 2, 2),
         ],
     ),
+    "output_feeds_another_op": (OutputFeedsAnotherOp, lambda s: _plain(s, 3, 4)),
     "checkpointed": (Checkpointed, lambda s: _plain(s, 3, 6)),
     "transformer": (Transformer, lambda s: _plain(s, 2, 3, 8)),
     "input_not_requiring_grad": (

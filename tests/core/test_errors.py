@@ -1,0 +1,165 @@
+"""Bad input gets a clear error naming the path, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ppbackward as pb
+from helpers import clone_inputs, output_grads
+from stages import build
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 5)
+
+    def forward(self, x):
+        return (self.a(x), {"h": self.b(x), "n": 3})
+
+
+def _fresh():
+    torch.manual_seed(0)
+    m = TwoHeads()
+    x = torch.randn(3, 4, requires_grad=True)
+    out = m(x)
+    good = (torch.ones(3, 4), {"h": torch.ones(3, 5), "n": None})
+    return m, x, out, good
+
+
+BAD_GRADS = {
+    "shape": (
+        lambda: (torch.ones(3, 4), {"h": torch.ones(3, 4), "n": None}),
+        ValueError,
+        "stage_output[1]['h']: grad shape (3, 4) != output shape (3, 5)",
+    ),
+    "dtype": (
+        lambda: (torch.ones(3, 4, dtype=torch.float64), {"h": torch.ones(3, 5), "n": None}),
+        TypeError,
+        "stage_output[0]: grad dtype torch.float64 != output dtype torch.float32",
+    ),
+    "device": (
+        lambda: (torch.ones(3, 4), {"h": torch.ones(3, 5, device="meta"), "n": None}),
+        ValueError,
+        "stage_output[1]['h']: grad device meta != output device cpu",
+    ),
+    "none_for_non_scalar": (
+        lambda: (None, {"h": torch.ones(3, 5), "n": None}),
+        ValueError,
+        "stage_output[0]: its gradient is None but the output has shape (3, 4)",
+    ),
+    "length": (
+        lambda: (torch.ones(3, 4),),
+        ValueError,
+        "stage_output: output has 2 elements but its gradient has 1",
+    ),
+    "keys": (
+        lambda: (torch.ones(3, 4), {"h": torch.ones(3, 5)}),
+        ValueError,
+        "stage_output[1]: gradient keys differ from output keys (missing: 'n'; unexpected: -)",
+    ),
+    "container_type": (
+        lambda: (torch.ones(3, 4), torch.ones(3, 5)),
+        TypeError,
+        "stage_output[1]: output is a dict but its gradient is a Tensor",
+    ),
+    "not_a_tensor": (
+        lambda: (torch.ones(3, 4), {"h": [1.0], "n": None}),
+        TypeError,
+        "stage_output[1]['h']: gradient must be a torch.Tensor or None, got list",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_GRADS))
+@pytest.mark.parametrize("fn", ["full", "input"])
+def test_bad_grads_raise_naming_the_path_and_leave_nothing(kind, fn):
+    make_bad, exc, message = BAD_GRADS[kind]
+    m, x, out, good = _fresh()
+    with pytest.raises(exc) as info:
+        if fn == "full":
+            pb.stage_backward(out, make_bad(), [x])
+        else:
+            pb.stage_backward_input(out, make_bad(), [x], m.parameters())
+    assert str(info.value).startswith(message), str(info.value)
+    assert x.grad is None and all(p.grad is None for p in m.parameters())
+    assert out[0].requires_grad and out[1]["h"].requires_grad, "outputs untouched"
+    # The same outputs still work afterwards: nothing half-done was left on the graph.
+    ref = copy.deepcopy(m)
+    xr = x.detach().clone().requires_grad_()
+    ro = ref(xr)
+    torch.autograd.backward([ro[0], ro[1]["h"]], [good[0], good[1]["h"]])
+    if fn == "full":
+        (gx,) = pb.stage_backward(out, good, [x])
+    else:
+        (gx,), groups = pb.stage_backward_input(out, good, [x], m.parameters())
+        pb.stage_backward_weight(m.parameters(), groups)
+    torch.testing.assert_close(gx, xr.grad)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def _b(name="mlp"):
+    m, make_inputs = build(name)
+    xs = clone_inputs(make_inputs(0))
+    out = m(*xs)
+    _, groups = pb.stage_backward_input(out, output_grads(out), xs, m.parameters())
+    return m, out, groups
+
+
+def test_w_twice_raises():
+    m, _, groups = _b()
+    pb.stage_backward_weight(m.parameters(), groups)
+    assert groups.consumed and len(groups) == 0
+    with pytest.raises(RuntimeError, match="already consumed by an earlier stage_backward_weight"):
+        pb.stage_backward_weight(m.parameters(), groups)
+
+
+def test_w_with_another_stages_weights_raises_before_anything_runs():
+    m, _, groups = _b()
+    other = nn.Linear(6, 6).double()
+    with pytest.raises(ValueError, match=r"weights\[0\]: parameter of shape \(6, 6\) was not among"):
+        pb.stage_backward_weight(other.parameters(), groups)
+    with pytest.raises(ValueError, match=r"weights: 2 parameter\(s\) given to stage_backward_input"):
+        pb.stage_backward_weight(list(m.parameters())[:-2], groups)
+    assert all(p.grad is None for p in m.parameters()) and other.weight.grad is None
+    assert not groups.consumed
+    pb.stage_backward_weight(m.parameters(), groups)  # still usable with the right weights
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_w_rejects_upstream_param_groups():
+    m, _, _ = _b()
+    with pytest.raises(TypeError, match="param_groups: expected the ppbackward.ParamGroups"):
+        pb.stage_backward_weight(m.parameters(), [{"params": set(), "intermediates": []}])
+
+
+def test_exception_inside_w_leaves_no_hook_and_releases_everything():
+    m, out, groups = _b("shared_late")
+    assert any(g.clamps for g in groups), "this graph must exercise W's clamp pre-hooks"
+    grad_refs = [weakref.ref(g) for group in groups for g in group.grads]
+    clamped_nodes = [node for group in groups for node, _ in group.clamps]
+
+    def boom(_p):
+        raise RuntimeError("user hook failed")
+
+    handle = m.shared.register_post_accumulate_grad_hook(boom)
+    with pytest.raises(RuntimeError, match="user hook failed"):
+        pb.stage_backward_weight(m.parameters(), groups)
+    handle.remove()
+    assert groups.consumed and len(groups) == 0
+    gc.disable()
+    try:
+        # The clamped nodes are still alive: were a clamp hook still registered on one of them,
+        # the captured grads it closes over would be alive too.
+        assert out is not None and clamped_nodes
+        assert [r() for r in grad_refs] == [None] * len(grad_refs)
+    finally:
+        gc.enable()

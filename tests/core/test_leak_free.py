@@ -1,0 +1,150 @@
+"""Leak-free by construction: no call creates a reference cycle of any kind, ParamGroups hold nothing
+after W, and with the gc disabled every saved activation dies by reference counting on time.
+
+Each check has a negative control: a tests-only leaky variant that the same check must catch."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import ppbackward as pb
+from helpers import clone_inputs, output_grads
+from stages import ZOO, build
+
+
+def _garbage_of(fn, *args):
+    """Objects that ``fn(*args)`` left in cyclic garbage (gc.DEBUG_SAVEALL), any type."""
+    gc.collect()
+    flags = gc.get_debug()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        result = fn(*args)
+        gc.collect()
+        found = list(gc.garbage)
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(flags)
+    return result, found
+
+
+@contextmanager
+def _saved_activations():
+    """Weak references to every non-leaf tensor autograd saves inside the block."""
+    refs: list[weakref.ref] = []
+
+    def pack(t):
+        if t.requires_grad and t.grad_fn is None:  # a parameter or input leaf, not an activation
+            return t
+        # Note [detached pack]: the graph must hold a detached alias. Packing ``t`` itself when it is
+        # the saving node's own output ties tensor -> grad_fn -> saved tensor -> tensor in C++, a
+        # cycle no gc can see (it is only broken when a backward without retain_graph runs).
+        alias = t.detach()
+        refs.append(weakref.ref(alias))
+        return alias
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield refs
+
+
+def _leaky_stage_backward_input(outputs, grads, inputs, weights):
+    """Tests-only leaky variant, pytorch/pytorch#136507's kind: a nested function that refers to
+    itself through its closure and to the outputs."""
+    kept = []
+
+    def walk(o):
+        kept.append(o)
+        if isinstance(o, (tuple, list)):
+            for v in o:
+                walk(v)
+
+    walk(outputs)
+    kept.append(outputs[0].view_as(outputs[0]))  # a new tensor object, reachable only from the cycle
+    return pb.stage_backward_input(outputs, grads, inputs, weights)
+
+
+_STASH = []
+
+
+def _stashing_stage_backward_weight(weights, groups):
+    """Tests-only leaky variant: a live module-level reference to the graph (no cycle at all)."""
+    _STASH.append([node for g in groups for node, _ in (g.clamps or [(r.node, None) for r in g.roots])])
+    return pb.stage_backward_weight(weights, groups)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_no_call_creates_cyclic_garbage(name):
+    module, make_inputs = build(name)
+    xs = clone_inputs(make_inputs(0))
+    out = module(*xs)
+    _, garbage = _garbage_of(pb.stage_backward, out, output_grads(out), xs)
+    assert garbage == []
+    xs = clone_inputs(make_inputs(1))
+    out = module(*xs)
+    (_, groups), garbage = _garbage_of(
+        pb.stage_backward_input, out, output_grads(out), xs, module.parameters()
+    )
+    assert garbage == []
+    _, garbage = _garbage_of(pb.stage_backward_weight, module.parameters(), groups)
+    assert garbage == []
+    assert groups.consumed and len(groups) == 0 and groups._groups == []
+
+
+def test_negative_control_recursive_closure_is_caught():
+    module, make_inputs = build("mlp")
+    xs = clone_inputs(make_inputs(0))
+    out = module(*xs)
+    (_, groups), garbage = _garbage_of(
+        _leaky_stage_backward_input, (out,), (output_grads(out),), xs, module.parameters()
+    )
+    kinds = sorted({type(o).__name__ for o in garbage})
+    assert "function" in kinds and "cell" in kinds and "Tensor" in kinds, kinds
+    pb.stage_backward_weight(module.parameters(), groups)
+
+
+def _run_split(module, make_inputs, w_fn):
+    """One microbatch B then W; returns weak refs to the activations the forward saved."""
+    xs = clone_inputs(make_inputs(0))
+    with _saved_activations() as refs:
+        out = module(*xs)
+    assert refs, "the forward must save activations"
+    _, groups = pb.stage_backward_input(out, output_grads(out), xs, module.parameters())
+    w_fn(module.parameters(), groups)
+    del out, groups, xs
+    return refs
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("mode", ["split", "full"])
+def test_activations_freed_by_refcount_when_last_backward_returns(name, mode):
+    module, make_inputs = build(name)
+    gc.collect()
+    gc.disable()
+    try:
+        if mode == "split":
+            refs = _run_split(module, make_inputs, pb.stage_backward_weight)
+        else:
+            xs = clone_inputs(make_inputs(0))
+            with _saved_activations() as refs:
+                out = module(*xs)
+            pb.stage_backward(out, output_grads(out), xs)
+            del out, xs
+        alive = [r() for r in refs if r() is not None]
+        assert alive == [], [tuple(t.shape) for t in alive]
+    finally:
+        gc.enable()
+
+
+def test_negative_control_live_reference_is_caught():
+    module, make_inputs = build("mlp")
+    gc.disable()
+    try:
+        refs = _run_split(module, make_inputs, _stashing_stage_backward_weight)
+        assert sum(r() is not None for r in refs) > 0
+    finally:
+        _STASH.clear()
+        gc.enable()
