@@ -7,8 +7,9 @@ listed in ``_CONTRACTS`` with what differs, and anything outside is refused with
 
 from __future__ import annotations
 
+import re
+
 import torch
-from torch.torch_version import TorchVersion
 
 __all__: list[str] = []  # private module
 
@@ -26,8 +27,11 @@ class UnsupportedTorchError(RuntimeError):
 
 def torch_release(version: str | None = None) -> tuple[int, int, int]:
     """``(major, minor, patch)`` of ``version`` (default: the installed torch), local part dropped."""
-    v = TorchVersion(version if version is not None else torch.__version__)
-    return (v.major, v.minor, v.micro)  # type: ignore[attr-defined]
+    text = str(version if version is not None else torch.__version__)
+    parts = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if parts is None:
+        raise UnsupportedTorchError(f"cannot parse torch version {text!r}")
+    return (int(parts.group(1)), int(parts.group(2)), int(parts.group(3) or 0))
 
 
 def check_supported(version: str | None = None) -> None:
