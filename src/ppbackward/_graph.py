@@ -7,11 +7,13 @@ Private module. Vocabulary (the field's terms, see ``docs/how-it-works.md``):
 * **B-set**: nodes from which an input node is reachable; B (``stage_backward_input``) runs them.
 * **W-only**: nodes from which a weight leaf, but no input node, is reachable; only W runs them.
 * **intermediate**: a B-set node with at least one edge into a W-only node. B captures the
-  gradient flowing *into* it (one ``GradientEdge`` per input slot); W re-runs it from that
-  gradient, computing only the edges that lead to weights.
+  gradient flowing *into* it (one ``GradientEdge`` per input slot). W calls it once more on that
+  gradient, computing only its edges into W-only nodes (the deferred weight-gradient work, e.g.
+  ``grad_out^T @ input`` of a linear layer); see Note [W computes only weight edges] in
+  ``ppbackward.backward``.
 * **param group**: a connected component of intermediates, W-only nodes and weight leaves
   (union-find over the edges into W-only nodes). Every weight leaf and every W-only node belongs
-  to exactly one group, so one engine call per group accumulates each parameter exactly once.
+  to exactly one group.
 
 Note [linear analysis]: the graph is walked once (iterative post-order DFS over
 ``next_functions``, stopping at input nodes), reachability flags are computed bottom-up in the same
@@ -56,13 +58,14 @@ class GroupSpec(NamedTuple):
 
     Attributes:
         intermediates: B-set nodes whose incoming gradient B must capture, each with the sorted input
-            slots that receive gradient.
+            slots that receive gradient and the indices of its ``next_functions`` that lead into
+            W-only nodes.
         root_edges: indices into the flat outputs whose edge leads straight into a W-only node
             (their gradient is known before B runs).
         leaves: the ``AccumulateGrad`` nodes of the group's weights.
     """
 
-    intermediates: list[tuple[Node, tuple[int, ...]]]
+    intermediates: list[tuple[Node, tuple[int, ...], tuple[int, ...]]]
     root_edges: list[int]
     leaves: list[Node]
 
@@ -109,7 +112,7 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
     flags: dict[Node, int] = {}
     slots: dict[Node, set[int]] = {}  # input slots of a node that receive gradient
     used: set[Node] = set()
-    children: dict[Node, list[Node]] = {}  # distinct, valid next nodes
+    nexts: dict[Node, tuple] = {}  # node.next_functions, read once (each read builds a tuple)
     order: list[Node] = []  # post-order
 
     for edge in root_edges:
@@ -123,15 +126,14 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         while stack:
             node, it = stack[-1]
             if it is None:
-                kids: list[Node] = []
-                if node not in input_nodes:
-                    for nxt, nr in node.next_functions:
-                        if nxt is None:
-                            continue
+                nf = () if node in input_nodes else node.next_functions
+                nexts[node] = nf
+                kids = []
+                for nxt, nr in nf:
+                    if nxt is not None:
                         slots.setdefault(nxt, set()).add(nr)
                         used.add(nxt)
                         kids.append(nxt)
-                children[node] = kids
                 it = iter(kids)
                 stack[-1] = (node, it)
             for nxt in it:
@@ -146,28 +148,33 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
                     f = _REACHES_INPUT
                 elif is_accumulate_grad(node):
                     f = _REACHES_WEIGHT
-                for kid in children[node]:
-                    f |= flags[kid]
+                for kid, _ in nexts[node]:
+                    if kid is not None:
+                        f |= flags[kid]
                 flags[node] = f
                 order.append(node)
 
     # Union-find over edges into W-only nodes (Note [linear analysis]).
     parent: dict[Node, Node] = {}
-    intermediates: list[Node] = []
+    intermediates: list[tuple[Node, tuple[int, ...]]] = []
     for node in order:
         f = flags[node]
         if f == _REACHES_WEIGHT:  # W-only
             parent.setdefault(node, node)
-            for kid in children[node]:
-                if flags[kid] == _REACHES_WEIGHT:
+            for kid, _ in nexts[node]:
+                if kid is not None and flags[kid] == _REACHES_WEIGHT:
                     parent.setdefault(kid, kid)
                     _union(parent, node, kid)
         elif f & _REACHES_INPUT:
-            w_kids = [k for k in children[node] if flags[k] == _REACHES_WEIGHT]
-            if w_kids:
+            nf = nexts[node]
+            w_edges = tuple(
+                i for i, (kid, _) in enumerate(nf) if kid is not None and flags[kid] == _REACHES_WEIGHT
+            )
+            if w_edges:
                 parent.setdefault(node, node)
-                intermediates.append(node)
-                for kid in w_kids:
+                intermediates.append((node, w_edges))
+                for i in w_edges:
+                    kid = nf[i][0]
                     parent.setdefault(kid, kid)
                     _union(parent, node, kid)
 
@@ -183,8 +190,8 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
     for i, edge in enumerate(root_edges):
         if flags.get(edge.node) == _REACHES_WEIGHT:
             group_of(edge.node).root_edges.append(i)
-    for node in reversed(intermediates):  # outputs side first
-        group_of(node).intermediates.append((node, tuple(sorted(slots[node]))))
+    for node, w_edges in reversed(intermediates):  # outputs side first
+        group_of(node).intermediates.append((node, tuple(sorted(slots[node])), w_edges))
     for node in reversed(order):
         if is_accumulate_grad(node) and flags[node] == _REACHES_WEIGHT:
             group_of(node).leaves.append(node)

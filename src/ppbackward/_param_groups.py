@@ -25,21 +25,19 @@ class ParamGroup(NamedTuple):
     """One param group ready for W.
 
     Attributes:
-        roots: the gradient edges W starts from (captured intermediates' slots and output edges that
-            lead straight into weight-only nodes).
-        grads: the gradient fed into each root.
-        params: the leaf tensors whose ``AccumulateGrad`` the group reaches (``inputs=`` of W's
-            engine call).
-        clamps: for groups with several intermediates, each intermediate node with the full tuple of
-            gradients B captured for it (``None`` for slots without gradient): W pins the node's
-            incoming gradients to exactly these, so that a path from one intermediate to another is
-            not counted twice. Empty when the group has one intermediate.
+        intermediates: ``(node, grads, w_edges)`` for each intermediate of the group: the gradient B
+            captured for each of the node's input slots (``None`` where none flowed) and the
+            indices of the node's ``next_functions`` that lead into weight-only nodes.
+        root_edges: output edges that lead straight into weight-only nodes (outputs computed
+            from weights alone, or a parameter returned as output).
+        root_grads: the output gradient for each entry of ``root_edges``.
+        params: the leaf tensors whose ``AccumulateGrad`` the group reaches.
     """
 
-    roots: list[GradientEdge]
-    grads: list[torch.Tensor]
+    intermediates: list[tuple[Node, tuple, tuple[int, ...]]]
+    root_edges: list[GradientEdge]
+    root_grads: list[torch.Tensor]
     params: list[torch.Tensor]
-    clamps: list[tuple[Node, tuple]]
 
 
 class ParamGroups:
@@ -74,8 +72,10 @@ class ParamGroups:
         if self._consumed:
             return "ParamGroups(consumed)"
         n_params = sum(len(g.params) for g in self._groups)
-        n_roots = sum(len(g.roots) for g in self._groups)
-        return f"ParamGroups(groups={len(self._groups)}, params={n_params}, roots={n_roots})"
+        n_inter = sum(len(g.intermediates) for g in self._groups)
+        return (
+            f"ParamGroups(groups={len(self._groups)}, params={n_params}, intermediates={n_inter})"
+        )
 
     def _release(self) -> None:
         """Drop every node, tensor and gradient; mark consumed."""

@@ -7,10 +7,10 @@ Public names: :func:`stage_backward`, :func:`stage_backward_input` (B),
 
 Note [no closure cycle]: no function here defines a nested function that refers to itself or to a
 container that will hold it (upstream's recursive ``extract_tensors_with_grads``,
-pytorch/pytorch#136507). Tree walks use explicit stacks; the only hooks are (a) tensor hooks that
-capture a non-leaf input's gradient and (b) W's clamp pre-hooks; each closes over a plain list or a
-tuple of gradient tensors, never over a node, a tensor with a ``grad_fn`` or a ``ParamGroups``, and
-its handle is removed in ``finally``. With the gc disabled, every saved activation is therefore
+pytorch/pytorch#136507). Tree walks use explicit stacks; the only hooks are the tensor hooks of
+:func:`stage_backward` that capture a non-leaf input's gradient; each closes over a plain list,
+never over a node, a tensor with a ``grad_fn`` or a ``ParamGroups``, and its handle is removed in
+``finally``. B and W register no hook at all. With the gc disabled, every saved activation is therefore
 freed by reference counting as soon as the last backward of its microbatch returns and the caller
 drops the outputs.
 
@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
 from ppbackward._graph import analyze, gradient_edge
@@ -186,7 +187,7 @@ def stage_backward_input(
     captures: list[GradientEdge] = [
         GradientEdge(node, slot)
         for spec in specs
-        for node, slot_list in spec.intermediates
+        for node, slot_list, _ in spec.intermediates
         for slot in slot_list
     ]
     found: dict[int, Optional[torch.Tensor]] = {}
@@ -227,44 +228,125 @@ def _detach_outputs(outputs: list[torch.Tensor], used_nodes: set) -> None:
 
 
 def _build_groups(specs, captured, output_grads, root_edges) -> list[ParamGroup]:
-    """Attach the gradients captured by B (in ``specs`` order) to each group's roots."""
+    """Attach the gradients captured by B (in ``specs`` order) to each group."""
     groups: list[ParamGroup] = []
     pos = 0
     for spec in specs:
-        roots: list[GradientEdge] = []
-        grads: list[torch.Tensor] = []
-        clamps = []
-        for node, slot_list in spec.intermediates:
+        intermediates = []
+        for node, slot_list, w_edges in spec.intermediates:
             per_slot = captured[pos : pos + len(slot_list)]
             pos += len(slot_list)
-            full: list[Optional[torch.Tensor]] = [None] * (max(slot_list) + 1)
+            if all(g is None for g in per_slot):
+                continue
+            full: list[Optional[torch.Tensor]] = [None] * len(node._input_metadata)
             for slot, g in zip(slot_list, per_slot):
                 full[slot] = g
-                if g is not None:
-                    roots.append(GradientEdge(node, slot))
-                    grads.append(g)
-            clamps.append((node, tuple(full)))
-        for i in spec.root_edges:
-            roots.append(root_edges[i])
-            grads.append(output_grads[i])
-        if not roots:
-            continue
-        if len(clamps) < 2:
-            clamps = []
-        params = [leaf.variable for leaf in spec.leaves]
-        groups.append(ParamGroup(roots, grads, params, clamps))
+            intermediates.append((node, tuple(full), w_edges))
+        edges = [root_edges[i] for i in spec.root_edges]
+        grads = [output_grads[i] for i in spec.root_edges]
+        if intermediates or edges:
+            params = [leaf.variable for leaf in spec.leaves]
+            groups.append(ParamGroup(intermediates, edges, grads, params))
     return groups
 
 
-def _clamp_hook(pinned: tuple):
-    """Pre-hook replacing a node's incoming gradients by what B captured (Note [no closure cycle])."""
+class _Job:
+    """The intermediates W must call, and what they returned. Referenced only by the ctx of one
+    ``_CallIntermediates`` node for the duration of one engine call (Note [no closure cycle])."""
 
-    def hook(grad_outputs):
-        return tuple(
-            pinned[i] if i < len(pinned) else g for i, g in enumerate(grad_outputs)
-        )
+    __slots__ = ("calls", "results")
 
-    return hook
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+        self.results: list[tuple] = []
+
+
+class _CallIntermediates(torch.autograd.Function):
+    """Calls the intermediates from inside an engine call: Note [W computes only weight edges]."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, job: _Job) -> torch.Tensor:  # type: ignore[override]
+        ctx.job = job
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        job, ctx.job = ctx.job, None
+        for node, grads, _ in job.calls:
+            job.results.append(_call_node(node, grads))
+        return None, None
+
+
+def _call_node(node, grads: tuple) -> list:
+    """Run one autograd node on ``grads``; the result is aligned with ``node.next_functions``.
+
+    C++ nodes are callable. A custom ``autograd.Function`` node is run through its ``apply``, which
+    returns one entry per forward input; the entries of inputs that required grad map, in order, to
+    the valid entries of ``next_functions``. Missing gradients are materialised as zeros for it, as
+    the engine does by default (``ctx.set_materialize_grads``).
+    """
+    if not isinstance(node, BackwardCFunction):
+        return list(node(*grads))
+    metas = node._input_metadata
+    full = [
+        g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+        for g, m in zip(grads, metas)
+    ]
+    outs = node.apply(*full)
+    if not isinstance(outs, tuple):
+        outs = (outs,)
+    nf = node.next_functions
+    result: list = [None] * len(nf)
+    wanted = [i for i, needed in enumerate(node.needs_input_grad) if needed]
+    valid = [j for j, (nxt, _) in enumerate(nf) if nxt is not None]
+    for i, j in zip(wanted, valid):
+        result[j] = outs[i] if i < len(outs) else None
+    return result
+
+
+def _conform(grad: torch.Tensor, node, slot: int) -> torch.Tensor:
+    """Shape, dtype and device of ``grad`` as the engine would deliver it to ``node``'s ``slot``
+    (its ``validate_outputs`` step): broadcast gradients summed back, dtype and device cast."""
+    meta = node._input_metadata[slot]
+    if tuple(grad.shape) != tuple(meta.shape):
+        grad = grad.sum_to_size(meta.shape)
+    if grad.dtype != meta.dtype or grad.device != meta.device:
+        grad = grad.to(device=meta.device, dtype=meta.dtype)
+    return grad
+
+
+def _weight_edge_grads(calls: list) -> list[tuple]:
+    """Call each intermediate on its captured gradients, computing only its weight edges.
+
+    Note [W computes only weight edges]: an autograd node decides which of its outputs to compute
+    from the exec info of the engine call it runs in (``task_should_compute_output``): an edge whose
+    next node the current call does not need is skipped. W therefore calls each intermediate from
+    inside an engine call whose ``inputs`` are exactly the intermediates' edges into weight-only
+    nodes. The edges back towards the stage input (the input-gradient work B already did) are
+    skipped, so W does only the deferred weight work (e.g. ``grad_out^T @ input`` of a linear
+    layer), never re-runs a node of the input side and never walks it. The call is an
+    ``autograd.grad`` from a one-element anchor through ``_CallIntermediates``, whose backward calls
+    the nodes; it accumulates nothing and registers no hook.
+
+    Returns:
+        For each call, the tuple the node returned (aligned with its ``next_functions``).
+    """
+    job = _Job(calls)
+    targets: list[GradientEdge] = []
+    seen: set = set()
+    for node, _, w_edges in calls:
+        nf = node.next_functions
+        for i in w_edges:
+            edge = GradientEdge(*nf[i][:2])
+            if edge not in seen:
+                seen.add(edge)
+                targets.append(edge)
+    first = next(g for _, grads, _ in calls for g in grads if g is not None)
+    with torch.enable_grad():
+        anchor = torch.zeros((), device=first.device, requires_grad=True)
+        out = _CallIntermediates.apply(anchor, job)
+        torch.autograd.grad([out], [anchor, *targets], allow_unused=True)
+    return job.results
 
 
 def stage_backward_weight(
@@ -278,13 +360,14 @@ def stage_backward_weight(
     it: gradients flow through each parameter's ``AccumulateGrad`` node exactly as in a full
     backward, so tensor hooks and ``register_post_accumulate_grad_hook`` hooks (DDP,
     optimizer-in-backward; pytorch/pytorch#144530) fire once per parameter, and the grad layout is
-    the one a full backward produces. Each parameter belongs to exactly one group and is accumulated
-    by exactly one engine call.
+    the one a full backward produces. Two engine calls, whatever the number of param groups: one
+    computes the intermediates' weight edges (Note [W computes only weight edges]), one runs the
+    weight-only subgraphs and accumulates every parameter exactly once.
 
     Args:
         weights: the same parameters that were given to :func:`stage_backward_input`.
         param_groups: the object :func:`stage_backward_input` returned for this microbatch.
-        retain_graph: passed to the engine for the last group; ``param_groups`` is consumed either
+        retain_graph: passed to the accumulating engine call; ``param_groups`` is consumed either
             way.
 
     Returns:
@@ -294,11 +377,11 @@ def stage_backward_weight(
         TypeError: ``param_groups`` is not a :class:`ParamGroups` (e.g. upstream's list of dicts).
         RuntimeError: ``param_groups`` was already consumed by an earlier call.
         ValueError: ``weights`` are not the parameters given to B (another stage's, or a subset).
-        All three are raised before anything runs; ``param_groups`` stays usable then. Once the
-        engine has started, ``param_groups`` is released whatever happens, and no hook stays
-        registered. An exception raised inside the engine (e.g. by a user hook) leaves the groups
-        that finished accumulated; within a group each parameter is accumulated by one
-        ``AccumulateGrad`` call, so no parameter is ever half-accumulated.
+        These three are raised before anything runs; ``param_groups`` stays usable then. Once W has
+        started, ``param_groups`` is released whatever happens. An exception while computing the
+        weight edges (first engine call) leaves every ``.grad`` untouched; one raised inside the
+        accumulating call (e.g. by a user hook) can leave the parameters accumulated before it, but
+        never half-accumulates one: each gets exactly one ``AccumulateGrad`` call.
     """
     weights = list(weights)
     if not isinstance(param_groups, ParamGroups):
@@ -314,23 +397,33 @@ def stage_backward_weight(
     _check_same_weights(weights, param_groups._weight_ids)
     try:
         groups = param_groups._groups
-        for n, group in enumerate(groups):
-            handles = []
-            try:
-                for node, pinned in group.clamps:
-                    handles.append(node.register_prehook(_clamp_hook(pinned)))
-                torch.autograd.backward(
-                    group.roots,
-                    grad_tensors=group.grads,
-                    inputs=group.params,
-                    retain_graph=True if n + 1 < len(groups) else retain_graph,
-                )
-            finally:
-                for handle in handles:
-                    handle.remove()
+        calls = [call for group in groups for call in group.intermediates]
+        edge_grads: dict[GradientEdge, torch.Tensor] = {}
+        if calls:
+            for (node, _, w_edges), outs in zip(calls, _weight_edge_grads(calls)):
+                nf = node.next_functions
+                for i in w_edges:
+                    if outs[i] is not None:
+                        nxt, nr = nf[i][:2]
+                        _add(edge_grads, GradientEdge(nxt, nr), _conform(outs[i], nxt, nr))
+        for group in groups:
+            for edge, grad in zip(group.root_edges, group.root_grads):
+                _add(edge_grads, GradientEdge(edge.node, edge.output_nr), grad)
+        if edge_grads:
+            torch.autograd.backward(
+                list(edge_grads),
+                grad_tensors=list(edge_grads.values()),
+                inputs=[p for group in groups for p in group.params],
+                retain_graph=retain_graph,
+            )
     finally:
         param_groups._release()
     return tuple(w.grad for w in weights)
+
+
+def _add(acc: dict, edge: GradientEdge, grad: torch.Tensor) -> None:
+    previous = acc.get(edge)
+    acc[edge] = grad if previous is None else previous + grad
 
 
 def _check_same_weights(weights: list[torch.Tensor], expected: frozenset[int]) -> None:

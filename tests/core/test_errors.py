@@ -141,11 +141,11 @@ def test_w_rejects_upstream_param_groups():
         pb.stage_backward_weight(m.parameters(), [{"params": set(), "intermediates": []}])
 
 
-def test_exception_inside_w_leaves_no_hook_and_releases_everything():
+def test_exception_in_accumulating_call_releases_everything():
     m, out, groups = _b("shared_late")
-    assert any(g.clamps for g in groups), "this graph must exercise W's clamp pre-hooks"
-    grad_refs = [weakref.ref(g) for group in groups for g in group.grads]
-    clamped_nodes = [node for group in groups for node, _ in group.clamps]
+    nodes = [node for group in groups for node, _, _ in group.intermediates]
+    grad_refs = [weakref.ref(g) for group in groups for _, grads, _ in group.intermediates for g in grads if g is not None]
+    assert nodes and grad_refs
 
     def boom(_p):
         raise RuntimeError("user hook failed")
@@ -157,9 +157,45 @@ def test_exception_inside_w_leaves_no_hook_and_releases_everything():
     assert groups.consumed and len(groups) == 0
     gc.disable()
     try:
-        # The clamped nodes are still alive: were a clamp hook still registered on one of them,
-        # the captured grads it closes over would be alive too.
-        assert out is not None and clamped_nodes
+        # The intermediates are still alive (``nodes``), yet nothing holds the captured grads.
+        assert out is not None and nodes
         assert [r() for r in grad_refs] == [None] * len(grad_refs)
     finally:
         gc.enable()
+
+
+class _Scale(torch.autograd.Function):
+    """x * w with a backward that fails when asked to (a custom-Function intermediate)."""
+
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Scale.fail:
+            raise RuntimeError("intermediate failed in W")
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+def test_exception_while_computing_weight_edges_touches_no_grad():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    w = nn.Parameter(torch.randn(4))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = _Scale.apply(lin(x), w)
+    params = [*lin.parameters(), w]
+    _, groups = pb.stage_backward_input(out, torch.ones(3, 4), [x], params)
+    assert len(groups) == 2  # lin's group and w's group: a failure must touch neither
+    _Scale.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="intermediate failed in W"):
+            pb.stage_backward_weight(params, groups)
+    finally:
+        _Scale.fail = False
+    assert all(p.grad is None for p in params)
+    assert groups.consumed

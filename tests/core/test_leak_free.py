@@ -72,7 +72,7 @@ _STASH = []
 
 def _stashing_stage_backward_weight(weights, groups):
     """Tests-only leaky variant: a live module-level reference to the graph (no cycle at all)."""
-    _STASH.append([node for g in groups for node, _ in (g.clamps or [(r.node, None) for r in g.roots])])
+    _STASH.append([node for g in groups for node, _, _ in g.intermediates])
     return pb.stage_backward_weight(weights, groups)
 
 
