@@ -15,24 +15,22 @@ Private module. Vocabulary (the field's terms, see ``docs/how-it-works.md``):
   (union-find over the edges into W-only nodes). Every weight leaf and every W-only node belongs
   to exactly one group.
 
-Note [linear analysis]: the graph is walked once (iterative post-order DFS over
-``next_functions``, stopping at input nodes), reachability flags are computed bottom-up in the same
-pass, and groups come from one union-find pass over the recorded edges: O(nodes + edges). The
+Note [linear analysis]: one BFS over ``next_functions`` (stopping at input nodes) numbers the nodes
+and records their edges; parent lists are built from those edges; two sweeps up the parent lists
+mark the nodes that reach an input and those that reach a weight; one union-find pass over the edges
+into W-only nodes forms the groups. Every pass is O(nodes + edges), with no recursion. The
 upstream ``get_param_groups`` walks the reverse graph once per parameter (O(params x graph)).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
 __all__: list[str] = []  # private module
-
-_REACHES_INPUT = 1
-_REACHES_WEIGHT = 2
 
 
 def _accumulate_grad_type() -> type:
@@ -70,18 +68,18 @@ class GroupSpec(NamedTuple):
     leaves: list[Node]
 
 
-def _find(parent: dict[Node, Node], x: Node) -> Node:
+def _find(parent: dict[int, int], x: int) -> int:
     root = x
-    while parent[root] is not root:
+    while parent[root] != root:
         root = parent[root]
-    while parent[x] is not root:  # path compression
+    while parent[x] != root:  # path compression
         parent[x], x = root, parent[x]
     return root
 
 
-def _union(parent: dict[Node, Node], a: Node, b: Node) -> None:
+def _union(parent: dict[int, int], a: int, b: int) -> None:
     ra, rb = _find(parent, a), _find(parent, b)
-    if ra is not rb:
+    if ra != rb:
         parent[rb] = ra
 
 
@@ -109,90 +107,85 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
     Returns:
         An :class:`Analysis`.
     """
-    flags: dict[Node, int] = {}
-    slots: dict[Node, set[int]] = {}  # input slots of a node that receive gradient
-    used: set[Node] = set()
-    nexts: dict[Node, tuple] = {}  # node.next_functions, read once (each read builds a tuple)
-    order: list[Node] = []  # post-order
-
+    # Pass 1 (Note [linear analysis]): BFS from the outputs; ``next_functions`` is read once per
+    # node (each read builds a tuple). Input nodes are not expanded: the stage ends there.
+    index: dict[Node, int] = {}
+    nodes: list[Node] = []
+    nexts: list[tuple] = []
     for edge in root_edges:
-        slots.setdefault(edge.node, set()).add(edge.output_nr)
-    # Note [no closure cycle]: explicit stack, no recursive nested function.
-    for edge in root_edges:
-        if edge.node in flags:
-            continue
-        flags[edge.node] = 0
-        stack: list[tuple[Node, Any]] = [(edge.node, None)]
-        while stack:
-            node, it = stack[-1]
-            if it is None:
-                nf = () if node in input_nodes else node.next_functions
-                nexts[node] = nf
-                kids = []
-                for nxt, nr in nf:
-                    if nxt is not None:
-                        slots.setdefault(nxt, set()).add(nr)
-                        used.add(nxt)
-                        kids.append(nxt)
-                it = iter(kids)
-                stack[-1] = (node, it)
-            for nxt in it:
-                if nxt not in flags:
-                    flags[nxt] = 0
-                    stack.append((nxt, None))
-                    break
-            else:
-                stack.pop()
-                f = 0
-                if node in input_nodes:
-                    f = _REACHES_INPUT
-                elif is_accumulate_grad(node):
-                    f = _REACHES_WEIGHT
-                for kid, _ in nexts[node]:
-                    if kid is not None:
-                        f |= flags[kid]
-                flags[node] = f
-                order.append(node)
+        if edge.node not in index:
+            index[edge.node] = len(nodes)
+            nodes.append(edge.node)
+    for node in nodes:  # grows while iterated: a BFS queue
+        nf = () if node in input_nodes else node.next_functions
+        nexts.append(nf)
+        for kid, _ in nf:
+            if kid is not None and kid not in index:
+                index[kid] = len(nodes)
+                nodes.append(kid)
+    # Pass 2: parent lists; the nodes that reach an input (a sweep up from the input nodes); the
+    # W-only nodes (a sweep up from the weight leaves that stops at nodes reaching an input: those
+    # parents are the intermediates).
+    parents: list[list[int]] = [[] for _ in nodes]
+    for i, nf in enumerate(nexts):
+        for kid, _ in nf:
+            if kid is not None:
+                parents[index[kid]].append(i)
+    reaches_input = set()
+    todo = [index[n] for n in input_nodes if n in index]
+    reaches_input.update(todo)
+    while todo:
+        for p in parents[todo.pop()]:
+            if p not in reaches_input:
+                reaches_input.add(p)
+                todo.append(p)
+    leaves = [i for i, n in enumerate(nodes) if type(n) is _ACCUMULATE_GRAD and i not in reaches_input]
+    w_only = set(leaves)
+    inter: set[int] = set()
+    todo = list(leaves)
+    while todo:
+        for p in parents[todo.pop()]:
+            if p in reaches_input:
+                inter.add(p)
+            elif p not in w_only:
+                w_only.add(p)
+                todo.append(p)
 
-    # Union-find over edges into W-only nodes (Note [linear analysis]).
-    parent: dict[Node, Node] = {}
-    intermediates: list[tuple[Node, tuple[int, ...]]] = []
-    for node in order:
-        f = flags[node]
-        if f == _REACHES_WEIGHT:  # W-only
-            parent.setdefault(node, node)
-            for kid, _ in nexts[node]:
-                if kid is not None and flags[kid] == _REACHES_WEIGHT:
-                    parent.setdefault(kid, kid)
-                    _union(parent, node, kid)
-        elif f & _REACHES_INPUT:
-            nf = nexts[node]
-            w_edges = tuple(
-                i for i, (kid, _) in enumerate(nf) if kid is not None and flags[kid] == _REACHES_WEIGHT
-            )
-            if w_edges:
-                parent.setdefault(node, node)
-                intermediates.append((node, w_edges))
-                for i in w_edges:
-                    kid = nf[i][0]
-                    parent.setdefault(kid, kid)
-                    _union(parent, node, kid)
+    # Pass 3: union-find over the edges into W-only nodes.
+    parent: dict[int, int] = {i: i for i in w_only}
+    for i in w_only:
+        for kid, _ in nexts[i]:
+            if kid is not None and index[kid] in parent:
+                _union(parent, i, index[kid])
+    intermediates: list[tuple[int, tuple[int, ...]]] = []
+    for i in sorted(inter):
+        nf = nexts[i]
+        w_edges = tuple(j for j, (kid, _) in enumerate(nf) if kid is not None and index[kid] in w_only)
+        parent[i] = i
+        intermediates.append((i, w_edges))
+        for j in w_edges:
+            _union(parent, i, index[nf[j][0]])
 
-    groups: dict[Node, GroupSpec] = {}
-
-    def group_of(node: Node) -> GroupSpec:
-        rep = _find(parent, node)
-        spec = groups.get(rep)
-        if spec is None:
-            spec = groups[rep] = GroupSpec([], [], [])
-        return spec
-
+    groups: dict[int, GroupSpec] = {}
     for i, edge in enumerate(root_edges):
-        if flags.get(edge.node) == _REACHES_WEIGHT:
-            group_of(edge.node).root_edges.append(i)
-    for node, w_edges in reversed(intermediates):  # outputs side first
-        group_of(node).intermediates.append((node, tuple(sorted(slots[node])), w_edges))
-    for node in reversed(order):
-        if is_accumulate_grad(node) and flags[node] == _REACHES_WEIGHT:
-            group_of(node).leaves.append(node)
+        k = index[edge.node]
+        if k in w_only:
+            _group(groups, parent, k).root_edges.append(i)
+    for i, w_edges in intermediates:  # BFS order: outputs side first
+        node = nodes[i]
+        slots = {nr for p in parents[i] for kid, nr in nexts[p] if kid is node}
+        slots.update(edge.output_nr for edge in root_edges if edge.node is node)
+        _group(groups, parent, i).intermediates.append((node, tuple(sorted(slots)), w_edges))
+    for i in leaves:
+        if i in w_only:
+            _group(groups, parent, i).leaves.append(nodes[i])
+    used = {nodes[i] for i, ps in enumerate(parents) if ps}
     return Analysis(list(groups.values()), used)
+
+
+def _group(groups: dict[int, GroupSpec], parent: dict[int, int], i: int) -> GroupSpec:
+    rep = _find(parent, i)
+    spec = groups.get(rep)
+    if spec is None:
+        spec = groups[rep] = GroupSpec([], [], [])
+    return spec
