@@ -91,10 +91,13 @@ class Analysis(NamedTuple):
         used_nodes: every node that some traversed node has an edge into. An output whose
             ``grad_fn`` is in here feeds another op of the stage, which may have saved it: such an
             output must not be detached in place (see ``stage_backward_input``).
+        b_only: the nodes B runs that W never runs (on an input path, not an intermediate, not
+            an input node: those belong to whoever produced the stage input).
     """
 
     groups: list[GroupSpec]
     used_nodes: set[Node]
+    b_only: list[Node]
 
 
 def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analysis:
@@ -180,7 +183,8 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         if i in w_only:
             _group(groups, parent, i).leaves.append(nodes[i])
     used = {nodes[i] for i, ps in enumerate(parents) if ps}
-    return Analysis(list(groups.values()), used)
+    b_only = [nodes[i] for i in reaches_input if i not in inter and nodes[i] not in input_nodes]
+    return Analysis(list(groups.values()), used, b_only)
 
 
 def _group(groups: dict[int, GroupSpec], parent: dict[int, int], i: int) -> GroupSpec:

@@ -31,6 +31,7 @@ from torch.autograd.graph import GradientEdge
 
 from ppbackward._graph import analyze, gradient_edge
 from ppbackward._param_groups import ParamGroup, ParamGroups
+from ppbackward._saved import release_saved_tensors
 from ppbackward._tree import flatten_outputs_and_grads
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -182,7 +183,7 @@ def stage_backward_input(
     grad_inputs = _unique(t for _, t in wanted)
     input_nodes = {gradient_edge(t).node for t in grad_inputs}
     root_edges = [gradient_edge(t) for t in flat.tensors]
-    specs, used_nodes = analyze(root_edges, input_nodes)
+    specs, used_nodes, b_only = analyze(root_edges, input_nodes)
 
     captures: list[GradientEdge] = [
         GradientEdge(node, slot)
@@ -205,6 +206,8 @@ def stage_backward_input(
         captured = list(results[len(grad_inputs) :])
 
     groups = _build_groups(specs, captured, flat.grads, root_edges)
+    if groups:
+        release_saved_tensors(b_only)  # Note [release unread saved tensors]
     _detach_outputs(flat.tensors, used_nodes)
     result: list[Optional[torch.Tensor]] = [None] * len(input_values)
     for i, t in wanted:

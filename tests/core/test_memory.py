@@ -1,0 +1,78 @@
+"""Between B and W, ppbackward holds exactly the saved activations W reads (the floor); upstream
+holds more. Exact bytes, measured without saved-tensor hooks (ppbackward._memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import _backward as upstream
+
+import ppbackward as pb
+from ppbackward import _saved
+from ppbackward._memory import alive_bytes, saved_storages, w_floor_bytes
+from helpers import clone_inputs, output_grads
+from stages import build
+
+
+def _transformer():
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True) for _ in range(3)])
+    return m, lambda s: [torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(s), requires_grad=True)]
+
+
+def _held_between_b_and_w(impl, module, make_inputs):
+    xs = clone_inputs(make_inputs(0))
+    out = module(*xs)
+    outs = out if isinstance(out, tuple) else (out,)
+    roots = [t.grad_fn for t in outs if isinstance(t, torch.Tensor)]
+    # The caller keeps the outputs until W (torch's stage does): their storages are not the graph's.
+    kept = [*module.parameters(), *(t for t in outs if isinstance(t, torch.Tensor))]
+    storages = saved_storages(roots, exclude=kept)
+    total = alive_bytes(storages)
+    grads = output_grads(outs)
+    _, groups = impl.stage_backward_input(outs, grads, xs, module.parameters())
+    held = alive_bytes(storages)
+    floor = w_floor_bytes(groups, exclude=kept) if impl is pb else None
+    impl.stage_backward_weight(module.parameters(), groups)
+    return total, held, floor
+
+
+CASES = {"transformer": _transformer, **{n: (lambda n=n: build(n)) for n in ["mlp", "shared_late", "multi_output_nodes"]}}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_ppbackward_holds_exactly_what_w_reads(name):
+    module, make_inputs = CASES[name]()
+    total, held, floor = _held_between_b_and_w(pb, module, make_inputs)
+    assert held == floor, f"held {held} B, W reads {floor} B"
+    assert held <= total
+
+
+def test_upstream_holds_more_than_w_reads():
+    module, make_inputs = _transformer()
+    _, _, floor = _held_between_b_and_w(pb, module, make_inputs)
+    module, make_inputs = _transformer()
+    total, held, _ = _held_between_b_and_w(upstream, module, make_inputs)
+    assert held == total > floor
+
+
+def test_negative_control_without_release_the_check_fails(monkeypatch):
+    monkeypatch.setattr("ppbackward.backward.release_saved_tensors", lambda nodes: 0)
+    module, make_inputs = _transformer()
+    total, held, floor = _held_between_b_and_w(pb, module, make_inputs)
+    assert held == total > floor
+
+
+def test_released_saved_tensor_fails_clearly_if_run_again():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    h = torch.nn.functional.gelu(x * 2)  # GeluBackward: B-only, its saved input is released
+    out = lin(h)
+    gelu_node = h.grad_fn
+    _, groups = pb.stage_backward_input(out, torch.ones(2, 4), [x], lin.parameters())
+    with pytest.raises(RuntimeError, match="ppbackward released this saved tensor after stage_backward_input"):
+        gelu_node(torch.ones(2, 4))
+    pb.stage_backward_weight(lin.parameters(), groups)
+    assert _saved._refuse is not None
