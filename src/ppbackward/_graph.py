@@ -7,7 +7,7 @@ Private module. Vocabulary (the field's terms, see ``docs/how-it-works.md``):
 * **B-set**: nodes from which an input node is reachable; B (``stage_backward_input``) runs them.
 * **W-only**: nodes from which a weight leaf, but no input node, is reachable; only W runs them.
 * **intermediate**: a B-set node with at least one edge into a W-only node. B captures the
-  gradient flowing *into* it (one ``GradientEdge`` per input slot). W calls it once more on that
+  gradients flowing *into* it (all its input slots). W calls it once more on that
   gradient, computing only its edges into W-only nodes (the deferred weight-gradient work, e.g.
   ``grad_out^T @ input`` of a linear layer); see Note [W computes only weight edges] in
   ``ppbackward.backward``.
@@ -55,15 +55,14 @@ class GroupSpec(NamedTuple):
     """One param group as found by the analysis (no gradients yet).
 
     Attributes:
-        intermediates: B-set nodes whose incoming gradient B must capture, each with the sorted input
-            slots that receive gradient and the indices of its ``next_functions`` that lead into
-            W-only nodes.
+        intermediates: B-set nodes whose incoming gradient B must capture, each with the indices of
+            its ``next_functions`` that lead into W-only nodes.
         root_edges: indices into the flat outputs whose edge leads straight into a W-only node
             (their gradient is known before B runs).
         leaves: the ``AccumulateGrad`` nodes of the group's weights.
     """
 
-    intermediates: list[tuple[Node, tuple[int, ...], tuple[int, ...]]]
+    intermediates: list[tuple[Node, tuple[int, ...]]]
     root_edges: list[int]
     leaves: list[Node]
 
@@ -175,10 +174,7 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         if k in w_only:
             _group(groups, parent, k).root_edges.append(i)
     for i, w_edges in intermediates:  # BFS order: outputs side first
-        node = nodes[i]
-        slots = {nr for p in parents[i] for kid, nr in nexts[p] if kid is node}
-        slots.update(edge.output_nr for edge in root_edges if edge.node is node)
-        _group(groups, parent, i).intermediates.append((node, tuple(sorted(slots)), w_edges))
+        _group(groups, parent, i).intermediates.append((nodes[i], w_edges))
     for i in leaves:
         if i in w_only:
             _group(groups, parent, i).leaves.append(nodes[i])

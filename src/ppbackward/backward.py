@@ -7,10 +7,10 @@ Public names: :func:`stage_backward`, :func:`stage_backward_input` (B),
 
 Note [no closure cycle]: no function here defines a nested function that refers to itself or to a
 container that will hold it (upstream's recursive ``extract_tensors_with_grads``,
-pytorch/pytorch#136507). Tree walks use explicit stacks; the only hooks are the tensor hooks of
-:func:`stage_backward` that capture a non-leaf input's gradient; each closes over a plain list,
-never over a node, a tensor with a ``grad_fn`` or a ``ParamGroups``, and its handle is removed in
-``finally``. B and W register no hook at all. With the gc disabled, every saved activation is therefore
+pytorch/pytorch#136507). Tree walks use explicit stacks; the only hooks are capture hooks (a tensor
+hook on a non-leaf input in :func:`stage_backward`, a node pre-hook on each intermediate in B); each
+closes over a plain list, never over a node, a tensor with a ``grad_fn`` or a ``ParamGroups``, does
+not change the gradient, and its handle is removed in ``finally``. W registers no hook. With the gc disabled, every saved activation is therefore
 freed by reference counting as soon as the last backward of its microbatch returns and the caller
 drops the outputs.
 
@@ -57,9 +57,10 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _capture_hook(box: list):
-    """A tensor hook that stores the gradient it sees in ``box`` (Note [no closure cycle])."""
+    """A tensor hook or node pre-hook that stores what it sees in ``box`` and changes nothing
+    (Note [no closure cycle]: it closes over a plain list only)."""
 
-    def hook(grad: torch.Tensor) -> None:
+    def hook(grad) -> None:
         box.append(grad)
 
     return hook
@@ -151,9 +152,9 @@ def stage_backward_input(
     """B: the stage inputs' gradients now, everything weights need for W captured.
 
     Mirrors ``torch.distributed.pipelining._backward.stage_backward_input`` (torch 2.13). One engine
-    call computes the input grads and, through ``GradientEdge`` captures (no hooks), the gradient
-    flowing into every *intermediate* (a node on an input path with an edge into a weight-only
-    subgraph). No parameter ``.grad`` is touched and no ``AccumulateGrad`` hook fires. The outputs
+    call computes the input grads; a capture pre-hook on every *intermediate* (a node on an input
+    path with an edge into a weight-only subgraph) records the gradient flowing into it, after any
+    tensor hook on that activation, and is removed before B returns. No parameter ``.grad`` is touched and no ``AccumulateGrad`` hook fires. The outputs
     that are neither leaves nor views are detached in place afterwards (as upstream,
     pytorch/pytorch#138119), freeing the output side of the graph that W does not need.
 
@@ -185,25 +186,29 @@ def stage_backward_input(
     root_edges = [gradient_edge(t) for t in flat.tensors]
     specs, used_nodes, b_only = analyze(root_edges, input_nodes)
 
-    captures: list[GradientEdge] = [
-        GradientEdge(node, slot)
-        for spec in specs
-        for node, slot_list, _ in spec.intermediates
-        for slot in slot_list
-    ]
+    # Capture what flows into each intermediate with a node pre-hook: it sees the gradient after the
+    # tensor hooks registered on that activation have run, exactly what the node itself consumes
+    # (an engine ``GradientEdge`` capture would see it before them).
+    intermediates = [node for spec in specs for node, _ in spec.intermediates]
+    boxes: list[list] = [[] for _ in intermediates]
+    handles = []
     found: dict[int, Optional[torch.Tensor]] = {}
-    captured: list[Optional[torch.Tensor]] = []
-    targets: list[Any] = [*grad_inputs, *captures]
-    if targets:
-        results = torch.autograd.grad(
-            flat.tensors,
-            targets,
-            grad_outputs=flat.grads,
-            retain_graph=bool(captures),
-            allow_unused=True,
-        )
-        found = {id(t): g for t, g in zip(grad_inputs, results)}
-        captured = list(results[len(grad_inputs) :])
+    try:
+        for node, box in zip(intermediates, boxes):
+            handles.append(node.register_prehook(_capture_hook(box)))
+        if grad_inputs:
+            results = torch.autograd.grad(
+                flat.tensors,
+                grad_inputs,
+                grad_outputs=flat.grads,
+                retain_graph=bool(intermediates),
+                allow_unused=True,
+            )
+            found = {id(t): g for t, g in zip(grad_inputs, results)}
+    finally:
+        for handle in handles:
+            handle.remove()
+    captured = [box[0] if box else None for box in boxes]
 
     groups = _build_groups(specs, captured, flat.grads, root_edges)
     if groups:
@@ -231,20 +236,16 @@ def _detach_outputs(outputs: list[torch.Tensor], used_nodes: set) -> None:
 
 
 def _build_groups(specs, captured, output_grads, root_edges) -> list[ParamGroup]:
-    """Attach the gradients captured by B (in ``specs`` order) to each group."""
+    """Attach what B captured (one tuple per intermediate, in ``specs`` order) to each group."""
     groups: list[ParamGroup] = []
     pos = 0
     for spec in specs:
         intermediates = []
-        for node, slot_list, w_edges in spec.intermediates:
-            per_slot = captured[pos : pos + len(slot_list)]
-            pos += len(slot_list)
-            if all(g is None for g in per_slot):
-                continue
-            full: list[Optional[torch.Tensor]] = [None] * len(node._input_metadata)
-            for slot, g in zip(slot_list, per_slot):
-                full[slot] = g
-            intermediates.append((node, tuple(full), w_edges))
+        for node, w_edges in spec.intermediates:
+            grads = captured[pos]
+            pos += 1
+            if grads is not None and any(g is not None for g in grads):
+                intermediates.append((node, tuple(grads), w_edges))
         edges = [root_edges[i] for i in spec.root_edges]
         grads = [output_grads[i] for i in spec.root_edges]
         if intermediates or edges:

@@ -104,3 +104,28 @@ def test_negative_control_upstream_w_skips_post_accumulate_hooks():
     upstream.stage_backward_weight(module.parameters(), groups)
     assert all(p.grad is not None for p in module.parameters())
     assert post == Counter()
+
+
+def test_tensor_hook_on_an_activation_is_honoured_by_w():
+    """A hook that rescales an activation's gradient changes what its producer consumes; W must
+    compute the producer's weight gradient from the hooked value, as a full backward does."""
+    torch.manual_seed(0)
+    l1, l2 = nn.Linear(3, 3), nn.Linear(3, 3)
+    full = (copy.deepcopy(l1), copy.deepcopy(l2))
+    split = (copy.deepcopy(l1), copy.deepcopy(l2))
+    x = torch.randn(2, 3)
+
+    def forward(a, b, xin):
+        h = a(xin)
+        h.register_hook(lambda g: g * 2)
+        return b(torch.tanh(h))
+
+    xf, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.ones(2, 3)
+    (gf,) = pb.stage_backward(forward(*full, xf), g, [xf])
+    params = [*split[0].parameters(), *split[1].parameters()]
+    (gs,), groups = pb.stage_backward_input(forward(*split, xs), g, [xs], params)
+    pb.stage_backward_weight(params, groups)
+    torch.testing.assert_close(gs, gf)
+    for p, q in zip(params, [*full[0].parameters(), *full[1].parameters()]):
+        torch.testing.assert_close(p.grad, q.grad)
