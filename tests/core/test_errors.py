@@ -199,3 +199,37 @@ def test_exception_while_computing_weight_edges_touches_no_grad():
         _Scale.fail = False
     assert all(p.grad is None for p in params)
     assert groups.consumed
+
+
+def _live_capture_hooks():
+    return [
+        f
+        for f in gc.get_objects()
+        if callable(f) and getattr(f, "__qualname__", "") == "_capture_hook.<locals>.hook"
+    ]
+
+
+def test_exception_inside_b_leaves_no_hook_and_no_grad():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    h = m[0](x)
+    h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("activation hook failed")))
+    out = m[2](m[1](h))
+    assert _live_capture_hooks() == []
+    with pytest.raises(RuntimeError, match="activation hook failed"):
+        pb.stage_backward_input(out, torch.ones(2, 4), [x], m.parameters())
+    assert _live_capture_hooks() == [], "B's capture pre-hooks must be removed on failure"
+    assert x.grad is None and all(p.grad is None for p in m.parameters())
+    assert out.requires_grad, "a failed B detaches nothing"
+
+
+def test_negative_control_a_leftover_hook_is_seen():
+    """The check above can fail: a capture hook that stays registered is found alive."""
+    from ppbackward.backward import _capture_hook
+
+    torch.manual_seed(0)
+    out = nn.Linear(4, 4)(torch.randn(2, 4, requires_grad=True))
+    handle = out.grad_fn.register_prehook(_capture_hook([]))
+    assert len(_live_capture_hooks()) == 1
+    handle.remove()
