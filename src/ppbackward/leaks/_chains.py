@@ -1,0 +1,205 @@
+"""Readable back-reference chains through cyclic garbage, and their GraphViz files.
+
+Private module. objgraph's ``find_backref_chain`` walks ``gc.get_referrers``, which scans the whole
+heap at every step and can wander out of the garbage through the checker's own bookkeeping. Garbage
+is a closed set (no live object refers into it), so the chain is searched here over
+``gc.get_referents`` restricted to that set: exact, and linear in the size of the garbage. The
+``.dot`` files are drawn by objgraph's ``show_chain`` (forward references only, no heap scan).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import shutil
+import subprocess
+import types
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+
+from ppbackward.leaks._storage import _node_saved_tensors, _unique_storage_bytes
+
+__all__: list[str] = []  # private module
+
+_MAX_KEYS_SHOWN = 4
+
+
+def _is_node(obj: Any) -> bool:
+    return isinstance(obj, torch.autograd.graph.Node)
+
+
+def _where(code: types.CodeType, line: int | None = None) -> str:
+    return f"{os.path.basename(code.co_filename)}:{line if line is not None else code.co_firstlineno}"
+
+
+def _describe(obj: Any) -> str:
+    """One line naming ``obj`` without calling its ``repr`` (which may be huge or run user code)."""
+    try:
+        if isinstance(obj, torch.Tensor):
+            with torch._C.DisableTorchFunctionSubclass():
+                _, nbytes = _unique_storage_bytes([obj])
+                dtype = str(obj.dtype).replace("torch.", "")
+                text = f"{type(obj).__name__} {dtype}{list(obj.shape)} on {obj.device}, {nbytes} bytes"
+                if obj.grad_fn is not None:
+                    text += f", grad_fn={obj.grad_fn.name()}"
+            return text
+        if _is_node(obj):
+            _, nbytes = _unique_storage_bytes(_node_saved_tensors(obj))
+            return f"autograd node {obj.name()} (saved for backward: {nbytes} bytes)"
+        if isinstance(obj, types.FunctionType):
+            return f"function {obj.__qualname__} ({_where(obj.__code__)})"
+        if isinstance(obj, types.MethodType):
+            return f"bound method {getattr(obj.__func__, '__qualname__', '?')}"
+        if isinstance(obj, types.CellType):
+            return "cell"
+        if isinstance(obj, types.FrameType):
+            return f"frame of {obj.f_code.co_name} ({_where(obj.f_code, obj.f_lineno)})"
+        if isinstance(obj, functools.partial):
+            return f"functools.partial of {getattr(obj.func, '__qualname__', type(obj.func).__name__)}"
+        if isinstance(obj, dict):
+            keys = [repr(k) if isinstance(k, (str, int)) else type(k).__name__ for k in list(obj)[:_MAX_KEYS_SHOWN]]
+            more = ", ..." if len(obj) > _MAX_KEYS_SHOWN else ""
+            return f"{type(obj).__name__} with {len(obj)} key(s) [{', '.join(keys)}{more}]"
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            return f"{type(obj).__name__} (len {len(obj)})"
+        if isinstance(obj, types.ModuleType):
+            return f"module {obj.__name__}"
+    except Exception:  # describing must never fail the check
+        pass
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__} object"
+
+
+_ATTRS = (
+    "__dict__", "__self__", "__func__", "__closure__", "__defaults__", "__kwdefaults__", "__globals__",
+    "cell_contents", "func", "args", "keywords", "_backward_hooks", "grad_fn", "f_locals", "metadata",
+)  # fmt: skip
+
+
+def _edge_label(src: Any, dst: Any) -> str:
+    """How ``src`` refers to ``dst``: ``"['key']"``, ``"[3]"``, ``".cell_contents"``, or ``""``."""
+    try:
+        if isinstance(src, dict):
+            for k, v in src.items():
+                if v is dst:
+                    return f"[{k!r}]" if isinstance(k, (str, int)) else f"[<{type(k).__name__} key>]"
+                if k is dst:
+                    return "(a key)"
+        if isinstance(src, (list, tuple)):
+            for i, v in enumerate(src):
+                if v is dst:
+                    return f"[{i}]"
+        if isinstance(src, (set, frozenset)):
+            return "(a member)"
+        if _is_node(src) and isinstance(dst, dict):
+            return "(its hook dict)"  # the only Python objects a C++ node lets gc traverse
+        if isinstance(src, types.FrameType):
+            for k, v in src.f_locals.items():
+                if v is dst:
+                    return f".f_locals[{k!r}]"
+        for attr in _ATTRS:
+            try:
+                value = object.__getattribute__(src, attr)
+            except Exception:
+                continue
+            if value is dst:
+                return f".{attr}"
+    except Exception:
+        pass
+    return ""
+
+
+def _referrer_index(garbage: Sequence[Any]) -> dict[int, list[Any]]:
+    """``{id(obj): [objects of the garbage that refer to obj]}`` over the garbage only."""
+    index: dict[int, list[Any]] = {id(o): [] for o in garbage}
+    for src in garbage:
+        for dst in gc.get_referents(src):
+            bucket = index.get(id(dst))
+            if bucket is not None:
+                bucket.append(src)
+    return index
+
+
+def _find_chain(obj: Any, index: dict[int, list[Any]], max_depth: int) -> tuple[list[Any], int | None]:
+    """Shortest back-reference path from ``obj`` until a reference cycle closes.
+
+    Returns:
+        ``(chain, back_to)``: ``chain[0]`` is ``obj`` and ``chain[i + 1]`` refers to ``chain[i]``;
+        ``back_to`` is the position in ``chain`` that ``chain[-1]`` is referred to by (the cycle
+        closes there), or ``None`` when no cycle was found within ``max_depth`` steps.
+    """
+    parent: dict[int, Any] = {id(obj): None}
+    depth = {id(obj): 0}
+    queue = deque([obj])
+    last = obj
+    while queue:
+        cur = queue.popleft()
+        last = cur
+        if depth[id(cur)] >= max_depth:
+            continue
+        for ref in index.get(id(cur), ()):
+            if id(ref) in parent:
+                path = _path(cur, parent)
+                for pos, item in enumerate(path):
+                    if item is ref:  # ``ref`` is on the path: the cycle closes at it
+                        return path, pos
+                continue
+            parent[id(ref)] = cur
+            depth[id(ref)] = depth[id(cur)] + 1
+            queue.append(ref)
+    return _path(last, parent), None
+
+
+def _path(end: Any, parent: dict[int, Any]) -> list[Any]:
+    path = [end]
+    while parent[id(path[-1])] is not None:
+        path.append(parent[id(path[-1])])
+    path.reverse()  # from the leaked object outwards
+    return path
+
+
+def _format_chain(chain: list[Any], back_to: int | None) -> str:
+    """The chain as text: ``[0]`` the leaked object, then one ``<- [i] referrer via edge`` line per step.
+
+    ``via`` says how the referrer holds the object on the line above (``['key']``, ``[index]``,
+    ``.attribute``); the last line says where the reference cycle closes.
+    """
+    lines = [f"[0] {_describe(chain[0])}"]
+    for i in range(1, len(chain)):
+        label = _edge_label(chain[i], chain[i - 1])
+        lines.append(f"  <- [{i}] {_describe(chain[i])}" + (f" via {label}" if label else ""))
+    last = len(chain) - 1
+    if back_to is not None:
+        label = _edge_label(chain[back_to], chain[-1])
+        lines.append(
+            f"  (reference cycle: [{last}] is held by [{back_to}]" + (f" via {label})" if label else ")")
+        )
+    else:
+        lines.append("  (no cycle found within max_depth references; raise max_depth to see more)")
+    return "\n".join(lines)
+
+
+def _write_graph(chain: list[Any], path: str) -> str | None:
+    """Write the chain as a GraphViz file with objgraph; render a PNG next to it if ``dot`` exists.
+
+    Returns:
+        the PNG path, or ``None`` when graphviz's ``dot`` is missing or failed.
+    """
+    import objgraph  # a declared dependency; imported lazily (only when something leaked)
+
+    # objgraph wants the chain from the referrer end; backrefs=False draws forward references with
+    # gc.get_referents only, restricted to the chain's objects (no heap scan).
+    with open(path, "w", encoding="utf-8") as out:
+        objgraph.show_chain(list(reversed(chain)), backrefs=False, output=out, extra_info=_describe)
+    dot = shutil.which("dot")
+    if dot is None:
+        return None
+    png = os.path.splitext(path)[0] + ".png"
+    try:
+        done = subprocess.run([dot, "-Tpng", "-o", png, path], capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return png if done.returncode == 0 and os.path.exists(png) else None

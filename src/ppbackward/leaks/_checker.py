@@ -1,0 +1,211 @@
+"""The tensor-leak checker: :func:`check_tensor_leaks`.
+
+Public name (re-exported by ``ppbackward.leaks``): ``check_tensor_leaks``.
+
+Anchor: torch's test helper ``check_leaked_tensors`` (``torch/testing/_internal/common_utils.py``,
+first shipped in torch 2.6 with the fixes for pytorch/pytorch#136507 and #136584). This checker keeps
+its idea (collect, ``gc.DEBUG_SAVEALL``, run, collect, inspect ``gc.garbage``) and fixes its faults:
+it clears what it caught, counts autograd nodes as well as tensors, restores the gc state it found,
+raises instead of warning, and writes graph files into a temporary folder, never the working directory.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import types
+from typing import Any, Callable
+
+import torch
+
+from ppbackward.leaks._chains import _find_chain, _format_chain, _referrer_index, _write_graph
+from ppbackward.leaks._report import LeakReport, TensorLeakError
+from ppbackward.leaks._storage import _node_saved_tensors, _unique_storage_bytes
+
+__all__ = ["check_tensor_leaks"]
+
+# Note [checker clears gc.garbage]
+# With gc.DEBUG_SAVEALL every object the collector finds unreachable is appended to gc.garbage
+# instead of being freed, which keeps it (and every tensor storage it pins) alive for the rest of the
+# process. torch's helper never removes them, so a later, clean block reports the old leak again and
+# the memory is never returned. Here the objects appended during the block (gc.garbage[start:]) are
+# moved out on exit, the debug flags restored, the analysis run on that private list, the list
+# emptied, and one more collection frees the cycles. The report keeps only numbers and strings.
+# Entries that were in gc.garbage before the block are left alone. (Nested checkers: the inner one
+# reports its own block; an outer DEBUG_SAVEALL re-captures the inner garbage when it is freed, so the
+# outer block reports it too.)
+
+# Note [checker restores gc state]
+# The previous debug flags and enabled/disabled state are restored in a ``finally`` on every exit
+# path, including a body that raised and a failure inside the analysis itself.
+
+
+class _TensorLeakCheck:
+    """Context manager behind :func:`check_tensor_leaks` (see there)."""
+
+    def __init__(
+        self,
+        strict: bool,
+        warmup: Callable[[], object] | None,
+        max_chains: int,
+        max_depth: int,
+        output_dir: str | os.PathLike[str] | None,
+    ) -> None:
+        if max_chains < 0:
+            raise ValueError(f"check_tensor_leaks: max_chains must be >= 0, got {max_chains}")
+        if max_depth < 1:
+            raise ValueError(f"check_tensor_leaks: max_depth must be >= 1, got {max_depth}")
+        if warmup is not None and not callable(warmup):
+            raise TypeError(f"check_tensor_leaks: warmup must be a callable or None, got {type(warmup).__name__}")
+        self.report = LeakReport()
+        self._strict = strict
+        self._warmup = warmup
+        self._max_chains = max_chains
+        self._max_depth = max_depth
+        self._output_dir = None if output_dir is None else os.fspath(output_dir)
+        self._armed = False
+        self._start = 0
+        self._prev_debug = 0
+        self._prev_enabled = True
+
+    def __enter__(self) -> LeakReport:
+        if self._armed:
+            raise RuntimeError("check_tensor_leaks: this checker is already active; create a new one per block")
+        if self._warmup is not None:
+            self._warmup()  # before arming: one-time lazy imports and caches are not leaks
+        self._prev_debug = gc.get_debug()
+        self._prev_enabled = gc.isenabled()
+        gc.collect()
+        self._start = len(gc.garbage)
+        gc.set_debug(self._prev_debug | gc.DEBUG_SAVEALL)
+        self._armed = True
+        return self.report
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        self._armed = False
+        caught: list[Any] = []
+        try:
+            gc.collect()
+            # Note [checker clears gc.garbage]: take what the block added, and only that.
+            start = self._start if len(gc.garbage) >= self._start else 0
+            caught = gc.garbage[start:]
+            del gc.garbage[start:]
+        finally:
+            # Note [checker restores gc state]
+            gc.set_debug(self._prev_debug)
+            if self._prev_enabled:
+                gc.enable()
+            else:
+                gc.disable()
+        caught_any = bool(caught)
+        try:
+            self._fill(caught)
+        finally:
+            caught.clear()
+            del caught
+            if caught_any:
+                gc.collect()  # frees the cycles we took out of gc.garbage
+        self.report.done = True
+        self.report.body_raised = exc_type is not None
+        if self.report.ok:
+            return None
+        if exc is not None:
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(self.report.format())
+            return None  # never mask the body's own exception
+        if self._strict:
+            raise TensorLeakError(self.report)
+        return None
+
+    def _fill(self, caught: list[Any]) -> None:
+        """Count and describe ``caught`` into ``self.report``; keeps no reference to any of it."""
+        report = self.report
+        tensors = [o for o in caught if isinstance(o, torch.Tensor)]
+        nodes = [o for o in caught if isinstance(o, torch.autograd.graph.Node)]
+        report.num_garbage = len(caught)
+        types_count: dict[str, int] = {}
+        for o in caught:
+            name = type(o).__name__
+            types_count[name] = types_count.get(name, 0) + 1
+        report.garbage_types = types_count
+        report.num_tensors = len(tensors)
+        report.num_nodes = len(nodes)
+        saved_by_nodes = [t for n in nodes for t in _node_saved_tensors(n)]
+        report.num_storages, report.tensor_bytes = _unique_storage_bytes(tensors + saved_by_nodes)
+        del saved_by_nodes
+        leaked = (tensors + nodes)[: self._max_chains]
+        if not leaked:
+            return
+        index = _referrer_index(caught)
+        folder = self._output_dir or tempfile.mkdtemp(prefix="ppbackward-leaks-")
+        os.makedirs(folder, exist_ok=True)
+        report.output_dir = folder
+        for i, obj in enumerate(leaked, 1):
+            chain, back_to = _find_chain(obj, index, self._max_depth)
+            report.chains.append(_format_chain(chain, back_to))
+            dot_path = os.path.join(folder, f"leak-{i}.dot")
+            png = _write_graph(chain, dot_path)
+            report.dot_paths.append(dot_path)
+            if png is not None:
+                report.png_paths.append(png)
+            del chain
+        index.clear()
+
+
+def check_tensor_leaks(
+    strict: bool = True,
+    warmup: Callable[[], object] | None = None,
+    max_chains: int = 3,
+    *,
+    max_depth: int = 20,
+    output_dir: str | os.PathLike[str] | None = None,
+) -> _TensorLeakCheck:
+    """Check that a block leaves no tensor and no autograd node in a reference cycle.
+
+    On entry: runs ``warmup`` (if any), collects, then sets ``gc.DEBUG_SAVEALL`` so the collector
+    keeps what it finds. On exit: collects and reports every ``torch.Tensor`` and every
+    ``torch.autograd.graph.Node`` in the garbage the block produced, with the bytes of the unique
+    storages they pin and a back-reference chain (plus a ``.dot`` file, and a PNG when graphviz's
+    ``dot`` exists) for the first ``max_chains`` of them. It then removes what it caught from
+    ``gc.garbage``, frees it, and restores the previous gc debug flags and enabled state -- always,
+    even when the body raised. A clean block after a leaky one therefore reports 0.
+
+    Mirrors torch's test helper ``check_leaked_tensors`` and fixes its faults: that helper never
+    clears ``gc.garbage``, counts only Python tensors (a cycle through autograd nodes that pins saved
+    activations reports 0, see pytorch/pytorch#136584 and #136678), only warns, and writes pictures
+    into the working directory. Retention by *live* references is not a cycle and is not reported
+    here; use :func:`track_activations` for that.
+
+    Args:
+        strict: raise :class:`TensorLeakError` on exit when a tensor or a node leaked. With
+            ``False`` the filled report is only returned. Never raised over an exception of the body
+            (the report is then attached to that exception as a note on Python >= 3.11).
+        warmup: optional callable run once before arming, so one-time lazy imports, caches and
+            first-call initialisation are not reported.
+        max_chains: how many leaked objects (tensors first, then nodes) get a chain and a graph file.
+        max_depth: longest back-reference chain searched, in references.
+        output_dir: folder for the graph files; default: a fresh ``tempfile.mkdtemp()`` folder,
+            created only when something leaked. Never the working directory.
+
+    Returns:
+        A context manager whose ``__enter__`` returns the :class:`LeakReport`, filled on exit.
+
+    Raises:
+        TensorLeakError: on exit, when ``strict`` and anything leaked (``error.report`` has the report).
+        ValueError: for ``max_chains < 0`` or ``max_depth < 1``.
+        TypeError: when ``warmup`` is neither ``None`` nor callable.
+
+    Example::
+
+        with check_tensor_leaks() as report:
+            loss = model(x).sum()
+            loss.backward()
+        assert report.ok and report.num_tensors == 0
+    """
+    return _TensorLeakCheck(strict, warmup, max_chains, max_depth, output_dir)

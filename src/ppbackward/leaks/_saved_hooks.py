@@ -1,0 +1,85 @@
+"""The tracker's saved-tensor hooks: detaching pack/unpack, and composing with the user's own hooks.
+
+Private module.
+
+Note [tracker pack hook detaches]
+A pack hook that returns its input unchanged makes a reference cycle for every saved *output*
+(output -> grad_fn -> saved variable -> packed object = the output) that lives in C++ and that gc
+cannot break: torch's ``saved_tensors_hooks`` docstring warns about exactly this. So the tracker's own
+pack hook returns ``(t.detach(), t._version)``: the same storage, kept exactly as long as autograd
+would keep it, without the grad_fn. Any pack hook also turns off autograd's check that a saved
+tensor was not modified in place before backward; the unpack hook redoes that check with the
+version counter (``detach`` shares it), so the tracker does not hide in-place errors.
+
+Note [tracker composes with saved-tensor hooks]
+Only the innermost ``saved_tensors_hooks`` pair is applied by autograd, so a naive tracker would
+either hide the user's hooks (activation checkpointing, offloading) or be hidden by them. Instead:
+hooks active when the tracker is entered are wrapped (record, then call the user's pack; unpack is
+the user's); hooks entered *inside* the block are seen per op by :class:`_OpMode` (a
+``TorchFunctionMode``), which wraps them the same way for the duration of that op. The tracker
+records the tensor autograd asked to save, before the user's pack hook transforms it. It refuses
+(``RuntimeError``) to start where saved-tensor hooks are disabled
+(``torch.autograd.graph.disable_saved_tensors_hooks``). Not seen: a custom ``autograd.Function``
+run under hooks entered inside the block (``Function.apply`` does not go through torch-function modes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from ppbackward.leaks._lifetime import ActivationTracker
+
+__all__: list[str] = []  # private module
+
+#: Current autograd sequence number of this thread (the next node gets it); None on a torch without it.
+_peek_sequence_nr: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
+#: The innermost (pack, unpack) pair in force, or None.
+_top_hooks: Callable[[bool], Any] | None = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be pushed here (not under ``disable_saved_tensors_hooks``)."""
+    check = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return True if check is None else bool(check())
+
+
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The tracker's unpack hook: autograd's in-place check, then the saved alias.
+
+    Note [tracker pack hook detaches]
+    """
+    data, version = packed
+    if data._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{data.dtype} {list(data.shape)}] is at version {data._version}; expected "
+            f"version {version} instead. (Checked by ppbackward.leaks.track_activations, whose "
+            "saved-tensor hooks replace autograd's own check while it is active.)"
+        )
+    return data
+
+
+class _OpMode(TorchFunctionMode):
+    """Sees every torch call in the block: names the nodes it creates, decides the leaves it saved, and
+    wraps saved-tensor hooks the user entered inside the block (Note [tracker composes with
+    saved-tensor hooks])."""
+
+    def __init__(self, tracker: ActivationTracker) -> None:
+        super().__init__()
+        self._tracker = tracker
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        tracker = self._tracker
+        frame: list[Any] = []  # (record, storages) of leaves saved by this op, decided after it
+        tracker._frames.append(frame)
+        try:
+            with tracker._inner_hooks_composed():
+                out = func(*args, **(kwargs or {}))
+        finally:
+            tracker._frames.pop()
+        tracker._after_op(out, frame, args, kwargs)
+        return out

@@ -1,0 +1,98 @@
+"""pytest plugin: fail a test that leaks tensors or autograd nodes into reference cycles.
+
+Registered through the ``pytest11`` entry point ``ppbackward`` (see ``pyproject.toml``), so it is
+active wherever ppbackward is installed. Public names: the marker ``no_tensor_leaks`` and the fixture
+``tensor_leak_check``; see ``docs/leak-hunting.md``. Everything else here is private. torch and
+``ppbackward.leaks`` are imported only when a test asks for the check, so the plugin costs nothing
+to test suites that do not use it.
+
+Both wrap only the test *call* (not fixture setup or teardown) in
+:func:`ppbackward.leaks.check_tensor_leaks` with ``strict=False``, then fail the test with the
+report when a tensor or an autograd node leaked. A test that already failed keeps its own failure.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generator
+
+import pytest
+
+__all__: list[str] = []  # the public surface is the marker and the fixture
+
+_MARKER = "no_tensor_leaks"
+_CHECKER = pytest.StashKey[Any]()
+_ALLOWED = ("warmup", "max_chains", "max_depth", "output_dir")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the marker, so ``--strict-markers`` accepts it."""
+    config.addinivalue_line(
+        "markers",
+        f"{_MARKER}(warmup=None, max_chains=3, max_depth=20, output_dir=None): fail the test when its "
+        "call leaves tensors or autograd nodes in reference cycles (ppbackward.leaks.check_tensor_leaks)",
+    )
+
+
+def _checker_for(item: pytest.Item) -> Any:
+    """The (not yet entered) checker of ``item``, created on first request; ``None`` if unwanted."""
+    checker = item.stash.get(_CHECKER, None)
+    if checker is not None:
+        return checker
+    marker = item.get_closest_marker(_MARKER)
+    if marker is None and "tensor_leak_check" not in getattr(item, "fixturenames", ()):
+        return None
+    kwargs = dict(marker.kwargs) if marker is not None else {}
+    if marker is not None and marker.args:
+        pytest.fail(f"@pytest.mark.{_MARKER} takes keyword arguments only ({', '.join(_ALLOWED)})", pytrace=False)
+    unknown = sorted(set(kwargs) - set(_ALLOWED))
+    if unknown:
+        pytest.fail(
+            f"@pytest.mark.{_MARKER}: unknown argument(s) {', '.join(unknown)}; allowed: {', '.join(_ALLOWED)}",
+            pytrace=False,
+        )
+    from ppbackward.leaks import check_tensor_leaks
+
+    checker = check_tensor_leaks(strict=False, **kwargs)
+    item.stash[_CHECKER] = checker
+    return checker
+
+
+@pytest.fixture
+def tensor_leak_check(request: pytest.FixtureRequest) -> Any:
+    """Check the test's call for leaked tensors and autograd nodes, like ``@pytest.mark.no_tensor_leaks``.
+
+    Returns:
+        The :class:`ppbackward.leaks.LeakReport` of the test call; it is filled after the call
+        returns (so a test body sees it empty). Arguments come from a ``no_tensor_leaks`` marker
+        when the test also has one.
+    """
+    return _checker_for(request.node).report
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
+    """Run the test call inside the checker, and turn a leak into a test failure."""
+    checker = _checker_for(item)
+    if checker is None:
+        yield
+        return
+    report = checker.__enter__()
+    outcome = None
+    try:
+        outcome = yield
+    finally:
+        excinfo = outcome.excinfo if outcome is not None else None
+        exc = excinfo[1] if excinfo is not None and isinstance(excinfo[1], Exception) else None
+        checker.__exit__(type(exc) if exc is not None else None, exc, None)
+    if outcome is None or outcome.excinfo is not None or report.ok:
+        return
+    failure = pytest.fail.Exception(
+        f"{item.nodeid} leaked into reference cycles (checked by ppbackward's "
+        f"{_MARKER} / tensor_leak_check):\n{report.format()}",
+        pytrace=False,
+    )
+    force = getattr(outcome, "force_exception", None)
+    if force is not None:  # pluggy >= 1.1
+        force(failure)
+    else:  # pragma: no cover - older pluggy lets a wrapper raise
+        raise failure

@@ -1,0 +1,200 @@
+"""``check_tensor_leaks``: what it counts, what it always restores, and what it never keeps alive.
+
+Single-process, CPU, tiny tensors; the negative controls of the issue live in test_leaks_controls.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import sys
+import weakref
+
+import pytest
+import torch
+
+from ppbackward.leaks import LeakReport, TensorLeakError, check_tensor_leaks
+
+
+def _make_cycle(n: int = 4) -> weakref.ref:
+    """Leave one float32 tensor of ``n`` elements in a dict that refers to itself."""
+    t = torch.ones(n)
+    box: dict = {"t": t}
+    box["self"] = box
+    return weakref.ref(t.untyped_storage())
+
+
+def _clean_work() -> None:
+    (torch.ones(4, requires_grad=True) * 2).sum().backward()
+
+
+def test_clean_block_reports_exactly_zero_and_touches_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    garbage_before = list(gc.garbage)
+    with check_tensor_leaks() as report:
+        _clean_work()
+    assert isinstance(report, LeakReport)
+    assert report.done and report.ok and not report.body_raised
+    assert (report.num_tensors, report.num_nodes, report.tensor_bytes, report.num_storages) == (0, 0, 0, 0)
+    assert report.num_garbage == 0 and report.garbage_types == {}
+    assert report.chains == [] and report.dot_paths == [] and report.png_paths == []
+    assert report.output_dir is None
+    assert gc.garbage == garbage_before
+    assert os.listdir(tmp_path) == []
+
+
+def test_leak_is_counted_with_chain_and_graph_in_a_temp_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with check_tensor_leaks(strict=False) as report:
+        _make_cycle(10)
+    assert report.done and not report.ok
+    assert (report.num_tensors, report.num_nodes, report.tensor_bytes, report.num_storages) == (1, 0, 40, 1)
+    assert report.num_garbage == 2 and report.garbage_types == {"Tensor": 1, "dict": 1}
+    assert len(report.chains) == 1
+    assert report.chains[0].splitlines() == [
+        "[0] Tensor float32[10] on cpu, 40 bytes",
+        "  <- [1] dict with 2 key(s) ['t', 'self'] via ['t']",
+        "  (reference cycle: [1] is held by [1] via ['self'])",
+    ]
+    assert len(report.dot_paths) == 1 and report.dot_paths[0].endswith("leak-1.dot")
+    assert os.path.dirname(report.dot_paths[0]) == report.output_dir
+    assert not report.output_dir.startswith(str(tmp_path))
+    assert os.listdir(tmp_path) == []  # never the working directory
+    with open(report.dot_paths[0], encoding="utf-8") as f:
+        assert f.read().startswith("digraph ObjectGraph")
+    assert report.png_paths == ([] if shutil.which("dot") is None else [report.dot_paths[0][:-4] + ".png"])
+    text = report.format()
+    assert "1 tensor(s) and 0 autograd node(s)" in text and "40 bytes in 1 unique storage(s)" in text
+    json.dumps(report.to_dict())
+    assert report.to_dict()["ok"] is False
+    shutil.rmtree(report.output_dir)
+
+
+def test_strict_raises_with_the_report():
+    with pytest.raises(TensorLeakError) as info:
+        with check_tensor_leaks():
+            _make_cycle()
+    report = info.value.report
+    assert (report.num_tensors, report.tensor_bytes) == (1, 16)
+    assert str(info.value) == report.format()
+    shutil.rmtree(report.output_dir)
+
+
+def test_checker_frees_what_it_caught_and_a_clean_block_after_reports_zero():
+    with check_tensor_leaks(strict=False, max_chains=0) as first:
+        storage = _make_cycle()
+    assert first.num_tensors == 1 and first.output_dir is None  # max_chains=0: no files
+    assert storage() is None  # freed on exit: not kept in gc.garbage (torch's helper keeps it)
+    with check_tensor_leaks() as second:
+        _clean_work()
+    assert second.ok and second.num_garbage == 0
+
+
+@pytest.mark.parametrize(("debug", "enabled"), [(0, True), (gc.DEBUG_UNCOLLECTABLE, False)])
+def test_gc_state_is_restored_even_when_the_body_raises(debug, enabled):
+    old_debug, old_enabled = gc.get_debug(), gc.isenabled()
+    gc.set_debug(debug)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with pytest.raises(KeyError):
+            with check_tensor_leaks():
+                gc.disable() if enabled else gc.enable()  # the body may flip it; it is put back
+                raise KeyError("boom")
+        assert gc.get_debug() == debug and gc.isenabled() is enabled
+        with check_tensor_leaks(strict=False, max_chains=0):
+            _make_cycle()
+        assert gc.get_debug() == debug and gc.isenabled() is enabled
+    finally:
+        gc.set_debug(old_debug)
+        (gc.enable if old_enabled else gc.disable)()
+
+
+def test_body_exception_wins_over_the_leak_and_carries_the_report():
+    with pytest.raises(ValueError) as info:
+        with check_tensor_leaks(max_chains=0) as report:
+            _make_cycle()
+            raise ValueError("original")
+    assert report.done and report.body_raised and report.num_tensors == 1
+    if sys.version_info >= (3, 11):
+        assert info.value.__notes__ == [report.format()]
+
+
+def test_warmup_runs_before_arming():
+    cache: dict = {}
+
+    def first_call_makes_a_cycle() -> None:
+        if "t" not in cache:  # a one-time lazy initialisation that is cyclic garbage
+            _make_cycle()
+            cache["t"] = True
+
+    with check_tensor_leaks(strict=False, max_chains=0) as without:
+        first_call_makes_a_cycle()
+    cache.clear()
+    with check_tensor_leaks(warmup=first_call_makes_a_cycle) as with_warmup:
+        first_call_makes_a_cycle()
+    assert without.num_tensors == 1 and with_warmup.num_tensors == 0
+
+
+def test_garbage_saved_before_the_block_is_left_alone():
+    sentinel = ["saved by someone else"]
+    gc.garbage.append(sentinel)
+    try:
+        with check_tensor_leaks(strict=False, max_chains=0) as report:
+            _make_cycle()
+        assert report.num_garbage == 2 and report.num_tensors == 1
+        assert gc.garbage[-1] is sentinel
+    finally:
+        gc.garbage.remove(sentinel)
+
+
+def test_nested_checkers_each_report_the_inner_leak():
+    with check_tensor_leaks(strict=False, max_chains=0) as outer:
+        with check_tensor_leaks(strict=False, max_chains=0) as inner:
+            _make_cycle()
+    assert inner.num_tensors == 1 and outer.num_tensors == 1
+
+
+def test_views_and_shared_storages_count_once():
+    base = torch.zeros(8)
+
+    def leak_two_views() -> None:
+        a, b = base[:4], base[4:]
+        box: dict = {"a": a, "b": b}
+        box["self"] = box
+
+    with check_tensor_leaks(strict=False, max_chains=0) as report:
+        leak_two_views()
+    assert (report.num_tensors, report.num_storages, report.tensor_bytes) == (2, 1, 32)
+
+
+def test_output_dir_and_max_chains(tmp_path):
+    def two_leaks() -> None:
+        _make_cycle()
+        _make_cycle()
+
+    with check_tensor_leaks(strict=False, max_chains=1, output_dir=tmp_path / "graphs") as report:
+        two_leaks()
+    assert report.num_tensors == 2 and len(report.chains) == 1
+    assert report.output_dir == str(tmp_path / "graphs")
+    assert sorted(os.listdir(tmp_path / "graphs")) == sorted(os.path.basename(p) for p in report.dot_paths + report.png_paths)
+
+
+def test_bad_arguments_and_reuse_are_refused():
+    with pytest.raises(ValueError, match="max_chains must be >= 0"):
+        check_tensor_leaks(max_chains=-1)
+    with pytest.raises(ValueError, match="max_depth must be >= 1"):
+        check_tensor_leaks(max_depth=0)
+    with pytest.raises(TypeError, match="warmup must be a callable"):
+        check_tensor_leaks(warmup=3)  # type: ignore[arg-type]
+    checker = check_tensor_leaks()
+    with checker:
+        with pytest.raises(RuntimeError, match="already active"):
+            checker.__enter__()
+
+
+def test_report_before_exit_says_so():
+    with check_tensor_leaks() as report:
+        assert not report.done
+        assert "has not exited yet" in report.format()

@@ -1,0 +1,88 @@
+"""The pytest plugin, from the outside: pytester runs small test files in a fresh pytest session that
+loads ``ppbackward.pytest_plugin`` through its ``pytest11`` entry point (nothing is passed with -p).
+
+In-process runs for speed; one subprocess run proves the entry point from a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+_TESTS = """
+import pytest
+import torch
+
+def _leak():
+    t = torch.ones(4)  # 16 bytes
+    box = {"t": t}
+    box["self"] = box
+
+@pytest.mark.no_tensor_leaks
+def test_marked_leaky():
+    _leak()
+
+@pytest.mark.no_tensor_leaks(max_chains=0)
+def test_marked_clean():
+    (torch.ones(3, requires_grad=True) * 2).sum().backward()
+
+def test_fixture_leaky(tensor_leak_check):
+    _leak()
+
+def test_fixture_clean(tensor_leak_check):
+    assert not tensor_leak_check.done  # filled after the call
+
+def test_unchecked_leaky():
+    _leak()
+
+@pytest.mark.no_tensor_leaks
+def test_marked_failing_keeps_its_own_failure():
+    _leak()
+    assert False, "own failure"
+
+@pytest.mark.no_tensor_leaks(strict=True)
+def test_marked_with_a_bad_argument():
+    pass
+"""
+
+
+def _run(pytester: pytest.Pytester, *args: str, subprocess: bool = False) -> pytest.RunResult:
+    pytester.makepyfile(test_sample=_TESTS)
+    runner = pytester.runpytest_subprocess if subprocess else pytester.runpytest
+    return runner("--strict-markers", "-p", "no:cacheprovider", "-q", *args)
+
+
+def test_marker_and_fixture_fail_leaky_tests_with_the_report(pytester):
+    """Leaky tests fail with the report, clean ones pass, unchecked ones are left alone, a test's own
+    failure wins, and a marker argument the checker does not take fails the test with a clear message."""
+    result = _run(pytester)
+    result.assert_outcomes(passed=3, failed=4)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_marked_leaky _*",
+            "test_sample.py::test_marked_leaky leaked into reference cycles (checked by ppbackward's*",
+            "ppbackward.leaks: 1 tensor(s) and 0 autograd node(s) leaked into reference cycles*",
+            "  memory pinned: 16 bytes in 1 unique storage(s)",
+            "  [[]0] Tensor float32[[]4] on cpu, 16 bytes",  # [[] escapes fnmatch
+            "*_ test_fixture_leaky _*",
+            "test_sample.py::test_fixture_leaky leaked into reference cycles (checked by ppbackward's*",
+            "*_ test_marked_failing_keeps_its_own_failure _*",
+            "E       AssertionError: own failure",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "FAILED test_sample.py::test_marked_leaky - Failed: *",
+            "FAILED test_sample.py::test_fixture_leaky - Failed: *",
+            "FAILED test_sample.py::test_marked_failing_keeps_its_own_failure - AssertionE*",
+            "FAILED test_sample.py::test_marked_with_a_bad_argument - *",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*no_tensor_leaks: unknown argument(s) strict; allowed: warmup, max_chains*"])
+
+
+def test_entry_point_loads_in_a_fresh_interpreter(pytester):
+    result = _run(pytester, "-k", "marked_leaky or marked_clean", subprocess=True)
+    result.assert_outcomes(passed=1, failed=1, deselected=5)
+    result.stdout.fnmatch_lines(["*test_marked_leaky leaked into reference cycles*"])

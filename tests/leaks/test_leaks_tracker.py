@@ -1,0 +1,268 @@
+"""``track_activations``: what it records, that it keeps nothing alive, how it classifies lifetimes,
+and how it composes with the user's own saved-tensor hooks.
+
+Single-process, CPU, tiny tensors. Stage and sizes come from leaky_variants.py (64-byte outputs,
+128-byte hidden activations, 512-byte weights).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from leaky_variants import HIDDEN_BYTES, OUT_BYTES, make_input, make_stage
+from ppbackward.leaks import (
+    ActivationReport,
+    ActivationTracker,
+    SavedActivation,
+    check_tensor_leaks,
+    track_activations,
+)
+
+WEIGHT_BYTES = 16 * 8 * 4
+
+
+def _rows(activations: list[SavedActivation]) -> list[tuple]:
+    return [(a.node_name, a.shape, a.nbytes, a.state, a.is_leaf) for a in activations]
+
+
+def _reference_grads(stage: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(stage(x).sum(), [x, *stage.parameters()]))
+
+
+def _grads(stage: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(out.sum(), [x, *stage.parameters()]))
+
+
+def test_clean_step_records_activations_and_all_die_by_refcount():
+    stage, x = make_stage(), make_input()
+    with check_tensor_leaks() as leaks:  # the tracker's own bookkeeping makes no cyclic garbage
+        with track_activations() as tracker:
+            out = stage(x)
+        before = tracker.report(collect=False)
+        out.sum().backward()
+        del out
+        after = tracker.report()
+    assert leaks.ok and leaks.num_garbage == 0
+    assert isinstance(tracker, ActivationTracker) and isinstance(after, ActivationReport)
+    assert _rows(before.saved) == [
+        ("TanhBackward0", (2, 16), HIDDEN_BYTES, "alive", False),  # Tanh saves its result ...
+        ("AddmmBackward0", (2, 16), HIDDEN_BYTES, "alive", False),  # ... which the 2nd Linear saves too
+    ]
+    assert before.bytes_alive == HIDDEN_BYTES  # one storage, counted once
+    assert before.collected is False and len(before.held_after_gc) == 2
+    assert after.collected is True
+    assert [a.state for a in after.saved] == ["freed_by_refcount", "freed_by_refcount"]
+    assert after.alive == [] and after.freed_only_by_gc == [] and after.held_after_gc == []
+    assert (after.bytes_alive, after.bytes_freed_only_by_gc, after.bytes_held_after_gc) == (0, 0, 0)
+
+
+def test_a_saved_output_is_not_kept_alive_by_the_tracker():
+    # An identity pack hook would make output -> grad_fn -> saved output a C++ cycle gc cannot break.
+    a = torch.ones(5, requires_grad=True)
+    with track_activations() as tracker:
+        y = a.exp()  # ExpBackward0 saves its output
+    assert _rows(tracker.report().saved) == [("ExpBackward0", (5,), 20, "alive", False)]
+    del y
+    rep = tracker.report()
+    assert _rows(rep.saved) == [("ExpBackward0", (5,), 20, "freed_by_refcount", False)]
+
+
+@pytest.mark.parametrize(
+    ("include_parameters", "include_leaves", "expected"),
+    [
+        (False, False, [("TanhBackward0", (2, 16)), ("AddmmBackward0", (2, 16))]),
+        (True, False, [("AddmmBackward0", (8, 16)), ("TanhBackward0", (2, 16)), ("AddmmBackward0", (2, 16)), ("AddmmBackward0", (16, 8))]),
+        (False, True, [("AddmmBackward0", (2, 8)), ("TanhBackward0", (2, 16)), ("AddmmBackward0", (2, 16))]),
+    ],
+)  # fmt: skip
+def test_parameters_and_outside_leaves_are_excluded_by_default(include_parameters, include_leaves, expected):
+    stage, x = make_stage(), make_input()  # x: a leaf that requires grad, like a stage input
+    with track_activations(include_parameters=include_parameters, include_leaves=include_leaves) as tracker:
+        out = stage(x)
+    rep = tracker.report(collect=False)
+    assert [(a.node_name, a.shape) for a in rep.saved] == expected
+    params = [a for a in rep.saved if a.shape in ((16, 8), (8, 16))]  # weight.t() views: whole weight
+    assert [a.nbytes for a in params] == [WEIGHT_BYTES] * len(params) and all(a.is_leaf for a in params)
+    del out
+
+
+def test_non_differentiable_outputs_made_in_the_block_are_recorded():
+    h = torch.randn(2, 16, requires_grad=True) * 1  # a non-leaf activation made outside the block
+    outside_mask = torch.ones(2, 16, dtype=torch.bool)
+    with track_activations() as tracker:
+        inside_mask = h > 0  # a leaf made by an op in the block
+        y = torch.where(inside_mask, h, 0.0) + torch.where(outside_mask, h, 0.0).exp()
+        torch.manual_seed(0)
+        z = torch.nn.functional.dropout(y, 0.5, training=True)  # its mask is made inside the op
+    rows = [(a.node_name, a.dtype, a.is_leaf) for a in tracker.report(collect=False).saved]
+    assert rows == [
+        ("WhereBackward0", torch.bool, True),  # inside_mask; outside_mask is not recorded
+        ("ExpBackward0", torch.float32, False),
+        ("MulBackward0", torch.float32, True),  # dropout's mask (dropout = mask * input / (1 - p))
+    ]
+    del z
+
+
+def test_inplace_modification_of_a_saved_tensor_still_raises():
+    a = torch.randn(3, requires_grad=True)
+    with track_activations():
+        h = a * 2
+        y = h.sin()
+    h.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_a_reference_cycle_is_freed_only_by_gc():
+    def leave_cycle() -> None:
+        y = torch.ones(5, requires_grad=True).exp()
+        box: dict = {"y": y}
+        box["self"] = box
+
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()  # no automatic collection between the two reports
+    try:
+        with track_activations() as tracker:
+            leave_cycle()
+        unverified = tracker.report(collect=False)
+        verified = tracker.report()
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert _rows(unverified.held_after_gc) == [("ExpBackward0", (5,), 20, "alive", False)]
+    assert unverified.freed_only_by_gc == [] and unverified.bytes_alive == 20
+    assert _rows(verified.freed_only_by_gc) == [("ExpBackward0", (5,), 20, "freed_by_gc", False)]
+    assert verified.alive == verified.freed_only_by_gc and verified.held_after_gc == []
+    assert (verified.bytes_alive, verified.bytes_freed_only_by_gc, verified.bytes_held_after_gc) == (20, 20, 0)
+
+
+def test_custom_function_nodes_are_named():
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):  # type: ignore[override]
+            ctx.save_for_backward(t)
+            return t * t
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            (t,) = ctx.saved_tensors
+            return 2 * t * g
+
+    a = torch.randn(4, requires_grad=True)
+    with track_activations() as tracker:
+        out = Square.apply(a * 1).sum()
+    assert [a.node_name for a in tracker.report(collect=False).saved] == ["SquareBackward"]
+    del out
+
+
+def _user_hooks(calls: list[int]) -> torch.autograd.graph.saved_tensors_hooks:
+    """An offloading-like user pair: saves a copy, so the original storage can be freed at once."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return t.detach().clone()
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_composes_with_user_saved_tensor_hooks(where):
+    stage, x = make_stage(), make_input()
+    expected = _reference_grads(stage, x)
+    calls: list[int] = []
+    if where == "outside":
+        with _user_hooks(calls), track_activations() as tracker:
+            out = stage(x)
+    else:
+        with track_activations() as tracker, _user_hooks(calls):
+            out = stage(x)
+    assert len(calls) == 5  # the user's pack still sees every saved tensor (x, 2 weights, 2 activations)
+    rep = tracker.report()
+    # the tracker records what autograd asked to save; the user's copy replaced it, so it died at once
+    assert _rows(rep.saved) == [
+        ("TanhBackward0", (2, 16), HIDDEN_BYTES, "freed_by_refcount", False),
+        ("AddmmBackward0", (2, 16), HIDDEN_BYTES, "freed_by_refcount", False),
+    ]
+    for got, want in zip(_grads(stage, x, out), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_composes_with_activation_checkpointing():
+    stage, x = make_stage(), make_input()
+    expected = _reference_grads(stage, x)
+    with track_activations() as tracker:
+        out = checkpoint(stage, x, use_reentrant=False)
+    rep = tracker.report()
+    assert [(a.node_name, a.state) for a in rep.saved] == [
+        ("TanhBackward0", "freed_by_refcount"),  # checkpointing drops them right after the forward
+        ("AddmmBackward0", "freed_by_refcount"),
+    ]
+    for got, want in zip(_grads(stage, x, out), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_nested_trackers_record_each_tensor_once_each():
+    stage, x = make_stage(), make_input()
+    with track_activations() as outer:
+        with torch.autograd.graph.save_on_cpu(), track_activations() as inner:
+            first = stage(x)
+        second = stage(x)
+    assert (outer.num_recorded, inner.num_recorded) == (4, 2)
+    del first, second
+
+
+def test_refuses_where_saved_tensor_hooks_are_disabled_and_nested_reentry():
+    with torch.autograd.graph.disable_saved_tensors_hooks("not here"):
+        with pytest.raises(RuntimeError, match="saved-tensor hooks are disabled here"):
+            with track_activations():
+                pass
+    tracker = track_activations()
+    with tracker:
+        with pytest.raises(RuntimeError, match="already active"):
+            tracker.__enter__()
+
+
+def test_reentry_accumulates_and_clear_forgets():
+    stage, x = make_stage(), make_input()
+    tracker = track_activations()
+    for _ in range(2):  # e.g. two schedule steps
+        with tracker:
+            out = stage(x)
+        out.sum().backward()
+    assert tracker.num_recorded == 4
+    assert [a.index for a in tracker.report().saved] == [0, 1, 2, 3]
+    tracker.clear()
+    assert tracker.num_recorded == 0 and tracker.report().saved == []
+
+
+def test_format_and_to_dict():
+    stage = make_stage()
+    kept = []
+    with track_activations() as tracker:
+        kept.append(torch.tanh(stage[0](make_input())))
+    rep = tracker.report()
+    text = rep.format()
+    assert "1 saved activation(s) recorded" in text
+    assert f"still alive after gc (held by a live reference): 1, {HIDDEN_BYTES} bytes" in text
+    assert f"#0 TanhBackward0 saved float32[2, 16] on cpu, {HIDDEN_BYTES} bytes" in text
+    data = json.loads(json.dumps(rep.to_dict()))
+    assert data["held_after_gc"] == [0] and data["bytes_held_after_gc"] == HIDDEN_BYTES
+    assert data["saved"] == [
+        {
+            "index": 0,
+            "node_name": "TanhBackward0",
+            "shape": [2, 16],
+            "dtype": "torch.float32",
+            "device": "cpu",
+            "nbytes": HIDDEN_BYTES,
+            "state": "alive",
+            "is_leaf": False,
+        }
+    ]
+    assert OUT_BYTES == 64  # sizes used across these tests
