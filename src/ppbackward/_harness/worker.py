@@ -1,0 +1,483 @@
+"""Private: the torchrun worker. Runs many (schedule × model) cases per launch, one JSON verdict per rank.
+
+Run by :mod:`ppbackward._harness.launch`, or by hand::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        -m ppbackward._harness.worker --out /tmp/pp --backward ppbackward
+
+Per rank and per step of every case it records (numbers in ``<out>/rank<r>.json``, see
+:mod:`ppbackward._harness.probes` for the notes it cites):
+
+1. **garbage** — tensors and autograd nodes found by ``check_tensor_leaks`` around ``schedule.step``;
+2. **lifetime** — with the gc disabled, the saved activations still alive after
+   ``clear_runtime_states()`` and after releasing what the stage keeps by design, its receive buffers
+   (Note [kept by design]), then after a gc run;
+3. **caches** — the stage's per-microbatch caches after the step (Note [kept caches]);
+4. **numerics** — each microbatch's loss and every local parameter's grad against a single-process
+   reference of the same stack on the same microbatches (sum-reduced loss, ``scale_grads=False``),
+   within ``|x - ref| <= ATOL + RTOL * |ref|`` elementwise (float32);
+5. **hooks** — ``register_post_accumulate_grad_hook`` calls: once per trainable parameter per microbatch.
+
+``--backward`` selects the stage backward: ``upstream`` (torch's own), ``ppbackward``
+(``ppbackward.install()``), or ``leaky:<module or path.py>`` (a test-only module whose ``install()``
+swaps in a deliberately leaky backward).
+
+Every case runs on its own gloo subgroup with ``--case-timeout``; an exception in a case is recorded and
+the ranks resynchronise on the world group (``--pg-timeout``) before the next case. The verdict file is
+rewritten after every case, so a rank killed mid-run still leaves the cases it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import faulthandler
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ppbackward._harness import models as zoo
+from ppbackward._harness import probes
+from ppbackward._harness import schedules as sched
+
+__all__ = ["ATOL", "RTOL", "main"]
+
+RTOL = 1e-5
+ATOL = 1e-6
+_NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
+SCHEMA = 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward selection
+
+
+def _load_module(spec: str) -> Any:
+    if spec.endswith(".py") or os.sep in spec:
+        path = Path(spec).resolve()
+        mod_spec = importlib.util.spec_from_file_location(f"_ppb_leaky_{path.stem}", path)
+        if mod_spec is None or mod_spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        mod = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_spec.name] = mod
+        mod_spec.loader.exec_module(mod)
+        return mod
+    return importlib.import_module(spec)
+
+
+def select_backward(mode: str) -> dict[str, str]:
+    """Install the stage backward ``mode`` names; return what ``pipelining.stage`` now calls."""
+    stage_mod = importlib.import_module("torch.distributed.pipelining.stage")
+    if mode == "upstream":
+        with contextlib.suppress(ImportError):
+            import ppbackward
+
+            ppbackward.uninstall()
+    elif mode == "ppbackward":
+        import ppbackward
+
+        ppbackward.install()
+        for name in _NAMES:
+            if getattr(stage_mod, name) is not getattr(ppbackward, name):
+                raise RuntimeError(f"ppbackward.install() did not replace pipelining.stage.{name}")
+    elif mode.startswith("leaky:"):
+        _load_module(mode[len("leaky:") :]).install()
+    else:
+        raise ValueError(f"unknown --backward {mode!r}: expected upstream, ppbackward or leaky:<module>")
+    found = {name: getattr(stage_mod, name) for name in _NAMES}
+    return {name: f"{fn.__module__}.{fn.__qualname__}" for name, fn in found.items()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# one step, measured
+
+
+def _compare(
+    named: list[tuple[str, torch.nn.Parameter]],
+    ref: zoo.ReferenceResult,
+    losses: list[float] | None,
+) -> tuple[dict[str, Any], list[str]]:
+    failures: list[str] = []
+    max_abs = 0.0
+    worst = ""
+    compared = 0
+    for name, p in named:
+        want, got = ref.grads[name], p.grad
+        if want is None and got is None:
+            continue
+        compared += 1
+        if want is None or got is None:
+            failures.append(
+                f"numerics: {name}.grad is {'None' if got is None else 'set'} in the pipeline but "
+                f"{'None' if want is None else 'set'} in the reference"
+            )
+            continue
+        if got.shape != want.shape:
+            failures.append(f"numerics: {name}.grad shape {list(got.shape)} != reference {list(want.shape)}")
+            continue
+        diff = (got.detach() - want).abs()
+        err = float(diff.max()) if diff.numel() else 0.0
+        if err > max_abs:
+            max_abs, worst = err, name
+        bad = int((diff > ATOL + RTOL * want.abs()).sum())
+        if bad:
+            failures.append(
+                f"numerics: {name}.grad: {bad} of {diff.numel()} elements outside tolerance "
+                f"(max |grad - ref| = {err:.3e})"
+            )
+    loss_err = 0.0
+    if losses is not None:
+        if len(losses) != len(ref.losses):
+            failures.append(f"numerics: {len(losses)} losses, reference has {len(ref.losses)}")
+        for mb, (got_l, want_t) in enumerate(zip(losses, ref.losses)):
+            want_l = float(want_t)
+            err = abs(got_l - want_l)
+            loss_err = max(loss_err, err)
+            if err > ATOL + RTOL * abs(want_l):
+                failures.append(f"numerics: loss of microbatch {mb} = {got_l!r}, reference {want_l!r}")
+    return {
+        "params_compared": compared,
+        "max_abs_grad_err": max_abs,
+        "worst_param": worst,
+        "losses_compared": 0 if losses is None else len(losses),
+        "max_abs_loss_err": loss_err,
+    }, failures
+
+
+def run_step(
+    schedule: Any,
+    pp_stages: list[Any],
+    named: list[tuple[str, torch.nn.Parameter]],
+    hooks: probes.HookCounter,
+    batch_box: list[zoo.Batch],
+    ref: zoo.ReferenceResult,
+    n_microbatches: int,
+) -> dict[str, Any]:
+    """Run one ``schedule.step`` under every probe; return the step's record (see module docstring).
+
+    ``batch_box`` holds the only reference to the step's batch; it is emptied so that the batch is freed
+    before the lifetime check (stage 0 saves its inputs, which the caller must not keep alive).
+    """
+    batch = batch_box.pop()
+    has_first = any(s.is_first for s in pp_stages)
+    has_last = any(s.is_last for s in pp_stages)
+    for _, p in named:
+        p.grad = None
+    hooks.reset()
+    step_args = batch.args if has_first else ()
+    step_kwargs: dict[str, Any] = dict(batch.kwargs)
+    if has_last:
+        step_kwargs["target"] = batch.target
+    del batch
+    failures: list[str] = []
+    activations = probes.ActivationProbe()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # lifetime is judged by reference counting alone (gc runs only where stated)
+    try:
+        with probes.garbage_probe() as garbage:
+            losses: list[torch.Tensor] | None = [] if has_last else None
+            with activations.record():
+                t0 = time.perf_counter()
+                out = schedule.step(*step_args, losses=losses, **step_kwargs)
+                seconds = time.perf_counter() - t0
+            del out, step_args, step_kwargs
+            caches: dict[str, Any] = {}
+            found, bad = probes.schedule_caches(schedule)
+            caches["schedule"] = found
+            failures += [f"caches: {b}" for b in bad]
+            for stage in pp_stages:
+                found, bad = probes.stage_caches(stage, n_microbatches)
+                caches[f"stage {stage.stage_index}"] = found
+                failures += [f"caches: {b}" for b in bad]
+            loss_values = None if losses is None else [float(x.detach()) for x in losses]
+            del losses
+            for stage in pp_stages:
+                stage.clear_runtime_states()
+            activations.after_clear()
+            activations.release_recv_buffers(pp_stages)
+        activations.after_gc()  # check_tensor_leaks has collected; this collects once more
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    if not garbage.ok:
+        failures.append(
+            f"garbage: {garbage.tensors} tensors and {garbage.nodes} autograd nodes in reference cycles after "
+            f"the step ({garbage.tensor_bytes} B pinned)"
+        )
+    lifetime = activations.to_dict()
+    if lifetime["freed_only_by_gc"]:
+        failures.append(
+            f"lifetime: {lifetime['freed_only_by_gc']} saved activations ({lifetime['bytes_freed_only_by_gc']} B) "
+            "outlived the step and were freed only by a gc run (a reference cycle held them)"
+        )
+    if lifetime["held_after_gc"]:
+        failures.append(
+            f"lifetime: {lifetime['held_after_gc']} saved activations ({lifetime['bytes_held_after_gc']} B) still "
+            "alive after clear_runtime_states(), releasing the receive buffers and a gc run (a live reference "
+            "holds them)"
+        )
+    numerics, bad = _compare(named, ref, loss_values)
+    failures += bad
+    expected_calls = {name: n_microbatches for name in hooks.calls}
+    wrong = {n: c for n, c in hooks.calls.items() if c != expected_calls[n]}
+    hook_record = {
+        "fired": sum(hooks.calls.values()),
+        "expected": sum(expected_calls.values()),
+        "params_wrong": len(wrong),
+    }
+    if wrong:
+        name, calls = next(iter(wrong.items()))
+        failures.append(
+            f"hooks: post-accumulate-grad hooks fired {hook_record['fired']} times, expected "
+            f"{hook_record['expected']} ({len(wrong)} parameters off, e.g. {name}: {calls} != {n_microbatches})"
+        )
+    return {
+        "seconds": seconds,
+        "garbage": garbage.to_dict(),
+        "lifetime": lifetime,
+        "caches": caches,
+        "numerics": numerics,
+        "hooks": hook_record,
+        "failures": failures,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# one case
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _describe(e: BaseException) -> str:
+    """``Type: first line`` of ``e`` and of its root cause (torch wraps errors in multi-line messages)."""
+    root, seen = e, {id(e)}
+    while True:
+        nxt = root.__cause__ or root.__context__
+        if nxt is None or id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        root = nxt
+    if root is e:
+        return _first_line(e)
+    return f"{_first_line(e)} (caused by {_first_line(root)})"
+
+
+def run_case(
+    case: sched.ScheduleCase,
+    spec: zoo.ModelSpec,
+    rank: int,
+    steps: int,
+    seed: int,
+    case_timeout: float,
+    metadata: str = "dynamic",
+) -> dict[str, Any]:
+    """Build this rank's stages of ``spec`` for ``case``, run ``steps`` measured steps, return the record."""
+    from torch.distributed.pipelining import PipelineStage
+
+    record: dict[str, Any] = {
+        "id": f"{case.name}/{spec.name}",
+        "schedule": case.name,
+        "model": spec.name,
+        "world_size": case.world_size,
+    }
+    if case.skip:
+        return {**record, "status": "skip", "reason": case.skip, "failures": []}
+    if case.error:
+        return {**record, "status": "fail", "failures": [case.error], "steps": []}
+    stage_ids = case.stage_indices(rank)
+    record.update(stages=stage_ids, num_stages=case.num_stages, n_microbatches=case.n_microbatches, steps=[])
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=case_timeout))
+    hooks = None
+    try:
+        modules = zoo.build_stages(spec, case.num_stages, seed)
+        reference = copy.deepcopy(modules)
+        local = {i: modules[i] for i in stage_ids}
+        del modules
+        named = [pair for i in stage_ids for pair in zoo.param_names(i, local[i])]
+        meta: dict[int, dict[str, Any]] = {i: {} for i in stage_ids}
+        if metadata == "static":
+            first_batch = zoo.make_batch(spec, case.n_microbatches, seed=seed * 1000)
+            examples = zoo.stage_examples(reference, first_batch, case.n_microbatches)
+            meta = {i: {"input_args": examples[i][0], "output_args": examples[i][1]} for i in stage_ids}
+            del first_batch, examples
+        pp_stages = [
+            PipelineStage(local[i], i, case.num_stages, torch.device("cpu"), group=group, **meta[i])
+            for i in stage_ids
+        ]
+        del meta
+        schedule = case.build(pp_stages, zoo.sum_squared_error)
+        hooks = probes.HookCounter(named)
+        # Note [gc freeze]: everything alive now moves to the permanent generation, so the collections
+        # the probes run per step scan only what the step created (~100x faster with torch imported).
+        # Semantics are unchanged: a cycle among new objects is found as before, and a new object
+        # referenced from a frozen one is reachable, as it is.
+        gc.collect()
+        gc.freeze()
+        for step in range(steps):
+            batch_box = [zoo.make_batch(spec, case.n_microbatches, seed=seed * 1000 + step)]
+            ref = zoo.reference_step(reference, batch_box[0], case.n_microbatches)
+            result = run_step(schedule, pp_stages, named, hooks, batch_box, ref, case.n_microbatches)
+            record["steps"].append({"step": step, **result})
+        failures = [f"step {s['step']}: {f}" for s in record["steps"] for f in s["failures"]]
+        record.update(status="fail" if failures else "pass", failures=failures)
+    except Exception as e:
+        record.update(status="error", failures=[f"exception: {_describe(e)}"], error=traceback.format_exc())
+    finally:
+        gc.unfreeze()
+        if hooks is not None:
+            hooks.remove()
+    if record["status"] != "error":
+        dist.destroy_process_group(group)  # a group with pending ops after an error is left alone
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------
+# main
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ppbackward._harness.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="directory for rank<r>.json verdicts and rank<r>.log logs")
+    p.add_argument("--backward", default="upstream", help="upstream | ppbackward | leaky:<module or path.py>")
+    p.add_argument("--schedules", default="all", help="comma-separated schedule class names, or 'all'")
+    p.add_argument("--models", default="all", help=f"comma-separated models ({','.join(zoo.MODELS)}), or 'all'")
+    p.add_argument(
+        "--metadata",
+        choices=("static", "dynamic"),
+        default="dynamic",
+        help="dynamic: torch infers shapes on the first step (its default; needs numpy); "
+        "static: every PipelineStage gets example inputs/outputs",
+    )
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pg-timeout", type=float, default=60.0, help="world process-group timeout (s)")
+    p.add_argument("--case-timeout", type=float, default=30.0, help="per-case subgroup timeout (s)")
+    p.add_argument("--dump-after", type=float, default=0.0, help="dump every thread's stack to the log after N s")
+    p.add_argument("--hang-rank", type=int, default=None, help="test only: this rank blocks in a recv forever")
+    return p.parse_args(argv)
+
+
+def _redirect_output(path: Path) -> Any:
+    log = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    return log
+
+
+def _write(path: Path, verdict: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(verdict, indent=1))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if not 0 < args.case_timeout < args.pg_timeout:
+        raise SystemExit(
+            "--case-timeout must be positive and below --pg-timeout (the ranks resynchronise on the world group)"
+        )
+    if args.steps < 1:
+        raise SystemExit("--steps must be at least 1")
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = _redirect_output(out / f"rank{rank}.log")
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    faulthandler.enable(file=log, all_threads=True)
+    if args.dump_after > 0:
+        faulthandler.dump_traceback_later(args.dump_after, exit=False, file=log)
+    torch.set_num_threads(1)
+    verdict_path = out / f"rank{rank}.json"
+    verdict: dict[str, Any] = {
+        "schema": SCHEMA,
+        "rank": rank,
+        "world_size": world_size,
+        "backward": args.backward,
+        "torch": torch.__version__,
+        "tolerance": {"rtol": RTOL, "atol": ATOL, "dtype": "float32", "rule": "|x - ref| <= atol + rtol * |ref|"},
+        "kept_by_design": probes.KEPT_BY_DESIGN,
+        "complete": False,
+        "fatal": None,
+        "cases": [],
+    }
+    t_start = time.perf_counter()
+
+    def say(msg: str) -> None:
+        print(f"[rank {rank} +{time.perf_counter() - t_start:6.2f}s] {msg}", flush=True)
+
+    try:
+        if args.metadata == "dynamic":
+            try:
+                import numpy  # noqa: F401
+            except ImportError:
+                raise RuntimeError(
+                    "--metadata dynamic needs numpy: torch's metadata inference sends objects with "
+                    "recv_object_list, which calls Tensor.numpy(); install numpy or use --metadata static"
+                ) from None
+        verdict["metadata"] = args.metadata
+        only = None if args.schedules == "all" else args.schedules.split(",")
+        known = set(sched.RULES) | set(sched.discover())
+        unknown = sorted(set(only or ()) - known)
+        if unknown:
+            raise ValueError(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        model_names = list(zoo.MODELS) if args.models == "all" else args.models.split(",")
+        specs = [zoo.get_model(m) for m in model_names]
+        verdict["installed"] = select_backward(args.backward)
+        say(f"backward={args.backward}: {verdict['installed']['stage_backward']}")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+        _write(verdict_path, verdict)
+        if args.hang_rank is not None:
+            if rank == args.hang_rank:
+                say(f"--hang-rank {rank}: blocking in dist.recv from rank {(rank + 1) % world_size} (test option)")
+                dist.recv(torch.zeros(1), src=(rank + 1) % world_size)
+            else:
+                say("--hang-rank: waiting in dist.barrier()")
+                dist.barrier()
+        for case in sched.matrix(world_size, only):
+            for spec in specs:
+                say(f">>> {case.name}/{spec.name}")
+                t0 = time.perf_counter()
+                record = run_case(case, spec, rank, args.steps, args.seed, args.case_timeout, args.metadata)
+                record["seconds"] = round(time.perf_counter() - t0, 3)
+                verdict["cases"].append(record)
+                _write(verdict_path, verdict)
+                say(f"{record['id']}: {record['status']} ({record['seconds']:.2f}s)")
+                for failure in record["failures"][:10]:
+                    say(f"    {failure}")  # the traceback of an error is in the JSON verdict
+                dist.barrier()  # resynchronise before the next case (world group, --pg-timeout)
+        verdict["complete"] = True
+    except BaseException:
+        verdict["fatal"] = traceback.format_exc()
+        say("fatal:\n" + verdict["fatal"])
+        _write(verdict_path, verdict)
+        raise
+    verdict["seconds"] = round(time.perf_counter() - t_start, 3)
+    _write(verdict_path, verdict)
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()
+    say("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Test-only: a deliberately leaky stage backward, the negative control of ``tests/multiproc``.
+
+Loaded by the worker with ``--backward leaky:<path to this file>``, which calls :func:`install`. It wraps
+torch's own three functions (correct grads) and adds one leak per call of ``stage_backward`` or
+``stage_backward_input`` -- exactly one of the two runs once per stage per microbatch (stage 0 of a
+zero-bubble schedule skips B and runs a full backward at W time). The kind comes from the environment
+variable ``PPBACKWARD_LEAK_KIND``:
+
+* ``cycle`` (default) -- pytorch/pytorch#136507's kind: a recursive nested closure that refers to
+  itself and to a list holding the stage's first output tensor and that tensor's ``grad_fn``. Every
+  call leaves exactly **1 tensor and 1 autograd node** in a reference cycle.
+* ``live`` -- a module-level list keeps the stage's tensor inputs (``input_values``) alive. The stage's
+  first op saved each of them for backward, so every call keeps **1 saved activation** alive past
+  the step through a live reference (per model input; 1 for the ``mlp`` model). Nothing is cyclic.
+
+Nothing here is imported by ``ppbackward``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+
+_NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
+_MODULES = ("torch.distributed.pipelining._backward", "torch.distributed.pipelining.stage")
+_ORIGINALS: dict[str, Any] = {}
+KEPT_ALIVE: list[torch.Tensor] = []  # the ``live`` kind's module-level list
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _leak(stage_output: Any, input_values: Any) -> None:
+    """Called *before* torch's function, which may detach the outputs (its B does)."""
+    kind = os.environ.get("PPBACKWARD_LEAK_KIND", "cycle")
+    if kind == "live":
+        KEPT_ALIVE.extend(v for v in input_values if isinstance(v, torch.Tensor))
+        return
+    out = _first_tensor(stage_output)
+    if out is None or out.grad_fn is None:
+        return
+    held = [out, out.grad_fn]
+
+    def walk(depth: int) -> list[Any]:  # refers to itself through its own closure cell: a cycle
+        return held if depth == 0 else walk(depth - 1)
+
+    walk(1)
+
+
+def stage_backward(stage_output, output_grads, input_values, outputs_with_grads_idxs=None):  # noqa: ANN001, ANN201
+    _leak(stage_output, input_values)
+    return _ORIGINALS["stage_backward"](stage_output, output_grads, input_values, outputs_with_grads_idxs)
+
+
+def stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights):  # noqa: ANN001, ANN201
+    _leak(stage_outputs_or_loss, input_values)
+    return _ORIGINALS["stage_backward_input"](stage_outputs_or_loss, output_grads, input_values, weights)
+
+
+def stage_backward_weight(weights, param_groups, retain_graph=False):  # noqa: ANN001, ANN201
+    return _ORIGINALS["stage_backward_weight"](weights, param_groups, retain_graph)
+
+
+def install() -> None:
+    """Swap the leaky functions into both pipelining modules (torch's originals are wrapped)."""
+    backward = importlib.import_module(_MODULES[0])
+    for name in _NAMES:
+        _ORIGINALS.setdefault(name, getattr(backward, name))
+    for mod_name in _MODULES:
+        mod = importlib.import_module(mod_name)
+        for name in _NAMES:
+            setattr(mod, name, globals()[name])

@@ -1,0 +1,240 @@
+"""The harness's pieces, without any process group or subprocess (layer 1 of ``conftest.py``)."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppbackward._harness import models, probes, schedules, worker
+from ppbackward._harness.launch import LaunchResult
+
+# ----------------------------------------------------------------------------------------------------
+# schedule matrix
+
+
+def test_every_schedule_class_of_the_installed_torch_has_a_rule() -> None:
+    found = schedules.discover()
+    assert found, "no Schedule* class discovered"
+    assert set(found) <= set(schedules.RULES), f"no placement rule for {set(found) - set(schedules.RULES)}"
+    for case in schedules.matrix(2):
+        assert case.error is None, case.error
+        if case.name in found:
+            assert case.skip is None
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_placement_puts_every_stage_on_exactly_one_rank(world_size: int) -> None:
+    for case in schedules.matrix(world_size):
+        if case.skip:
+            continue
+        placed = [i for rank in range(world_size) for i in case.stage_indices(rank)]
+        assert sorted(placed) == list(range(case.num_stages)), case.name
+        assert all(len(case.stage_indices(r)) == case.rule.stages_per_rank for r in range(world_size))
+        if case.rule.style == "v":  # the V's bottom: two adjacent stages on the last rank
+            assert case.stage_indices(world_size - 1) == [world_size - 1, world_size]
+            assert case.stage_indices(0) == [0, 2 * world_size - 1]
+        if case.name in ("Schedule1F1B", "ScheduleDualPipeV"):
+            assert case.n_microbatches >= case.num_stages
+
+
+def test_unknown_schedule_class_becomes_a_failing_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(schedules, "discover", lambda: [*schedules.RULES, "ScheduleFromTheFuture"])
+    case = schedules.matrix(2)[-1]
+    assert case.name == "ScheduleFromTheFuture" and "no placement rule" in (case.error or "")
+
+
+def test_rule_whose_class_is_missing_becomes_a_skip_with_the_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(schedules, "discover", lambda: ["ScheduleGPipe"])
+    skipped = {c.name: c.skip for c in schedules.matrix(2) if c.skip}
+    assert "first shipped in 2.8" in skipped["ScheduleDualPipeV"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# model zoo
+
+
+@pytest.mark.parametrize("name", list(models.MODELS))
+def test_model_stack_is_deterministic_and_its_reference_produces_grads(name: str) -> None:
+    spec = models.get_model(name)
+    a, b = models.build_stages(spec, 3, seed=7), models.build_stages(spec, 3, seed=7)
+    for ma, mb in zip(a, b):
+        for pa, pb in zip(ma.parameters(), mb.parameters()):
+            assert torch.equal(pa, pb)
+    batch = models.make_batch(spec, 2, seed=1)
+    ref = models.reference_step(a, batch, 2)
+    assert len(ref.losses) == 2 and all(torch.isfinite(x) for x in ref.losses)
+    trainable = [n for i, m in enumerate(a) for n, p in models.param_names(i, m) if p.requires_grad]
+    assert all(ref.grads[n] is not None for n in trainable)
+    frozen = [n for i, m in enumerate(a) for n, p in models.param_names(i, m) if not p.requires_grad]
+    assert all(ref.grads[n] is None for n in frozen)
+    assert (name == "transformer") == bool(frozen)
+    examples = models.stage_examples(a, batch, 2)
+    for (_, outs), (ins, _) in zip(examples, examples[1:]):  # boundaries chain
+        assert [o.shape for o in outs] == [i.shape for i in ins]
+        assert all(i.requires_grad for i in ins)
+
+
+def test_transformer_shares_a_parameter_between_two_ops_and_takes_a_non_tensor_kwarg() -> None:
+    spec = models.get_model("transformer")
+    stage = models.build_stages(spec, 2, seed=0)[1]
+    kwargs = spec.make_kwargs()
+    assert not any(isinstance(v, torch.Tensor) for v in kwargs.values())
+    h = torch.randn(2, models.SEQ, models.D, requires_grad=True)
+    out = stage(h, **kwargs)
+    uses = 0
+    seen, stack = set(), [out.grad_fn]
+    while stack:  # count the graph's edges into gate's AccumulateGrad
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and getattr(nxt, "variable", None) is stage.gate:
+                uses += 1
+            stack.append(nxt)
+    assert uses == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# probes and comparison
+
+
+def _ref_for(grads: dict[str, torch.Tensor | None], losses=None) -> models.ReferenceResult:
+    return models.ReferenceResult(losses=losses or [], grads=grads)
+
+
+def test_compare_flags_a_perturbed_grad_a_missing_grad_and_a_wrong_loss() -> None:
+    lin = torch.nn.Linear(3, 3)
+    lin(torch.randn(2, 3)).sum().backward()
+    named = models.param_names(0, lin)
+    exact = {n: p.grad.clone() for n, p in named}
+    info, failures = worker._compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.0])
+    assert failures == [] and info["params_compared"] == 2 and info["max_abs_grad_err"] == 0.0
+    off = dict(exact)
+    off["stage0.weight"] = exact["stage0.weight"] + 1e-3
+    _, failures = worker._compare(named, _ref_for(off), None)
+    assert len(failures) == 1 and "stage0.weight.grad: 9 of 9 elements outside tolerance" in failures[0]
+    within = dict(exact)
+    within["stage0.weight"] = exact["stage0.weight"] * (1 + 1e-6)
+    assert worker._compare(named, _ref_for(within), None)[1] == []
+    missing = dict(exact, **{"stage0.bias": None})
+    assert "None in the reference" in worker._compare(named, _ref_for(missing), None)[1][0]
+    _, failures = worker._compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.001])
+    assert failures and "loss of microbatch 0" in failures[0]
+
+
+def _fake_stage(index: int, last: bool, **caches) -> types.SimpleNamespace:
+    base = {"fwd_cache": {}, "bwd_cache": {}, "backward_state": {}, "dw_runner": {}, "output_chunks": []}
+    base.update(caches)
+    return types.SimpleNamespace(stage_index=index, is_first=index == 0, is_last=last, **base)
+
+
+def test_stage_caches_accept_torchs_tensor_free_leftovers_and_flag_anything_else() -> None:
+    ok = _fake_stage(0, False, bwd_cache={0: (None,), 1: ()}, dw_runner={0: lambda: None})
+    assert probes.stage_caches(ok, 2)[1] == []
+    last = _fake_stage(1, True, output_chunks=[torch.ones(1), torch.ones(1)])
+    assert probes.stage_caches(last, 2)[1] == []
+    t = torch.ones(1)
+    bad = _fake_stage(
+        1,
+        False,
+        fwd_cache={0: ((t,), [t])},
+        bwd_cache={0: (t,)},
+        dw_runner={0: lambda: t},
+        output_chunks=[t],
+    )
+    failures = "\n".join(probes.stage_caches(bad, 2)[1])
+    for expected in ("fwd_cache holds 1", "bwd_cache holds 1", "dw_runner placeholders hold 1 tensors",
+                     "dw_runner holds closures", "output_chunks holds 1 entries, expected 0"):
+        assert expected in failures
+
+
+def test_activation_probe_counts_what_releasing_the_receive_buffers_frees() -> None:
+    info = types.SimpleNamespace(is_root_arg=False, buffer=torch.randn(2, 4).requires_grad_())
+    stage = types.SimpleNamespace(args_recv_info={0: (info,)})
+    lin = torch.nn.Linear(4, 4)
+    probe = probes.ActivationProbe()
+    with probe.record():
+        out = lin(info.buffer).relu()
+    out.sum().backward()
+    del out
+    probe.after_clear()
+    assert probe.release_recv_buffers([stage]) == 1
+    probe.after_gc()
+    result = probe.to_dict()
+    assert result["kept_by_design"]["recv_buffer"] == 1  # Linear saved its input, the receive buffer
+    assert (result["freed_only_by_gc"], result["held_after_gc"]) == (0, 0)
+
+
+def test_hook_counter_counts_post_accumulate_calls_and_removes_its_hooks() -> None:
+    lin = torch.nn.Linear(2, 2)
+    lin.bias.requires_grad_(False)
+    counter = probes.HookCounter(models.param_names(0, lin))
+    assert list(counter.calls) == ["stage0.weight"]
+    for _ in range(2):
+        lin(torch.ones(1, 2)).sum().backward()
+    assert counter.calls == {"stage0.weight": 2}
+    counter.remove()
+    lin(torch.ones(1, 2)).sum().backward()
+    assert counter.calls == {"stage0.weight": 2}
+
+
+def test_select_backward_rejects_an_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="unknown --backward"):
+        worker.select_backward("nonsense")
+
+
+# ----------------------------------------------------------------------------------------------------
+# failure formatting
+
+
+def _result(tmp_path: Path, verdicts: dict[int, dict | None], **kw) -> LaunchResult:
+    for rank, verdict in verdicts.items():
+        if verdict is not None:
+            (tmp_path / f"rank{rank}.json").write_text(json.dumps(verdict))
+    defaults = dict(command=["torchrun"], out_dir=tmp_path, world_size=len(verdicts), returncode=0,
+                    timed_out=False, timeout=10.0, seconds=1.0, verdicts=verdicts)
+    defaults.update(kw)
+    return LaunchResult(**defaults)
+
+
+def _record(case_id: str, status: str, **extra) -> dict:
+    return {"id": case_id, "status": status, "stages": [0], "failures": [], "steps": [], **extra}
+
+
+def test_failures_are_one_block_per_case_with_failing_ranks_details_and_log(tmp_path: Path) -> None:
+    ok = {"complete": True, "backward": "ppbackward", "cases": [_record("S/m", "pass"), _record("S/x", "pass")]}
+    bad = {
+        "complete": True,
+        "backward": "ppbackward",
+        "cases": [
+            _record("S/m", "pass"),
+            _record(
+                "S/x", "error", failures=["exception: RuntimeError: boom"], error="Traceback ...\nRuntimeError: boom"
+            ),
+        ],
+    }
+    (tmp_path / "rank1.log").write_text("[rank 1] >>> S/m\n[rank 1] S/m: pass\n[rank 1] >>> S/x\nboom happened\n")
+    result = _result(tmp_path, {0: ok, 1: bad})
+    assert result.complete and not result.ok
+    assert result.case_status("S/m") == "pass" and result.case_status("S/x") == "fail"
+    text = result.format_failures()
+    assert text.count("=== ") == 1 and "=== S/x (world size 2, backward=ppbackward) ===" in text
+    assert "rank 0 [stages 0]: pass" in text and "rank 1 [stages 0]: error" in text
+    assert "RuntimeError: boom" in text and "boom happened" in text
+    assert ">>> S/m" not in text  # only the failing case's part of the log
+
+
+def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_path: Path) -> None:
+    (tmp_path / "rank1.log").write_text("stuck here\n")
+    verdict = {"complete": False, "backward": "upstream", "cases": []}
+    result = _result(tmp_path, {0: verdict, 1: None}, timed_out=True, returncode=-9)
+    problems = "\n".join(result.launch_problems())
+    assert "timed out after 10s" in problems and "rank 1 wrote no verdict" in problems
+    assert "rank 0 did not finish its cases" in problems
+    text = result.format_failures()
+    assert "stuck here" in text and "command: torchrun" in text

@@ -1,0 +1,58 @@
+"""The schedule × model matrix with ``ppbackward.install()`` active (layer 2 of ``conftest.py``).
+
+One torchrun launch per configuration; one test per case reads every rank's verdict for that case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from multiproc_specs import LAUNCH_TEST_TIMEOUT, LAUNCHES
+from ppbackward._harness import models, schedules
+
+MATRIX = ("ws2", "ws4", "ws2-static")
+
+
+def expected_cases(world_size: int) -> list[str]:
+    return [f"{case.name}/{model}" for case in schedules.matrix(world_size) for model in models.MODELS]
+
+
+def assert_measured(record: dict[str, Any]) -> None:
+    """A passing case must have measured something on every step (no vacuous pass)."""
+    stages = record["stages"]
+    assert len(record["steps"]) == 2, record["steps"]
+    for step in record["steps"]:
+        where = f"{record['id']} stages {stages} step {step['step']}"
+        assert step["lifetime"]["saved"] > 0, f"{where}: no saved activation recorded"
+        assert step["numerics"]["params_compared"] > 0, f"{where}: no grad compared"
+        assert step["hooks"]["expected"] > 0, f"{where}: no hook expected"
+        if record["num_stages"] - 1 in stages:
+            assert step["numerics"]["losses_compared"] == record["n_microbatches"], where
+        if any(s != 0 for s in stages):
+            assert step["lifetime"]["kept_by_design"]["recv_buffer"] > 0, f"{where}: receive buffers not seen"
+
+
+@pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
+@pytest.mark.parametrize("name", MATRIX)
+def test_launch_reports_every_case_on_every_rank(name: str, launches) -> None:
+    result = launches(name)
+    assert result.complete, result.format_launch()
+    assert result.case_ids() == expected_cases(LAUNCHES[name].nproc), result.summary()
+    print(f"\n{name}: {result.seconds:.1f}s\n{result.summary()}")
+
+
+@pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
+@pytest.mark.parametrize(
+    ("name", "case_id"), [(name, case_id) for name in MATRIX for case_id in expected_cases(LAUNCHES[name].nproc)]
+)
+def test_case(name: str, case_id: str, launches) -> None:
+    result = launches(name)
+    status = result.case_status(case_id)
+    if status == "skip":
+        pytest.skip(next(r["reason"] for r in result.case(case_id).values() if r))
+    assert status == "pass", result.format_case(case_id)
+    for record in result.case(case_id).values():
+        assert record is not None
+        assert_measured(record)
