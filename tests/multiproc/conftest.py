@@ -59,7 +59,9 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Launch
         if name not in cache:
             spec = LAUNCHES[name]
             out = tmp_path_factory.mktemp(f"multiproc-{name}")
-            cache[name] = launch(spec.nproc, list(spec.args), out, timeout=spec.timeout, env=dict(spec.env))
+            cache[name] = launch(  # on_case: record progress (LaunchResult.progress) as the launch runs
+                spec.nproc, list(spec.args), out, timeout=spec.timeout, env=dict(spec.env), on_case=lambda r: None
+            )
         return cache[name]
 
     return get

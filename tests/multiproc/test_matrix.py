@@ -40,6 +40,7 @@ def test_launch_reports_every_case_on_every_rank(name: str, launches) -> None:
     result = launches(name)
     assert result.complete, result.format_launch()
     assert result.case_ids() == expected_cases(LAUNCHES[name].nproc), result.summary()
+    assert result.progress == result.case_ids()  # every case was reported while the launch ran
     print(f"\n{name}: {result.seconds:.1f}s\n{result.summary()}")
 
 

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ class LaunchResult:
     timeout: float
     seconds: float
     verdicts: dict[int, dict[str, Any] | None]
+    progress: list[str] = dataclasses.field(default_factory=list)  # case ids passed to ``on_case``, in order
 
     # -- reading --------------------------------------------------------------------------------
     def log_path(self, rank: int) -> Path:
@@ -266,12 +267,43 @@ def _read_verdict(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _wait(
+    proc: subprocess.Popen[bytes],
+    deadline: float,
+    progress: Path,
+    on_case: Callable[[dict[str, Any]], None] | None,
+) -> bool:
+    """Wait for ``proc`` until ``deadline`` (monotonic); report new cases; ``False`` on timeout."""
+    reported = 0
+
+    def report() -> None:
+        nonlocal reported
+        cases = (_read_verdict(progress) or {}).get("cases", [])
+        for record in cases[reported:]:
+            on_case(record)  # type: ignore[misc]
+        reported = max(reported, len(cases))
+
+    while True:
+        try:
+            proc.wait(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if on_case is not None:
+                report()
+            if time.monotonic() >= deadline:
+                return False
+            continue
+        if on_case is not None:
+            report()
+        return True
+
+
 def launch(
     nproc: int,
     worker_args: Sequence[str],
     out_dir: str | os.PathLike[str],
     timeout: float,
     env: dict[str, str] | None = None,
+    on_case: Callable[[dict[str, Any]], None] | None = None,
 ) -> LaunchResult:
     """Run the harness worker on ``nproc`` ranks; never takes (much) longer than ``timeout`` seconds.
 
@@ -282,6 +314,8 @@ def launch(
         out_dir: folder for logs and verdicts; created, and emptied of earlier verdicts and logs.
         timeout: seconds before every process of the launch is killed (Note [killing a hung launch]).
         env: extra environment variables for torchrun and the workers.
+        on_case: called in this process with rank 0's record of each case as soon as rank 0 finished
+            it (polled from ``rank0.json`` twice a second): progress for a command line.
 
     Returns:
         A :class:`LaunchResult`; it raises nothing for a failed, crashed or hung launch.
@@ -315,16 +349,20 @@ def launch(
     full_env.update(env or {})
     t0 = time.monotonic()
     timed_out = False
+    progress: list[str] = []
+
+    def seen(record: dict[str, Any]) -> None:
+        progress.append(record["id"])
+        on_case(record)  # type: ignore[misc]
     with open(out / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
             start_new_session=True,
         )
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _stop(proc, out)
+            timed_out = not _wait(proc, t0 + timeout, out / "rank0.json", None if on_case is None else seen)
+            if timed_out:
+                _stop(proc, out)
         except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
             _stop(proc, out)
             raise
@@ -337,4 +375,5 @@ def launch(
         timeout=timeout,
         seconds=time.monotonic() - t0,
         verdicts={r: _read_verdict(out / f"rank{r}.json") for r in range(nproc)},
+        progress=progress,
     )

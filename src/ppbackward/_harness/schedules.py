@@ -65,6 +65,7 @@ class ScheduleCase:
     rule: ScheduleRule | None
     skip: str | None = None
     error: str | None = None
+    microbatches: int = 0  # > 0: overrides the rule (the schedule's constructor validates it)
 
     @property
     def num_stages(self) -> int:
@@ -74,6 +75,8 @@ class ScheduleCase:
     @property
     def n_microbatches(self) -> int:
         assert self.rule is not None
+        if self.microbatches > 0:
+            return self.microbatches
         return self.rule.microbatches(self.world_size, self.num_stages)
 
     def stage_indices(self, rank: int) -> list[int]:
@@ -121,8 +124,12 @@ def discover() -> list[str]:
     return sorted(names, key=lambda n: (list(RULES).index(n) if n in RULES else len(RULES), n))
 
 
-def matrix(world_size: int, only: list[str] | None = None) -> list[ScheduleCase]:
-    """Every schedule (known rules first, then unknown classes) at ``world_size``; ``only`` filters by name."""
+def matrix(world_size: int, only: list[str] | None = None, microbatches: int = 0) -> list[ScheduleCase]:
+    """Every schedule (known rules first, then unknown classes) at ``world_size``.
+
+    ``only`` filters by class name; ``microbatches > 0`` replaces every rule's count (a count a schedule
+    refuses makes that case fail with the schedule's own message).
+    """
     found = discover()
     names = list(RULES) + [n for n in found if n not in RULES]
     cases = []
@@ -142,5 +149,5 @@ def matrix(world_size: int, only: list[str] | None = None) -> list[ScheduleCase]
                 )
             )
         else:
-            cases.append(ScheduleCase(name, world_size, rule))
+            cases.append(ScheduleCase(name, world_size, rule, microbatches=microbatches))
     return cases

@@ -364,6 +364,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "static: every PipelineStage gets example inputs/outputs",
     )
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=0, help="microbatches per step (0: each schedule's rule)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=60.0, help="world process-group timeout (s)")
     p.add_argument("--case-timeout", type=float, default=30.0, help="per-case subgroup timeout (s)")
@@ -453,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 say("--hang-rank: waiting in dist.barrier()")
                 dist.barrier()
-        for case in sched.matrix(world_size, only):
+        for case in sched.matrix(world_size, only, args.microbatches):
             for spec in specs:
                 say(f">>> {case.name}/{spec.name}")
                 t0 = time.perf_counter()
