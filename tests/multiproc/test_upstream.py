@@ -2,9 +2,11 @@
 
 torch's own backward must get through every case on every rank (its exceptions are recorded per case,
 not fatal), and every full-backward schedule must pass every check: the harness agrees with torch
-itself. torch 2.13's zero-bubble (B/W split) cases fail in known ways -- W bypasses the
-post-accumulate-grad hooks, and B raises on a parameter used twice in a stage or on an output that is
-a view -- which are reported, not asserted here.
+itself. torch 2.13's zero-bubble (B/W split) cases fail in known ways, which are reported, not
+asserted here: its W bypasses the post-accumulate-grad hooks (every split case); its W raises "Trying to
+backward through the graph a second time" when one parameter scales two sequential residual branches
+(``transformer``'s ``gate``: ``h = h + g * a(h); out = h + g * b(h)``); its B raises "Can't detach views
+in-place" on an output that is a view (``tuple``).
 """
 
 from __future__ import annotations
