@@ -217,16 +217,17 @@ def run_step(
             f"the step ({garbage.tensor_bytes} B pinned)"
         )
     lifetime = activations.to_dict()
+    example = f"; e.g. {lifetime['examples'][0]}" if lifetime["examples"] else ""
     if lifetime["freed_only_by_gc"]:
         failures.append(
             f"lifetime: {lifetime['freed_only_by_gc']} saved activations ({lifetime['bytes_freed_only_by_gc']} B) "
-            "outlived the step and were freed only by a gc run (a reference cycle held them)"
+            f"outlived the step and were freed only by a gc run (a reference cycle held them){example}"
         )
     if lifetime["held_after_gc"]:
         failures.append(
             f"lifetime: {lifetime['held_after_gc']} saved activations ({lifetime['bytes_held_after_gc']} B) still "
             "alive after clear_runtime_states(), releasing the receive buffers and a gc run (a live reference "
-            "holds them)"
+            f"holds them){example}"
         )
     numerics, bad = _compare(named, ref, loss_values)
     failures += bad
