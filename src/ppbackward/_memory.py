@@ -85,7 +85,7 @@ def w_floor_bytes(param_groups, exclude: Iterable[torch.Tensor] = ()) -> int:
         for node, _, w_edges in group.intermediates
         for i in w_edges
     ]
-    roots += [edge.node for group in param_groups for edge in group.root_edges]
+    roots += [edge.node for group in param_groups for _, edge, _ in group.ready]
     held = saved_storages(roots, exclude)
     held.update(saved_storages(intermediates, exclude, stop=intermediates))
     return sum(nbytes for _, nbytes in held.values())

@@ -25,18 +25,17 @@ class ParamGroup(NamedTuple):
     """One param group ready for W.
 
     Attributes:
-        intermediates: ``(node, grads, w_edges)`` for each intermediate of the group: the gradient B
+        intermediates: ``(node, grads, w_edges)`` for each intermediate W must call: the gradient B
             captured for each of the node's input slots (``None`` where none flowed) and the
             indices of the node's ``next_functions`` that lead into weight-only nodes.
-        root_edges: output edges that lead straight into weight-only nodes (outputs computed
-            from weights alone, or a parameter returned as output).
-        root_grads: the output gradient for each entry of ``root_edges``.
+        ready: ``(sequence_nr, edge, grad)`` contributions already known after B: output edges
+            leading straight into weight-only nodes, and the weight edges of custom
+            ``autograd.Function`` intermediates (which ran once, in B).
         params: the leaf tensors whose ``AccumulateGrad`` the group reaches.
     """
 
     intermediates: list[tuple[Node, tuple, tuple[int, ...]]]
-    root_edges: list[GradientEdge]
-    root_grads: list[torch.Tensor]
+    ready: list[tuple[float, GradientEdge, torch.Tensor]]
     params: list[torch.Tensor]
 
 

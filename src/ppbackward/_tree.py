@@ -11,6 +11,9 @@ The walk is an explicit stack, never a nested recursive function: see Note [no c
 
 from __future__ import annotations
 
+import dataclasses
+import types
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -62,8 +65,28 @@ def _check_grad(out: torch.Tensor, grad: Any, path: str, grads_given: bool) -> t
     return grad
 
 
+def _check_opaque_leaf(out: Any, path: str) -> None:
+    """Refuse leaves that would silently hide differentiable tensors."""
+    if isinstance(out, (set, frozenset, types.GeneratorType, Iterator)):
+        raise TypeError(
+            f"{path}: a {type(out).__name__} cannot be matched with gradients (unordered or "
+            "one-shot); use a tuple, list or dict"
+        )
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        for field in dataclasses.fields(out):
+            value = getattr(out, field.name, None)
+            if isinstance(value, torch.Tensor) and _is_differentiable(value):
+                raise TypeError(
+                    f"{path}: dataclass {type(out).__name__} holds a tensor that requires grad "
+                    f"({field.name!r}); return a tuple, list or dict so it gets a gradient"
+                )
+
+
 def flatten_outputs_and_grads(
-    outputs: Any, grads: Any, root: str = "stage_output"
+    outputs: Any,
+    grads: Any,
+    root: str = "stage_output",
+    consumed: Mapping[int, torch.Tensor] | None = None,
 ) -> FlatOutputs:
     """Walk ``outputs`` and ``grads`` together and return the differentiable pairs.
 
@@ -82,6 +105,8 @@ def flatten_outputs_and_grads(
         outputs: a tensor, or nested tuples/lists/dicts whose leaves may be anything.
         grads: ``None``, or a structure matching ``outputs``.
         root: the name used at the start of every path in error messages.
+        consumed: ``id -> tensor`` of outputs an earlier B already detached in place; meeting one
+            again is an error rather than a silently skipped output.
 
     Returns:
         A :class:`FlatOutputs`.
@@ -89,7 +114,9 @@ def flatten_outputs_and_grads(
     Raises:
         ValueError: structure mismatch, shape or device mismatch, ``None`` gradient for an output
             with more than one element.
-        TypeError: a gradient that is neither a tensor nor ``None``, or a dtype mismatch.
+        TypeError: a gradient that is neither a tensor nor ``None``, a dtype mismatch, a set or
+            generator in the outputs, a dataclass holding a tensor that requires grad.
+        RuntimeError: an output that an earlier B already consumed (see ``consumed``).
     """
     grads_given = grads is not None
     flat = FlatOutputs([], [], [])
@@ -103,6 +130,11 @@ def flatten_outputs_and_grads(
                 flat.tensors.append(out)
                 flat.grads.append(_check_grad(out, grad, path, given))
                 flat.paths.append(path)
+            elif consumed is not None and consumed.get(id(out)) is out:
+                raise RuntimeError(
+                    f"{path}: this output was already backpropagated by stage_backward_input, "
+                    "which detached it in place; a microbatch's outputs go through backward once"
+                )
         elif isinstance(out, (tuple, list)):
             if not given:
                 children = [(o, None, f"{path}[{i}]", False) for i, o in enumerate(out)]
@@ -139,16 +171,6 @@ def flatten_outputs_and_grads(
             else:
                 children = [(o, grad[k], f"{path}[{k!r}]", True) for k, o in out.items()]
             stack.extend(reversed(children))
-        # any other leaf type: not differentiable, ignored
+        else:  # any other leaf: not differentiable, ignored (as upstream), unless it hides tensors
+            _check_opaque_leaf(out, path)
     return flat
-
-
-def describe_inputs(input_values: Any) -> str:
-    """One-line summary of stage inputs for error messages (types and shapes, no data)."""
-    parts = []
-    for v in input_values:
-        if isinstance(v, torch.Tensor):
-            parts.append(f"Tensor{_shape(v)}:{v.dtype}{':grad' if v.requires_grad else ''}")
-        else:
-            parts.append(type(v).__name__)
-    return "(" + ", ".join(parts) + ")"

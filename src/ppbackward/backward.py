@@ -22,6 +22,7 @@ local dicts (see ``ppbackward._graph``).
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -35,6 +36,10 @@ from ppbackward._saved import release_saved_tensors
 from ppbackward._tree import flatten_outputs_and_grads
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
+
+_ROOT_SEQ = float("inf")  # the outputs' gradients come first (Note [accumulation order])
+# Outputs B detached in place, by id (weak): meeting one again is an error, not a silent no-op.
+_DETACHED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _grad_inputs(input_values: Iterable[Any]) -> list[tuple[int, torch.Tensor]]:
@@ -107,7 +112,7 @@ def stage_backward(
         stage_output = [stage_output[i] for i in outputs_with_grads_idxs]
         output_grads = [output_grads[i] for i in outputs_with_grads_idxs]
     input_values = list(input_values)
-    flat = flatten_outputs_and_grads(stage_output, output_grads)
+    flat = flatten_outputs_and_grads(stage_output, output_grads, consumed=_DETACHED)
     wanted = _grad_inputs(input_values)
     if not flat.tensors:
         return tuple(None for _ in input_values)
@@ -174,8 +179,8 @@ def stage_backward_input(
         ValueError, TypeError: malformed ``output_grads``; nothing has been run then.
     """
     input_values = list(input_values)
+    flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads, consumed=_DETACHED)
     weights = list(weights)
-    flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads)
     wanted = _grad_inputs(input_values)
     weight_ids = frozenset(map(id, weights))
     if not flat.tensors:
@@ -185,23 +190,30 @@ def stage_backward_input(
     input_nodes = {gradient_edge(t).node for t in grad_inputs}
     root_edges = [gradient_edge(t) for t in flat.tensors]
     specs, used_nodes, b_only = analyze(root_edges, input_nodes)
+    inter = [node for spec in specs for node, _ in spec.intermediates]
+    _refuse_reentrant_checkpoint(b_only, inter)
 
-    # Capture what flows into each intermediate with a node pre-hook: it sees the gradient after the
-    # tensor hooks registered on that activation have run, exactly what the node itself consumes
-    # (an engine ``GradientEdge`` capture would see it before them).
-    intermediates = [node for spec in specs for node, _ in spec.intermediates]
-    boxes: list[list] = [[] for _ in intermediates]
+    # Note [capturing intermediates]: a C++ intermediate gets a pre-hook recording the gradients
+    # flowing into it, after the tensor hooks on that activation ran (exactly what the node
+    # consumes; an engine ``GradientEdge`` capture would see them before those hooks); W calls it
+    # again. A custom ``autograd.Function`` computes all its outputs whatever the engine needs (and
+    # may have side effects), so it must run once: a post-hook records its outputs in B, and W only
+    # routes the weight edges among them (no re-run). torch.compile'd regions are such Functions.
+    boxes: list[list] = [[] for _ in inter]
     handles = []
     found: dict[int, Optional[torch.Tensor]] = {}
     try:
-        for node, box in zip(intermediates, boxes):
-            handles.append(node.register_prehook(_capture_hook(box)))
+        for node, box in zip(inter, boxes):
+            if isinstance(node, BackwardCFunction):
+                handles.append(node.register_hook(_capture_outputs_hook(box)))
+            else:
+                handles.append(node.register_prehook(_capture_hook(box)))
         if grad_inputs:
             results = torch.autograd.grad(
                 flat.tensors,
                 grad_inputs,
                 grad_outputs=flat.grads,
-                retain_graph=bool(intermediates),
+                retain_graph=any(not isinstance(n, BackwardCFunction) for n in inter),
                 allow_unused=True,
             )
             found = {id(t): g for t, g in zip(grad_inputs, results)}
@@ -211,13 +223,34 @@ def stage_backward_input(
     captured = [box[0] if box else None for box in boxes]
 
     groups = _build_groups(specs, captured, flat.grads, root_edges)
-    if groups:
-        release_saved_tensors(b_only)  # Note [release unread saved tensors]
+    if groups:  # Note [release unread saved tensors]
+        release_saved_tensors([*b_only, *(n for n in inter if isinstance(n, BackwardCFunction))])
     _detach_outputs(flat.tensors, used_nodes)
     result: list[Optional[torch.Tensor]] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_ids)
+
+
+def _capture_outputs_hook(box: list):
+    """A node post-hook that stores the node's outputs in ``box`` (Note [no closure cycle])."""
+
+    def hook(grad_inputs, _grad_outputs) -> None:
+        box.append(grad_inputs)
+
+    return hook
+
+
+def _refuse_reentrant_checkpoint(*node_lists) -> None:
+    for nodes in node_lists:
+        for node in nodes:
+            if type(node).__name__ == "CheckpointFunctionBackward":
+                raise RuntimeError(
+                    "stage_backward_input: the stage uses torch.utils.checkpoint with "
+                    "use_reentrant=True (node CheckpointFunctionBackward), whose backward cannot run "
+                    "inside the input-only engine call of B; use use_reentrant=False, or a full "
+                    "backward (stage_backward)"
+                )
 
 
 def _detach_outputs(outputs: list[torch.Tensor], used_nodes: set) -> None:
@@ -233,24 +266,36 @@ def _detach_outputs(outputs: list[torch.Tensor], used_nodes: set) -> None:
     for t in outputs:
         if t.grad_fn is not None and not t._is_view() and t.grad_fn not in used_nodes:
             t.detach_()
+            _DETACHED[id(t)] = t
 
 
 def _build_groups(specs, captured, output_grads, root_edges) -> list[ParamGroup]:
-    """Attach what B captured (one tuple per intermediate, in ``specs`` order) to each group."""
+    """Turn what B captured (one entry per intermediate, in ``specs`` order) into W's work.
+
+    C++ intermediates become deferred calls; a custom Function's captured outputs and the outputs
+    that lead straight into weight-only nodes become ready contributions, each tagged with the
+    sequence number that orders it (Note [accumulation order]).
+    """
     groups: list[ParamGroup] = []
     pos = 0
     for spec in specs:
-        intermediates = []
+        deferred = []
+        ready = [(_ROOT_SEQ, root_edges[i], output_grads[i]) for i in spec.root_edges]
         for node, w_edges in spec.intermediates:
             grads = captured[pos]
             pos += 1
-            if grads is not None and any(g is not None for g in grads):
-                intermediates.append((node, tuple(grads), w_edges))
-        edges = [root_edges[i] for i in spec.root_edges]
-        grads = [output_grads[i] for i in spec.root_edges]
-        if intermediates or edges:
+            if grads is None or all(g is None for g in grads):
+                continue
+            if isinstance(node, BackwardCFunction):  # outputs, computed once in B
+                nf, seq = node.next_functions, node._sequence_nr()
+                for i in w_edges:
+                    if grads[i] is not None:
+                        ready.append((seq, GradientEdge(*nf[i][:2]), grads[i]))
+            else:
+                deferred.append((node, tuple(grads), w_edges))
+        if deferred or ready:
             params = [leaf.variable for leaf in spec.leaves]
-            groups.append(ParamGroup(intermediates, edges, grads, params))
+            groups.append(ParamGroup(deferred, ready, params))
     return groups
 
 
@@ -402,32 +447,29 @@ def stage_backward_weight(
     try:
         groups = param_groups._groups
         calls = [call for group in groups for call in group.intermediates]
-        edge_grads: dict[GradientEdge, torch.Tensor] = {}
+        contributions = [c for group in groups for c in group.ready]
         if calls:
             for (node, _, w_edges), outs in zip(calls, _weight_edge_grads(calls)):
-                nf = node.next_functions
+                nf, seq = node.next_functions, node._sequence_nr()
                 for i in w_edges:
                     if outs[i] is not None:
                         nxt, nr = nf[i][:2]
-                        _add(edge_grads, GradientEdge(nxt, nr), _conform(outs[i], nxt, nr))
-        for group in groups:
-            for edge, grad in zip(group.root_edges, group.root_grads):
-                _add(edge_grads, GradientEdge(edge.node, edge.output_nr), grad)
-        if edge_grads:
+                        contributions.append((seq, GradientEdge(nxt, nr), _conform(outs[i], nxt, nr)))
+        if contributions:
+            # Note [accumulation order]: a full backward adds the gradients reaching one node in
+            # the order their producers run: the outputs' first, then by decreasing sequence
+            # number. Feeding them as separate roots in that order (the engine adds roots in list
+            # order) keeps W bit-identical to a full backward where a weight gets several.
+            contributions.sort(key=lambda c: c[0], reverse=True)
             torch.autograd.backward(
-                list(edge_grads),
-                grad_tensors=list(edge_grads.values()),
+                [GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions],
+                grad_tensors=[grad for _, _, grad in contributions],
                 inputs=[p for group in groups for p in group.params],
                 retain_graph=retain_graph,
             )
     finally:
         param_groups._release()
     return tuple(w.grad for w in weights)
-
-
-def _add(acc: dict, edge: GradientEdge, grad: torch.Tensor) -> None:
-    previous = acc.get(edge)
-    acc[edge] = grad if previous is None else previous + grad
 
 
 def _check_same_weights(weights: list[torch.Tensor], expected: frozenset[int]) -> None:
