@@ -108,7 +108,7 @@ class TransformerStage(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(D // HEADS)
-        scores = scores.masked_fill(mask.build(t), float("-inf"))
+        scores = scores.masked_fill(mask.build(t).to(scores.device), float("-inf"))
         out = scores.softmax(-1) @ v  # (b, heads, t, dh)
         return self.proj(out.transpose(1, 2).reshape(b, t, D))
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import faulthandler
 import gc
 import importlib
@@ -127,7 +128,7 @@ def _compare(
         if got.shape != want.shape:
             failures.append(f"numerics: {name}.grad shape {list(got.shape)} != reference {list(want.shape)}")
             continue
-        diff = (got.detach() - want).abs()
+        diff = (got.detach().cpu() - want).abs()
         err = float(diff.max()) if diff.numel() else 0.0
         if err > max_abs:
             max_abs, worst = err, name
@@ -278,6 +279,19 @@ def _describe(e: BaseException) -> str:
     return f"{_first_line(e)} (caused by {_first_line(root)})"
 
 
+def _to_device(batch: zoo.Batch, device: torch.device) -> zoo.Batch:
+    """The batch's tensors on ``device`` (the reference keeps the CPU copy)."""
+    if device.type == "cpu":
+        return batch
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return dataclasses.replace(
+        batch,
+        args=tuple(move(a) for a in batch.args),
+        kwargs={k: move(v) for k, v in batch.kwargs.items()},
+        target=move(batch.target),
+    )
+
+
 def run_case(
     case: sched.ScheduleCase,
     spec: zoo.ModelSpec,
@@ -286,6 +300,8 @@ def run_case(
     seed: int,
     case_timeout: float,
     metadata: str = "dynamic",
+    device: torch.device = torch.device("cpu"),
+    backend: str = "gloo",
 ) -> dict[str, Any]:
     """Build this rank's stages of ``spec`` for ``case``, run ``steps`` measured steps, return the record."""
     from torch.distributed.pipelining import PipelineStage
@@ -302,12 +318,12 @@ def run_case(
         return {**record, "status": "fail", "failures": [case.error], "steps": []}
     stage_ids = case.stage_indices(rank)
     record.update(stages=stage_ids, num_stages=case.num_stages, n_microbatches=case.n_microbatches, steps=[])
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=case_timeout))
+    group = dist.new_group(backend=backend, timeout=timedelta(seconds=case_timeout))
     hooks = None
     try:
         modules = zoo.build_stages(spec, case.num_stages, seed)
         reference = copy.deepcopy(modules)
-        local = {i: modules[i] for i in stage_ids}
+        local = {i: modules[i].to(device) for i in stage_ids}
         del modules
         named = [pair for i in stage_ids for pair in zoo.param_names(i, local[i])]
         meta: dict[int, dict[str, Any]] = {i: {} for i in stage_ids}
@@ -317,7 +333,7 @@ def run_case(
             meta = {i: {"input_args": examples[i][0], "output_args": examples[i][1]} for i in stage_ids}
             del first_batch, examples
         pp_stages = [
-            PipelineStage(local[i], i, case.num_stages, torch.device("cpu"), group=group, **meta[i])
+            PipelineStage(local[i], i, case.num_stages, device, group=group, **meta[i])
             for i in stage_ids
         ]
         del meta
@@ -332,6 +348,7 @@ def run_case(
         for step in range(steps):
             batch_box = [zoo.make_batch(spec, case.n_microbatches, seed=seed * 1000 + step)]
             ref = zoo.reference_step(reference, batch_box[0], case.n_microbatches)
+            batch_box[0] = _to_device(batch_box[0], device)
             result = run_step(schedule, pp_stages, named, hooks, batch_box, ref, case.n_microbatches)
             record["steps"].append({"step": step, **result})
         failures = [f"step {s['step']}: {f}" for s in record["steps"] for f in s["failures"]]
@@ -364,6 +381,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="dynamic: torch infers shapes on the first step (its default; needs numpy); "
         "static: every PipelineStage gets example inputs/outputs",
     )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r uses cuda:LOCAL_RANK")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process-group backend")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=0, help="microbatches per step (0: each schedule's rule)")
     p.add_argument("--seed", type=int, default=0)
@@ -446,7 +465,11 @@ def main(argv: list[str] | None = None) -> int:
         specs = [zoo.get_model(m) for m in model_names]
         verdict["installed"] = select_backward(args.backward)
         say(f"backward={args.backward}: {verdict['installed']['stage_backward']}")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+        device = torch.device("cpu")
+        if args.device == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
+        dist.init_process_group(args.backend, timeout=timedelta(seconds=args.pg_timeout))
         _write(verdict_path, verdict)
         if args.hang_rank is not None:
             if rank == args.hang_rank:
@@ -459,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
             for spec in specs:
                 say(f">>> {case.name}/{spec.name}")
                 t0 = time.perf_counter()
-                record = run_case(case, spec, rank, args.steps, args.seed, args.case_timeout, args.metadata)
+                record = run_case(
+                    case, spec, rank, args.steps, args.seed, args.case_timeout, args.metadata, device, args.backend
+                )
                 record["seconds"] = round(time.perf_counter() - t0, 3)
                 verdict["cases"].append(record)
                 _write(verdict_path, verdict)

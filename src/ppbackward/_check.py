@@ -1,0 +1,273 @@
+"""``ppbackward check``: every schedule of the installed torch, upstream vs ppbackward, one table.
+
+Private module behind the console script. It launches the multiproc harness worker
+(``ppbackward._harness.worker``) under torchrun twice — with torch's own stage backward and with
+``ppbackward.install()`` — on a built-in model, then prints one row per schedule and backward:
+
+* ``garbage``: tensors + autograd nodes found in reference cycles after a step (max over ranks and
+  steps; ``ppbackward.leaks.check_tensor_leaks``);
+* ``gc-only``: bytes of saved activations freed only by a gc run (held by a cycle);
+* ``held``: bytes of saved activations still alive after the step, the stage's runtime state
+  cleared and a gc run (held by a live reference);
+* ``max|dg|``: max |grad - reference| over every parameter, against a single-process reference;
+* ``hooks``: post-accumulate-grad hook calls / expected (once per parameter per microbatch);
+* ``step``: mean seconds per step (max over ranks).
+
+Exit code 0 only when ppbackward passes every cell; upstream's failures are reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["main"]
+
+BACKWARDS = ("upstream", "ppbackward")
+_MODELS = ("transformer", "mlp", "tuple", "ckpt")
+_COLUMNS = ("garbage", "gc-only", "held", "max|dg|", "hooks", "step")
+
+
+class CheckError(Exception):
+    """A problem with the request or the machine, reported as one clear message (exit code 2)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ppbackward check",
+        description="Run every pipeline schedule of the installed torch under torchrun, with torch's own "
+        "stage backward and with ppbackward, and compare leaks, activation lifetime, grads and hooks.",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) to start (default 2)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process-group backend")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r uses cuda:r")
+    p.add_argument("--model", choices=_MODELS, default="transformer", help="built-in model (default transformer)")
+    p.add_argument("--schedules", default="all", help="comma-separated schedule class names, or 'all'")
+    p.add_argument("--steps", type=int, default=2, help="measured schedule steps per case (default 2)")
+    p.add_argument("--microbatches", type=int, default=0, help="microbatches per step (0: each schedule's rule)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per torchrun launch before it is killed")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--logs", metavar="DIR", help="keep the ranks' logs and verdicts in DIR (default: a temp dir)")
+    # For the test suite and debugging: extra arguments for the harness worker (e.g. --hang-rank=1).
+    p.add_argument("--worker-arg", action="append", default=[], help=argparse.SUPPRESS)
+    return p
+
+
+def _validate(args: argparse.Namespace) -> list[str] | None:
+    """Check the request before launching anything; return the schedule filter."""
+    if importlib.util.find_spec("torch.distributed.run") is None or not torch.distributed.is_available():
+        raise CheckError(f"torch {torch.__version__} has no torch.distributed / torchrun on this machine")
+    if args.nproc < 1:
+        raise CheckError(f"--nproc {args.nproc}: need at least 1 rank")
+    if args.steps < 1:
+        raise CheckError(f"--steps {args.steps}: need at least 1 step")
+    if args.microbatches < 0:
+        raise CheckError(f"--microbatches {args.microbatches}: must be 0 (automatic) or positive")
+    if args.timeout <= 10:
+        raise CheckError(f"--timeout {args.timeout:g}: must exceed 10 seconds")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckError("--device cuda: torch.cuda.is_available() is False on this machine")
+        if torch.cuda.device_count() < args.nproc:
+            raise CheckError(f"--device cuda --nproc {args.nproc}: only {torch.cuda.device_count()} GPU(s) visible")
+    if args.backend == "nccl" and args.device != "cuda":
+        raise CheckError("--backend nccl needs --device cuda")
+    from ppbackward._harness import schedules
+
+    known = set(schedules.RULES) | set(schedules.discover())
+    if args.schedules == "all":
+        return None
+    only = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    unknown = [s for s in only if s not in known]
+    if unknown:
+        raise CheckError(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return only
+
+
+def _run_backward(backward: str, args: argparse.Namespace, out_dir: Path, t0: float) -> Any:
+    from ppbackward._harness.launch import launch
+
+    worker_args = [
+        "--backward", backward, "--models", args.model, "--schedules", args.schedules,
+        "--steps", str(args.steps), "--microbatches", str(args.microbatches),
+        "--device", args.device, "--backend", args.backend,
+        # a case that fails on one rank leaves the others waiting for it: keep that wait short
+        "--case-timeout", "15", "--pg-timeout", "60",
+        *args.worker_arg,
+    ]  # fmt: skip
+
+    def progress(record: dict[str, Any]) -> None:
+        status = record.get("status", "?")
+        seconds = record.get("seconds")
+        took = f"{seconds:.1f} s" if isinstance(seconds, (int, float)) else "-"
+        print(
+            f"  [{backward:>10}] {record.get('schedule', record.get('id', '?')):<30} {status:<5} "
+            f"({took}; elapsed {time.perf_counter() - t0:5.1f} s)",
+            flush=True,
+        )
+
+    print(f"{backward}: launching {args.nproc} ranks ({args.backend}, {args.device}) ...", flush=True)
+    return launch(args.nproc, worker_args, out_dir / backward, args.timeout, on_case=progress)
+
+
+def _cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
+    """Aggregate one case's per-rank records into the table's metrics."""
+    steps = [s for r in per_rank.values() if r for s in r.get("steps", [])]
+    failures = sorted({f for r in per_rank.values() if r for f in r.get("failures", [])})
+    status = {r.get("status") for r in per_rank.values() if r}
+    if not steps:
+        return {"status": "skip" if status == {"skip"} else "fail", "failures": failures}
+    step_seconds = [
+        sum(s["seconds"] for s in r["steps"]) / len(r["steps"]) for r in per_rank.values() if r and r.get("steps")
+    ]
+    return {
+        "status": "pass" if status == {"pass"} else "fail",
+        "garbage": max(s["garbage"]["tensors"] + s["garbage"]["nodes"] for s in steps),
+        "bytes_freed_only_by_gc": max(s["lifetime"]["bytes_freed_only_by_gc"] for s in steps),
+        "bytes_held_after_step": max(s["lifetime"]["bytes_held_after_gc"] for s in steps),
+        "max_abs_grad_err": max(s["numerics"]["max_abs_grad_err"] for s in steps),
+        "hooks_fired": sum(s["hooks"]["fired"] for s in steps),
+        "hooks_expected": sum(s["hooks"]["expected"] for s in steps),
+        "step_seconds": max(step_seconds),
+        "failures": failures,
+    }
+
+
+def _cell_ok(values: dict[str, Any]) -> dict[str, bool]:
+    numerics_ok = not any(f.split(": ", 2)[-1].startswith("numerics") or "numerics:" in f for f in values["failures"])
+    return {
+        "garbage": values["garbage"] == 0,
+        "gc-only": values["bytes_freed_only_by_gc"] == 0,
+        "held": values["bytes_held_after_step"] == 0,
+        "max|dg|": numerics_ok,
+        "hooks": values["hooks_fired"] == values["hooks_expected"],
+        "step": True,
+    }
+
+
+def _format_cell(column: str, values: dict[str, Any], ok: bool) -> str:
+    text = {
+        "garbage": lambda v: f"{v['garbage']}",
+        "gc-only": lambda v: f"{v['bytes_freed_only_by_gc']} B",
+        "held": lambda v: f"{v['bytes_held_after_step']} B",
+        "max|dg|": lambda v: f"{v['max_abs_grad_err']:.1e}",
+        "hooks": lambda v: f"{v['hooks_fired']}/{v['hooks_expected']}",
+        "step": lambda v: f"{v['step_seconds'] * 1e3:.0f} ms",
+    }[column](values)
+    return text if column == "step" else f"{text} {'ok' if ok else 'FAIL'}"
+
+
+def _short_reason(values: dict[str, Any] | None) -> str:
+    if values is None:
+        return "FAIL: no verdict"
+    if values["status"] == "skip":
+        return "skipped: " + (values.get("failures") or [""])[0]
+    first = (values.get("failures") or ["no measurement"])[0].removeprefix("exception: ")
+    return "FAIL: " + (first if len(first) <= 90 else first[:87] + "...")
+
+
+def _table(results: dict[str, dict[str, dict[str, Any]]], schedules: list[str]) -> str:
+    header = ["schedule", "backward", *_COLUMNS]
+    rows: list[list[str]] = []
+    for name in schedules:
+        for backward in BACKWARDS:
+            values = results[backward].get(name)
+            if values is None or "garbage" not in values:
+                rows.append([name, backward, _short_reason(values)])  # spans the metric columns
+                continue
+            oks = _cell_ok(values)
+            rows.append([name, backward, *(_format_cell(c, values, oks[c]) for c in _COLUMNS)])
+    full = [header, *(r for r in rows if len(r) == len(header))]
+    widths = [max(len(r[i]) for r in full) for i in range(len(header))]
+    widths[0] = max([widths[0], *(len(r[0]) for r in rows)])
+
+    def line(r: list[str]) -> str:
+        return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip()
+
+    lines = [line(header), "  ".join("-" * w for w in widths)]
+    lines += [line(r) for r in rows]
+    return "\n".join(lines)
+
+
+def _collect(result: Any) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for case_id in result.case_ids():
+        values = _cell_values(result.case(case_id))
+        out[case_id.split("/")[0]] = values
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``check`` command; returns the process exit code."""
+    only = _validate(args)
+    t0 = time.perf_counter()
+    print(
+        f"ppbackward check: torch {torch.__version__}, model {args.model}, {args.nproc} ranks, "
+        f"{args.steps} step(s) per schedule",
+        flush=True,
+    )
+    logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="ppbackward-check-"))
+    launches = {b: _run_backward(b, args, logs, t0) for b in BACKWARDS}
+    results = {b: _collect(r) for b, r in launches.items()}
+    schedules = [s for s in dict.fromkeys([*results["upstream"], *results["ppbackward"]]) if only is None or s in only]
+    print()
+    print(_table(results, schedules))
+    print()
+    problems = {b: r.launch_problems() for b, r in launches.items()}
+    for backward, launch_result in launches.items():
+        if problems[backward]:
+            print(f"{backward}: the launch itself failed:\n{launch_result.format_launch()}\n")
+    ours = results["ppbackward"]
+    bad = [s for s in schedules if ours.get(s, {}).get("status") not in ("pass", "skip")]
+    if bad and not problems["ppbackward"]:
+        print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
+    upstream_bad = [s for s in schedules if results["upstream"].get(s, {}).get("status") not in ("pass", "skip")]
+    for s in upstream_bad:
+        print(f"upstream {s}: {_short_reason(results['upstream'][s]).removeprefix('FAIL: ')}")
+    elapsed = time.perf_counter() - t0
+    passed = not bad and not problems["ppbackward"]
+    if problems["ppbackward"]:
+        outcome = f"FAIL: its launch failed ({problems['ppbackward'][0].splitlines()[0]})"
+    else:
+        outcome = f"{'PASS' if passed else 'FAIL'} on {len(schedules) - len(bad)}/{len(schedules)} schedules"
+    upstream = (
+        f"torch's own launch failed ({problems['upstream'][0].splitlines()[0]})"
+        if problems["upstream"]
+        else f"torch's own backward failed {len(upstream_bad)}/{len(schedules)}"
+    )
+    verdict = f"VERDICT: ppbackward {outcome}; {upstream} ({elapsed:.0f} s; logs: {logs})"
+    print(verdict)
+    if args.json:
+        payload = {
+            "torch": torch.__version__,
+            "model": args.model,
+            "nproc": args.nproc,
+            "backend": args.backend,
+            "device": args.device,
+            "steps": args.steps,
+            "results": results,
+            "launch_problems": problems,
+            "passed": passed,
+            "verdict": verdict,
+            "logs": str(logs),
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+    return 0 if passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ppbackward check``; returns the exit code (2 for a bad request)."""
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except CheckError as e:
+        print(f"ppbackward check: error: {e}", file=sys.stderr)
+        return 2
