@@ -1,0 +1,130 @@
+"""Bytes of saved activations held between B and W, against the bytes W actually reads.
+
+Private module. Two forwards of the same stage, with the same shapes and therefore the same bytes:
+
+* **held** (no hooks): after the forward, weak references to the storages of every tensor saved
+  by the graph (``ppbackward._memory.saved_storages``, which reads ``grad_fn._saved_*``); after B
+  returns, the bytes of those still allocated. The stage output is kept alive until W, as torch's
+  ``PipelineStage`` keeps it in ``backward_state``; its storage, the parameters' and the stage
+  input's are not counted (the caller owns them). No saved-tensor hook is installed here, on
+  purpose: ppbackward's B releases the saved tensors W never reads through the public
+  ``SavedTensor.register_hooks`` and leaves alone those that already have hooks (Note [release
+  unread saved tensors] in ``ppbackward._saved``), so measuring with hooks would disable what is
+  measured. The gc is disabled from the forward to the end of W, so held is what reference
+  counting keeps; ``held_after_gc_bytes`` repeats the count after a ``gc.collect()``.
+* **floor** (unpack hooks): the forward runs under ``torch.autograd.graph.saved_tensors_hooks``.
+  The pack hook returns a *detached alias* ``a = t.detach()`` (never ``t`` itself: packing a
+  node's own output would make the node hold the tensor that holds the node, a cycle inside C++
+  that no gc can break; parameters and the stage input, leaves requiring grad, are returned as
+  they are) and keeps a ``weakref.ref(a)``; the unpack hook records the storage of every alias read
+  during W. A node run in W unpacks all its saved tensors, whether or not the gradients W asks for
+  use them: the floor is what W *reads*, as the engine runs it. W reads the same tensors with or
+  without the release, so this run gives the floor of either implementation.
+
+Both runs count unique storages (``untyped_storage().data_ptr()``, ``nbytes()``): several saved
+tensors may be views of one buffer (attention's q, k and v are chunks of one projection). Both
+count the same set at the end of the forward (``saved_bytes`` and ``saved_bytes_hooked`` agree);
+``held >= floor`` unless W read something B had freed (W would then have failed). The recorder and
+the storage map hold only weak references and integers; the hooks that autograd nodes keep
+reference the recorder, never a node or a tensor, so measuring creates no cycle.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import torch
+
+from ppbackward._bench._impls import run_b, run_w
+from ppbackward._bench._models import Stage, reset_grads
+from ppbackward._memory import alive_bytes, saved_storages
+
+__all__: list[str] = []  # private module
+
+_Key = tuple[int, int]
+
+
+def _key(t: torch.Tensor) -> _Key:
+    st = t.untyped_storage()
+    return (st.data_ptr(), st.nbytes())
+
+
+class SavedRecorder:
+    """Pack/unpack hooks that record which saved storages are read, per phase (module docstring)."""
+
+    __slots__ = ("refs", "unpacked", "phase", "skip")
+
+    def __init__(self, skip: frozenset[int] = frozenset()) -> None:
+        self.refs: list[tuple[weakref.ref, _Key]] = []
+        self.unpacked: dict[str, set[_Key]] = {}
+        self.phase = "forward"
+        self.skip = skip  # storage data_ptrs not counted (parameters, stage input, output)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad and t.grad_fn is None:  # a parameter or the stage input
+            return t
+        a = t.detach()
+        self.refs.append((weakref.ref(a), _key(a)))
+        return a
+
+    def unpack(self, a: torch.Tensor) -> torch.Tensor:
+        if not (a.requires_grad and a.grad_fn is None):
+            self.unpacked.setdefault(self.phase, set()).add(_key(a))
+        return a
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def bytes(self, keys: Any) -> int:
+        return sum(nbytes for ptr, nbytes in set(keys) if ptr not in self.skip and nbytes)
+
+
+def _floor(impl: str, stage: Stage) -> tuple[int, int]:
+    """(bytes saved by the forward, bytes W unpacks) with the recorder's hooks."""
+    reset_grads(stage)
+    rec = SavedRecorder()
+    with rec.hooks():
+        out = stage.model(stage.x)
+    rec.skip = frozenset(t.untyped_storage().data_ptr() for t in (*stage.params, stage.x, out))
+    saved = rec.bytes(key for ref, key in rec.refs if ref() is not None)
+    rec.phase = "B"
+    groups = run_b(impl, stage, out)
+    rec.phase = "W"
+    run_w(impl, stage, groups)
+    del groups, out
+    reset_grads(stage)
+    return saved, rec.bytes(rec.unpacked.get("W", ()))
+
+
+def measure_split(impl: str, stage: Stage) -> dict[str, Any]:
+    """Held (no hooks) and floor (unpack hooks) bytes of ``impl`` on ``stage``; see module docstring."""
+    saved_hooked, floor = _floor(impl, stage)
+    reset_grads(stage)
+    gc.collect()
+    gc.disable()
+    try:
+        out = stage.model(stage.x)
+        storages = saved_storages([out.grad_fn], exclude=[*stage.params, stage.x, out])
+        saved = alive_bytes(storages)
+        groups = run_b(impl, stage, out)
+        held = alive_bytes(storages)  # `out` is still referenced, as PipelineStage keeps it until W
+        gc.collect()
+        held_after_gc = alive_bytes(storages)
+        run_w(impl, stage, groups)
+        del groups, out
+        after_w = alive_bytes(storages)
+    finally:
+        gc.enable()
+        reset_grads(stage)
+    return {
+        "saved_bytes": saved,
+        "saved_bytes_hooked": saved_hooked,
+        "held_bytes": held,
+        "floor_bytes": floor,
+        "held_over_floor": held / floor if floor else (float("inf") if held else 1.0),
+        "held_after_gc_bytes": held_after_gc,
+        "after_w_bytes": after_w,
+        "unread_held_bytes": held - floor,
+    }

@@ -1,0 +1,192 @@
+"""Targets of issue 6, the printed tables and the JSON report of the benchmark.
+
+Private module. Each target yields one row per configuration it applies to, ``PASS`` or ``MISS``
+with the measured ratio and the limit; nothing here is asserted by tests (timings are noisy).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__: list[str] = []  # private module
+
+MiB = float(2**20)
+
+
+def _target(name: str, where: str, value: float, limit: float, median: Optional[float] = None) -> dict[str, Any]:
+    """One target row; ``value`` (ratio of minima) decides, ``median`` (paired) is shown beside it."""
+    return {
+        "target": name,
+        "where": where,
+        "value": value,
+        "median_paired": median,
+        "limit": limit,
+        "status": "PASS" if value <= limit else "MISS",
+    }
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets (and the benchmark's own linearity check), evaluated on ``report``."""
+    rows = []
+    for c in report["configs"]:
+        r, where, pm = c["ratio_to_plain"], c["label"], c["paired_ratio_median"]
+        if c["layers"] == 16 and c["d_model"] == 256:
+            rows.append(_target("ppbackward B+W <= 1.15x plain (16 layers, d 256)", where, r["ppbackward_bw"], 1.15, pm["ppbackward_bw/plain"]))
+        if c["layers"] == 16 and c["d_model"] == 64:
+            rows.append(_target("ppbackward B+W <= 2.0x plain (16 layers, d 64)", where, r["ppbackward_bw"], 2.0, pm["ppbackward_bw/plain"]))
+    for c in report["configs"]:
+        t, pm = c["time_ms"], c["paired_ratio_median"]
+        rows.append(_target("ppbackward B+W never slower than upstream B+W", c["label"], t["ppbackward_bw"] / t["upstream_bw"], 1.0, pm["ppbackward_bw/upstream_bw"]))
+    sched = report.get("schedule")
+    if sched and "ratio" in sched:
+        rows.append(_target("ppbackward schedule step never slower than upstream", "torchrun 2 ranks", sched["ratio"], 1.0))
+    for c in report["configs"]:
+        rows.append(_target("full stage_backward within 5% of plain", c["label"], c["ratio_to_plain"]["full"], 1.05, c["paired_ratio_median"]["full/plain"]))
+    for c in report["configs"]:
+        rows.append(_target("bytes held between B and W <= 1.05x bytes W reads", c["label"], c["memory"]["ppbackward"]["held_over_floor"], 1.05))
+    fit = (report.get("analysis_scaling") or {}).get("fit") or {}
+    if "per_unit_growth" in fit:
+        rows.append(_target("[bench check] analysis linear: us/(node+edge) largest/smallest <= 1.5", "1..32 layers" if len(report["analysis_scaling"]["points"]) > 3 else "quick", fit["per_unit_growth"], 1.5))
+    return rows
+
+
+def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """Plain-text table; the first ``left`` columns are left-aligned, the others right-aligned."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _x(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """All tables of ``report`` as plain text (also valid inside a Markdown code block)."""
+    m = report["meta"]
+    parts = [
+        f"ppbackward bench  {m['date']}  torch {m['torch']}  python {m['python']}  "
+        f"{m['cpu_count']} CPU cores, {m['threads']} torch thread  {m['platform']}",
+    ]
+    if m.get("ppbackward_commit") or m.get("loadavg_start") is not None:
+        parts.append(
+            f"ppbackward {m.get('ppbackward')} ({m.get('ppbackward_commit') or 'commit unknown'}); "
+            f"1-min load average {m.get('loadavg_start')} at start, {m.get('loadavg_end')} at end"
+        )
+    rows = []
+    for c in report["configs"]:
+        t, r = c["time_ms"], c["ratio_to_plain"]
+        rows.append([
+            c["label"], str(c["repeats"]), f"{t['plain']:.2f}",
+            f"{t['upstream_b']:.2f}", f"{t['upstream_w']:.2f}", f"{t['upstream_bw']:.2f}", _x(r["upstream_bw"]),
+            f"{t['ppbackward_b']:.2f}", f"{t['ppbackward_w']:.2f}", f"{t['ppbackward_bw']:.2f}", _x(r["ppbackward_bw"]),
+            f"{t['full']:.2f}", _x(r["full"]), f"{t['ppbackward_bw'] / t['upstream_bw']:.2f}",
+            f"{c['param_groups']['upstream']}/{c['param_groups']['ppbackward']}",
+            "yes" if all(c["grads_match"].values()) else "NO",
+        ])  # fmt: skip
+    parts.append(
+        "\nTime: backward only, ms, min of N interleaved repeats; (x) = ratio to plain autograd.backward\n"
+        + _table(
+            ["config", "N", "plain", "up B", "up W", "up B+W", "(x)", "pp B", "pp W", "pp B+W", "(x)",
+             "pp full", "(x)", "pp/up", "groups up/pp", "exact"],
+            rows,
+        )  # fmt: skip
+    )
+    rows = []
+    for c in report["configs"]:
+        u, p = c["memory"]["upstream"], c["memory"]["ppbackward"]
+        rows.append([
+            c["label"], f"{u['saved_bytes'] / MiB:.3f}",
+            f"{u['held_bytes'] / MiB:.3f}", f"{u['floor_bytes'] / MiB:.3f}", _x(u["held_over_floor"]),
+            f"{p['held_bytes'] / MiB:.3f}", f"{p['floor_bytes'] / MiB:.3f}", _x(p["held_over_floor"]),
+            f"{u['after_w_bytes']}/{p['after_w_bytes']}",
+        ])  # fmt: skip
+    parts.append(
+        "\nMemory: saved activations (MiB, unique storages, parameters excluded) alive between B and W;"
+        " floor = what W reads\n"
+        + _table(
+            ["config", "saved", "up held", "up floor", "up held/floor", "pp held", "pp floor",
+             "pp held/floor", "bytes after W up/pp"],
+            rows,
+        )  # fmt: skip
+    )
+    scaling = report.get("analysis_scaling")
+    if scaling:
+        rows = [
+            [str(p["layers"]), str(p["nodes"]), str(p["edges"]), str(p["size"]), f"{p['analyze_us']:.0f}",
+             f"{p['us_per_unit']:.3f}", f"{p['upstream_us']:.0f}" if "upstream_us" in p else "-"]
+            for p in scaling["points"]
+        ]  # fmt: skip
+        fit = scaling["fit"]
+        parts.append(
+            "\nGraph analysis (ppbackward._graph.analyze) vs graph size, d 64 s 16\n"
+            + _table(["layers", "nodes", "edges", "nodes+edges", "analyze us", "us/(node+edge)", "upstream us"], rows)
+            + (
+                f"\nfit: t = {fit['intercept_us']:.0f} us + {fit['us_per_unit']:.3f} us x (nodes+edges), "
+                f"R^2 = {fit['r2']:.4f}; us/(node+edge) largest/smallest = {fit['per_unit_growth']:.2f}"
+                if fit else ""
+            )
+        )
+    prof = report.get("profile")
+    if prof:
+        rows = []
+        for impl in ("upstream", "ppbackward"):
+            d = prof[impl]
+            for phase in ("b", "w"):
+                s, c = d["profile"][phase], d[phase]
+                rows.append([
+                    impl, phase.upper(), f"{s['engine_calls']:.0f}", str(c["node_calls"]), str(c["matmuls"]),
+                    str(c["accumulate_grad"]), f"{s['total_ms']:.2f}", f"{s['engine_ms']:.2f}",
+                    f"{s['analysis_ms']:.2f}", f"{s['hooks_ms']:.2f}", f"{s['python_other_ms']:.2f}",
+                ])  # fmt: skip
+        pl = prof["plain"]
+        parts.append(
+            f"\nWhere the time goes ({prof['config']}, {prof['params']} parameters; plain backward: 1 engine call, "
+            f"{pl['node_calls']} node calls, {pl['matmuls']} matmuls, {pl['accumulate_grad']} AccumulateGrad; "
+            "times: cProfile, ms per call, inflated by profiling)\n"
+            + _table(
+                ["impl", "phase", "engine calls", "node calls", "matmuls", "AccumulateGrad", "total", "engine",
+                 "analysis", "hooks", "python other"],
+                rows, left=2,
+            )  # fmt: skip
+            + "\n"
+            + "\n".join(
+                f"{impl}: {prof[impl]['param_groups']} param groups; B+W minus plain: "
+                f"{prof[impl]['extra_node_calls']} node calls, {prof[impl]['extra_matmuls']} matmuls"
+                for impl in ("upstream", "ppbackward")
+            )
+        )
+    sched = report.get("schedule")
+    if sched:
+        if "error" in sched:
+            parts.append(f"\nSchedule step: ERROR\n{sched['error']}")
+        else:
+            parts.append(
+                f"\nSchedule step ({sched['schedule']}, torchrun {sched['ranks']} ranks gloo, {sched['stages']} stages x "
+                f"{sched['layers_per_stage']} layers d {sched['d_model']} s {sched['seq']}, {sched['microbatches']} "
+                f"microbatches of {sched['microbatch_size']}; min of {sched['repeats']}): upstream "
+                f"{sched['upstream_ms']:.1f} ms, ppbackward {sched['ppbackward_ms']:.1f} ms, ratio {sched['ratio']:.2f}, "
+                f"grads match: {'yes' if sched['grads_match'] else 'NO'}"
+            )
+    rows = [
+        [t["status"], t["target"], t["where"], f"{t['value']:.2f}",
+         "-" if t.get("median_paired") is None else f"{t['median_paired']:.2f}", f"{t['limit']:.2f}"]
+        for t in report["targets"]
+    ]  # fmt: skip
+    parts.append(
+        "\nTargets (issue 6); measured = ratio of minima (decides), median = median of per-repeat ratios\n"
+        + _table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
+    )
+    n_miss = sum(t["status"] == "MISS" for t in report["targets"])
+    parts.append(f"{len(report['targets']) - n_miss} PASS, {n_miss} MISS")
+    return "\n".join(parts)
+
+
+def summary_line(report: dict[str, Any]) -> Optional[str]:
+    bad = [c["label"] for c in report["configs"] if not all(c["grads_match"].values())]
+    return f"gradient mismatch against plain autograd on: {', '.join(bad)}" if bad else None
