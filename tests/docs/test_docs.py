@@ -1,0 +1,246 @@
+"""The docs build from plain Markdown: every relative link resolves, every ``python`` block runs.
+
+Covers ``README.md`` and every ``docs/*.md`` (found when the tests are collected, so a new page is
+checked without touching this file):
+
+* every relative link and image points to an existing file, and, when it has a ``#fragment``, to an
+  existing heading of that Markdown file (GitHub's slugs: lower case, punctuation dropped, spaces to
+  ``-``, ``-1``, ``-2`` ... for repeated headings);
+* every fenced block has a language, so whether it runs is explicit: ```` ```python ```` blocks must run
+  as-is, fragments and output are fenced ```` ```text ```` or ```` ```bash ````;
+* every ```` ```python ```` block runs as-is in a fresh interpreter (``sys.executable``, an empty
+  temporary working directory, a timeout): one test per block, with the id ``file:line`` of its
+  opening fence (the blocks are started side by side, a few at a time);
+* ``docs/make_figures.py`` (the command that drew ``docs/images``) still works, and the committed
+  pictures are small.
+
+One process per block, CPU; most of the time is importing torch once per block (about 3 s each).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+BLOCK_TIMEOUT_S = 120
+MAX_IMAGE_BYTES = 200_000
+
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)")
+_HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+_INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]*)>?(?:\s+[\"'(][^)]*)?\)")
+_REF_DEF = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s.*)?$")
+_EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto:, ...
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.relative_to(ROOT).as_posix()}:{self.line}"
+
+
+def _scan(page: Path) -> tuple[list[Block], list[tuple[int, str]]]:
+    """Fenced blocks, and ``(line number, text)`` of every line outside them."""
+    blocks: list[Block] = []
+    prose: list[tuple[int, str]] = []
+    fence: tuple[str, int, str] | None = None  # (marker, start line, lang)
+    body: list[str] = []
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        match = _FENCE.match(line)
+        if fence is None:
+            if match:
+                fence = (match.group(1), number, match.group(2).lower())
+                body = []
+            else:
+                prose.append((number, line))
+        elif match and match.group(1)[0] == fence[0][0] and len(match.group(1)) >= len(fence[0]) and not match.group(2):
+            blocks.append(Block(page, fence[1], fence[2], "\n".join(body) + "\n"))
+            fence = None
+        else:
+            body.append(line)
+    assert fence is None, f"{page.relative_to(ROOT)}:{fence[1]}: code fence never closed"
+    return blocks, prose
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading's text (before de-duplication)."""
+    text = _INLINE_CODE.sub(lambda m: m.group(2), heading)
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)  # links and images keep their text
+    text = re.sub(r"<[^>]+>", "", text).replace("*", "")
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    anchors: set[str] = set()
+    for _, line in _scan(page)[1]:
+        match = _HEADING.match(line)
+        if not match:
+            continue
+        slug = _slug(match.group(2))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def _links(page: Path) -> list[tuple[int, str]]:
+    found = []
+    for number, line in _scan(page)[1]:
+        text = _INLINE_CODE.sub("code", line)  # `[x](y)` inside code is not a link
+        found += [(number, m.group(1)) for m in _LINK.finditer(text)]
+        ref = _REF_DEF.match(text)
+        if ref:
+            found.append((number, ref.group(1)))
+    return found
+
+
+def _link_problem(page: Path, target: str) -> str | None:
+    if not target or _EXTERNAL.match(target):
+        return None
+    path_part, _, fragment = target.partition("#")
+    path_part = urllib.parse.unquote(path_part)
+    if path_part.startswith("/"):
+        return "absolute path: links in the docs must be relative"
+    dest = (page.parent / path_part).resolve() if path_part else page
+    if not dest.exists():
+        return f"no such file: {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}"
+    if fragment:
+        if dest.suffix != ".md":
+            return f"#{fragment} on a file that is not Markdown"
+        if urllib.parse.unquote(fragment).lower() not in _anchors(dest):
+            return f"no heading with anchor #{fragment} in {dest.relative_to(ROOT)}"
+    return None
+
+
+def _python_blocks() -> list[Block]:
+    return [b for page in PAGES for b in _scan(page)[0] if b.lang in ("python", "py", "python3")]
+
+
+# -- helpers of this file, checked on tiny inputs -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "heading, slug",
+    [
+        ("Memory between B and W", "memory-between-b-and-w"),
+        ("Command line: `ppbackward check`", "command-line-ppbackward-check"),
+        ("What `ppbackward check` prints", "what-ppbackward-check-prints"),
+        ("`stage_backward_weight(weights, param_groups, retain_graph=False)` — W",
+         "stage_backward_weightweights-param_groups-retain_graphfalse--w"),
+        ("The tracker: `track_activations`", "the-tracker-track_activations"),
+    ],
+)  # fmt: skip
+def test_slug_matches_github(heading, slug):
+    assert _slug(heading) == slug
+
+
+def test_link_checker_catches_missing_files_and_anchors(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n## Two words\n\n## Two words\n\n```text\n# not a heading\n```\n")
+    assert _anchors(page) == {"title", "two-words", "two-words-1"}
+    assert _link_problem(page, "#two-words-1") is None
+    assert _link_problem(page, "page.md#title") is None
+    assert "no heading" in _link_problem(page, "#not-a-heading")
+    assert "no such file" in _link_problem(page, "missing.md")
+    assert "absolute path" in _link_problem(page, "/etc/hosts")
+    assert _link_problem(page, "https://example.com/x#y") is None
+    links = "[a](page.md#title) `[b](nope.md)` ![c](img.png) [d]: ref.md\n"
+    page.write_text(links)
+    assert [t for _, t in _links(page)] == ["page.md#title", "img.png"]
+    page.write_text("[d]: ref.md\n")
+    assert [t for _, t in _links(page)] == ["ref.md"]
+
+
+# -- the docs themselves ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(page):
+    problems = []
+    for number, target in _links(page):
+        problem = _link_problem(page, target)
+        if problem:
+            problems.append(f"{page.relative_to(ROOT)}:{number}: ({target}) {problem}")
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_fence_says_its_language(page):
+    untagged = [b.id for b in _scan(page)[0] if not b.lang]
+    assert not untagged, f"fenced blocks without a language (use python, text or bash): {untagged}"
+
+
+def _run_block(block: Block, folder: Path) -> subprocess.CompletedProcess | str:
+    """Run ``block`` as a script in ``folder``; the finished process, or a message if it timed out."""
+    script = folder / f"{block.page.stem}_{block.line}.py"
+    script.write_text(block.code, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    env["OMP_NUM_THREADS"] = "1"
+    try:
+        return subprocess.run(
+            [sys.executable, str(script)], cwd=folder, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as e:
+        return f"still running after {BLOCK_TIMEOUT_S} s (killed)\n{e.stdout or ''}{e.stderr or ''}"
+
+
+@pytest.fixture(scope="module")
+def block_runs(tmp_path_factory):
+    """Every python block, started at once on a few worker threads (each in its own interpreter and
+    temporary folder): the tests below each wait for their own. Most of a block's time is importing
+    torch, so running them side by side keeps this file well under a minute."""
+    blocks = _python_blocks()
+    workers = max(2, min(len(blocks), os.cpu_count() or 2))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        yield {b.id: pool.submit(_run_block, b, tmp_path_factory.mktemp("block")) for b in blocks}
+
+
+@pytest.mark.parametrize("block", _python_blocks(), ids=lambda b: b.id)
+def test_python_block_runs(block, block_runs):
+    proc = block_runs[block.id].result()
+    if isinstance(proc, str):
+        pytest.fail(f"{block.id}: {proc}")
+    assert proc.returncode == 0, (
+        f"{block.id}: the python block failed (exit code {proc.returncode}); fence it as ```text if it is "
+        f"not meant to run\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    )
+
+
+def test_make_figures_command_works_and_images_are_small(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "make_figures.py"), "--out", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S,
+    )
+    have_dot = shutil.which("dot") is not None
+    assert proc.returncode == (0 if have_dot else 1), proc.stdout + proc.stderr
+    assert proc.stdout.count("same step with ppbackward: no tensor and no autograd node leaked") == 2, proc.stdout
+    made = sorted(p.name for p in tmp_path.iterdir())
+    committed = sorted(p.name for p in (ROOT / "docs" / "images").iterdir())
+    assert set(made) <= set(committed), f"make_figures.py writes {made}, docs/images has {committed}"
+    assert {n for n in committed if n.endswith(".dot")} == {n for n in made if n.endswith(".dot")}
+    for name in committed:
+        size = (ROOT / "docs" / "images" / name).stat().st_size
+        assert size < MAX_IMAGE_BYTES, f"docs/images/{name} is {size} bytes (keep pictures < 200 KB)"
