@@ -43,15 +43,16 @@ class CheckError(Exception):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ppbackward check",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Run every pipeline schedule of the installed torch under torchrun, with torch's own "
         "stage backward and with ppbackward, and compare leaks, activation lifetime, grads and hooks.",
     )
-    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) to start (default 2)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) to start")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process-group backend")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r uses cuda:r")
-    p.add_argument("--model", choices=_MODELS, default="transformer", help="built-in model (default transformer)")
+    p.add_argument("--model", choices=_MODELS, default="transformer", help="built-in model")
     p.add_argument("--schedules", default="all", help="comma-separated schedule class names, or 'all'")
-    p.add_argument("--steps", type=int, default=2, help="measured schedule steps per case (default 2)")
+    p.add_argument("--steps", type=int, default=2, help="measured schedule steps per case")
     p.add_argument("--microbatches", type=int, default=0, help="microbatches per step (0: each schedule's rule)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per torchrun launch before it is killed")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
@@ -100,7 +101,7 @@ def _run_backward(backward: str, args: argparse.Namespace, out_dir: Path, t0: fl
         "--steps", str(args.steps), "--microbatches", str(args.microbatches),
         "--device", args.device, "--backend", args.backend,
         # a case that fails on one rank leaves the others waiting for it: keep that wait short
-        "--case-timeout", "15", "--pg-timeout", "60",
+        "--case-timeout", "10", "--pg-timeout", "60",
         *args.worker_arg,
     ]  # fmt: skip
 
@@ -165,12 +166,17 @@ def _format_cell(column: str, values: dict[str, Any], ok: bool) -> str:
     return text if column == "step" else f"{text} {'ok' if ok else 'FAIL'}"
 
 
-def _short_reason(values: dict[str, Any] | None) -> str:
+def _reason(values: dict[str, Any] | None) -> str:
+    """The first failure of a case, in full (one line)."""
     if values is None:
-        return "FAIL: no verdict"
-    if values["status"] == "skip":
+        return "no verdict"
+    return (values.get("failures") or ["no measurement"])[0].removeprefix("exception: ").splitlines()[0]
+
+
+def _short_reason(values: dict[str, Any] | None) -> str:
+    if values is not None and values["status"] == "skip":
         return "skipped: " + (values.get("failures") or [""])[0]
-    first = (values.get("failures") or ["no measurement"])[0].removeprefix("exception: ")
+    first = _reason(values).split(" (", 1)[0]
     return "FAIL: " + (first if len(first) <= 90 else first[:87] + "...")
 
 
@@ -231,7 +237,12 @@ def run(args: argparse.Namespace) -> int:
         print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
     upstream_bad = [s for s in schedules if results["upstream"].get(s, {}).get("status") not in ("pass", "skip")]
     for s in upstream_bad:
-        print(f"upstream {s}: {_short_reason(results['upstream'][s]).removeprefix('FAIL: ')}")
+        print(f"upstream {s}: {_reason(results['upstream'][s])}")
+    if upstream_bad:
+        print(
+            "  (first failure of the case, on one rank and step; the table shows the worst over ranks and "
+            f"steps. Full tracebacks: {logs}/upstream/rank<r>.json, cases[].error)"
+        )
     elapsed = time.perf_counter() - t0
     passed = not bad and not problems["ppbackward"]
     if problems["ppbackward"]:

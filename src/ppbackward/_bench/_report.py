@@ -179,7 +179,7 @@ def format_text(report: dict[str, Any]) -> str:
         for t in report["targets"]
     ]  # fmt: skip
     parts.append(
-        "\nTargets (issue 6); measured = ratio of minima (decides), median = median of per-repeat ratios\n"
+        "\nTargets (docs/performance.md); measured = ratio of minima (decides), median = median of per-repeat ratios\n"
         + _table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
     )
     n_miss = sum(t["status"] == "MISS" for t in report["targets"])
