@@ -37,6 +37,8 @@ from ppbackward._tree import flatten_outputs_and_grads
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
+# The engine entry point torch.autograd.backward ends in (torch >= 2.3); see _accumulate.
+_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _ROOT_SEQ = float("inf")  # the outputs' gradients come first (Note [accumulation order])
 # Outputs B detached in place, by id (weak): meeting one again is an error, not a silent no-op.
 _DETACHED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -461,15 +463,29 @@ def stage_backward_weight(
             # number. Feeding them as separate roots in that order (the engine adds roots in list
             # order) keeps W bit-identical to a full backward where a weight gets several.
             contributions.sort(key=lambda c: c[0], reverse=True)
-            torch.autograd.backward(
+            _accumulate(
                 [GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions],
-                grad_tensors=[grad for _, _, grad in contributions],
-                inputs=[p for group in groups for p in group.params],
-                retain_graph=retain_graph,
+                [grad for _, _, grad in contributions],
+                [p for group in groups for p in group.params],
+                retain_graph,
             )
     finally:
         param_groups._release()
     return tuple(w.grad for w in weights)
+
+
+def _accumulate(roots: list, grads: list, params: list, retain_graph: bool) -> None:
+    """``torch.autograd.backward(roots, grads, inputs=params)``, without its per-root Python checks.
+
+    Every gradient here already has its root's shape, dtype and device (``_conform``, or the output
+    checks of ``ppbackward._tree``), so W goes straight to the engine entry point that
+    ``torch.autograd.backward`` itself ends in (about 1 ms less per 300 roots); on a torch without
+    it, the public call.
+    """
+    if _ENGINE_RUN_BACKWARD is None:
+        torch.autograd.backward(roots, grad_tensors=grads, inputs=params, retain_graph=retain_graph)
+    else:
+        _ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(params), True, True)
 
 
 def _check_same_weights(weights: list[torch.Tensor], expected: frozenset[int]) -> None:
