@@ -74,7 +74,7 @@ def test_ppbackward_frees_every_saved_activation_after_w(quick_report):
 
 def test_tables_printed(quick_report):
     _, report, out = quick_report
-    for heading in ("Time:", "Memory:", "Graph analysis", "Targets (issue 6)"):
+    for heading in ("Time:", "Memory:", "Graph analysis", "Targets (docs/performance.md)"):
         assert heading in out
     assert out.count("PASS") + out.count("MISS") >= len(report["targets"])
 
