@@ -1,32 +1,63 @@
-"""Which torch releases ppbackward knows the pipelining calling contract of.
+"""Which torch releases ppbackward supports, and how it adapts to each one's pipelining contract.
 
-Private module. ``ppbackward.install()`` calls :func:`check_supported` before patching anything.
-The contract changed across releases (see ``docs/compatibility.md``); each known release range is
-listed in ``_CONTRACTS`` with what differs, and anything outside is refused with a clear message.
+Private module; ``SUPPORTED_TORCH`` and ``UnsupportedTorchError`` are re-exported by ``ppbackward``.
+``ppbackward.install()`` calls :func:`select_adapter` before patching anything; the adapter it
+returns holds the three functions to put into ``torch.distributed.pipelining``. See
+``docs/compatibility.md`` for the matrix of verified releases.
+
+Note [adapters only reshape]: ppbackward's own ``stage_backward``, ``stage_backward_input`` and
+``stage_backward_weight`` keep exactly their semantics (exact grads, no reference cycle, hooks
+fired through ``AccumulateGrad``) under every adapter. An adapter changes only what the installed
+torch's ``stage.py`` needs to see: the container type of a result (2.5's ``stage.py`` tells B's
+result from the others by ``isinstance(result, tuple) and len(result) == 2``), or when B may free
+the graph (2.5's ``stage.py`` runs B on stage 0 and then a *full* backward of the same outputs at W
+time). From 2.6 on, ``stage.py`` consumes ppbackward's own functions unchanged.
+
+Note [custom Function nodes need an owner]: before torch 2.13, the Python object of a custom
+``autograd.Function`` node (``BackwardCFunction``) holds its C++ node weakly, and so may a
+``GradientEdge`` to it. Once B has detached the stage outputs, a custom node that B's
+``ParamGroups`` reaches only by such an edge (an output edge; a weight edge of a custom
+intermediate, which ran in B) may have no owner left, and W then fails with a ``RuntimeError``
+or, depending on the call path, crashes the process (a dead node handed to the engine).
+:func:`custom_nodes_need_owner` probes this at run time the way B holds nodes; when it holds and
+B's ``ParamGroups`` references a custom node, the adapter keeps one C++ view node per output, taken
+before B, as the owners inside the ``ParamGroups`` (:class:`_OwnedParamGroups`); W's release drops
+them. This keeps the output side of that microbatch's graph until W, as if B had not detached the
+outputs; graphs without custom Function nodes are unaffected. No cycle: the owners are autograd
+nodes, which never refer back.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import re
+import weakref
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import GradientEdge
+
+from ppbackward import backward as _ours
+from ppbackward._param_groups import ParamGroups
+from ppbackward._tree import flatten_outputs_and_grads
 
 __all__: list[str] = []  # private module
 
 # Keep in sync with the ``torch`` requirement in pyproject.toml and docs/compatibility.md.
-SUPPORTED_TORCH = ">=2.12,<2.15"
-_MIN = (2, 12)
+SUPPORTED_TORCH = ">=2.5,<2.15"
+_MIN = (2, 5)
 _MAX_EXCLUSIVE = (2, 15)
-
-_REQUIRED_STAGE_NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 
 
 class UnsupportedTorchError(RuntimeError):
     """Raised by ``ppbackward.install()`` for a torch whose pipelining contract is unknown."""
 
 
-def torch_release(version: str | None = None) -> tuple[int, int, int]:
-    """``(major, minor, patch)`` of ``version`` (default: the installed torch), local part dropped."""
+def torch_release(version: Optional[str] = None) -> tuple[int, int, int]:
+    """``(major, minor, patch)`` of ``version`` (default: the installed torch), no local part."""
     text = str(version if version is not None else torch.__version__)
     parts = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", text)
     if parts is None:
@@ -34,7 +65,7 @@ def torch_release(version: str | None = None) -> tuple[int, int, int]:
     return (int(parts.group(1)), int(parts.group(2)), int(parts.group(3) or 0))
 
 
-def check_supported(version: str | None = None) -> None:
+def check_supported(version: Optional[str] = None) -> None:
     """Raise :class:`UnsupportedTorchError` unless ``version`` is in :data:`SUPPORTED_TORCH`."""
     text = version if version is not None else torch.__version__
     release = torch_release(text)
@@ -44,3 +75,447 @@ def check_supported(version: str | None = None) -> None:
             f"supported: torch{SUPPORTED_TORCH}. Upgrade ppbackward, or run torch's own backward "
             "(do not call ppbackward.install())."
         )
+
+
+# --- what the installed stage.py looks like ------------------------------------------------------
+
+
+class StageShape(NamedTuple):
+    """How ``torch/distributed/pipelining/stage.py`` consumes the three functions.
+
+    Attributes:
+        unpacks_by_length: ``backward_maybe_with_nosync`` tells B's ``(grads, param_groups)`` from
+            the other results by ``isinstance(result, tuple) and len(result) == 2`` (2.5), instead
+            of wrapping the full and W results itself (2.6+).
+        b_on_first_stage: ``backward_one_chunk(full_backward=False)`` runs B on stage 0 too, and
+            ``backward_weight_one_chunk`` then runs a full backward of the same outputs (2.5);
+            2.6+ skips B on stage 0.
+    """
+
+    unpacks_by_length: bool
+    b_on_first_stage: bool
+
+
+_LEGACY_SHAPE = StageShape(unpacks_by_length=True, b_on_first_stage=True)
+_TUPLE_SHAPE = StageShape(unpacks_by_length=False, b_on_first_stage=False)
+
+
+def probe_stage_shape(source: Optional[str] = None) -> Optional[StageShape]:
+    """Read the shape of a ``stage.py`` (see :class:`StageShape`) from its source.
+
+    Args:
+        source: the text of a ``torch/distributed/pipelining/stage.py``; default the installed one.
+
+    Returns:
+        The shape, or ``None`` when the source cannot be read (e.g. a bytecode-only install) or
+        has no ``_PipelineStageBase`` with ``backward_maybe_with_nosync`` and
+        ``backward_one_chunk``.
+    """
+    if source is None:
+        from torch.distributed.pipelining import stage as stage_module
+
+        try:
+            source = inspect.getsource(stage_module)
+        except (OSError, TypeError):
+            return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    methods = {
+        fn.name: fn
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef) and cls.name == "_PipelineStageBase"
+        for fn in cls.body
+        if isinstance(fn, ast.FunctionDef)
+    }
+    unpack = methods.get("backward_maybe_with_nosync")
+    chunk = methods.get("backward_one_chunk")
+    if unpack is None or chunk is None:
+        return None
+    unpacks_by_length = any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id == "len"
+        and any(isinstance(a, ast.Name) and a.id == "result" for a in n.args)
+        for n in ast.walk(unpack)
+    )
+    return StageShape(unpacks_by_length, not _skips_b_on_first_stage(chunk))
+
+
+def _skips_b_on_first_stage(tree: ast.AST) -> bool:
+    """True when an ``if`` testing ``self.is_first`` guards the ``"input"`` (B) backward call."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If):
+            continue
+        tests_is_first = any(
+            isinstance(n, ast.Attribute) and n.attr == "is_first" for n in ast.walk(node.test)
+        )
+        runs_b = any(
+            isinstance(n, ast.Constant) and n.value == "input"
+            for stmt in node.body
+            for n in ast.walk(stmt)
+        )
+        if tests_is_first and runs_b:
+            return True
+    return False
+
+
+# --- the known contracts -----------------------------------------------------------------------
+
+
+class Contract(NamedTuple):
+    """One range of torch releases with the same pipelining calling contract.
+
+    Attributes:
+        first: first ``(major, minor)`` of the range.
+        last: last ``(major, minor)`` of the range (inclusive).
+        shape: the :class:`StageShape` every release of the range has.
+        upstream: what torch's own ``_backward.py`` of the range returns (documentation).
+        adapter: the adapter kind, ``"legacy"`` (2.5) or ``"native"``.
+    """
+
+    first: tuple[int, int]
+    last: tuple[int, int]
+    shape: StageShape
+    upstream: str
+    adapter: str
+
+    @property
+    def name(self) -> str:
+        a, b = (f"{m}.{n}" for m, n in (self.first, self.last))
+        return a if a == b else f"{a}-{b}"
+
+
+_CONTRACTS: tuple[Contract, ...] = (
+    Contract(
+        (2, 5),
+        (2, 5),
+        _LEGACY_SHAPE,
+        "B returns (None unless every input requires grad, list of dicts); full and W return lists",
+        "legacy",
+    ),
+    Contract(
+        (2, 6),
+        (2, 7),
+        _TUPLE_SHAPE,
+        "tuples; B input grads aligned with input_values (all must require grad)",
+        "native",
+    ),
+    Contract(
+        (2, 8),
+        (2, 11),
+        _TUPLE_SHAPE,
+        "tuples; B input grads filtered to the inputs requiring grad",
+        "native",
+    ),
+    Contract(
+        (2, 12),
+        (2, 14),
+        _TUPLE_SHAPE,
+        "tuples; input grads aligned with input_values, None for non-grad inputs",
+        "native",
+    ),
+)
+
+
+def contract_for(version: Optional[str] = None) -> Contract:
+    """The :class:`Contract` of ``version`` (default: the installed torch).
+
+    Raises:
+        UnsupportedTorchError: outside :data:`SUPPORTED_TORCH`.
+    """
+    check_supported(version)
+    minor = torch_release(version)[:2]
+    return next(c for c in _CONTRACTS if c.first <= minor <= c.last)
+
+
+# --- adapters ----------------------------------------------------------------------------------
+
+
+class Adapter(NamedTuple):
+    """What :func:`ppbackward.install` puts into ``torch.distributed.pipelining``.
+
+    Attributes:
+        version: the torch version it was selected for.
+        contract: that version's :class:`Contract`.
+        shape_checked: whether a ``stage.py`` shape (probed from the installed torch, or given)
+            was checked against ``contract.shape``; ``False`` when the source is unavailable or
+            only a version was given.
+        owns_custom_nodes: whether B's ``ParamGroups`` gets an owner for custom Function nodes
+            (Note [custom Function nodes need an owner]); probed on the installed torch.
+        functions: name -> replacement for ``stage_backward``, ``stage_backward_input`` and
+            ``stage_backward_weight``; ppbackward's own functions where nothing needs reshaping.
+    """
+
+    version: str
+    contract: Contract
+    shape_checked: bool
+    owns_custom_nodes: bool
+    functions: dict[str, Callable[..., Any]]
+
+    @property
+    def name(self) -> str:
+        owner = "+node-owner" if self.owns_custom_nodes else ""
+        return f"{self.contract.adapter}{owner} (torch {self.contract.name} contract)"
+
+
+def select_adapter(version: Optional[str] = None, shape: Optional[StageShape] = None) -> Adapter:
+    """Choose the adapter for a torch version and ``stage.py`` shape.
+
+    Args:
+        version: a torch version string; default the installed torch, whose ``stage.py`` is then
+            probed with :func:`probe_stage_shape`.
+        shape: the ``stage.py`` shape to check against the version's contract; default the probed
+            shape for the installed torch, or the contract's own shape for an explicit ``version``.
+
+    Raises:
+        UnsupportedTorchError: the version is outside :data:`SUPPORTED_TORCH`, or its ``stage.py``
+            does not have the shape ppbackward knows for that version (e.g. a patched or nightly
+            build); the message names the version, the shape found and the shape expected.
+    """
+    text = version if version is not None else torch.__version__
+    contract = contract_for(text)
+    if shape is None and version is None:
+        shape = probe_stage_shape()
+    if shape is not None and shape != contract.shape:
+        raise UnsupportedTorchError(
+            f"torch {text}: its torch/distributed/pipelining/stage.py does not have the shape "
+            f"ppbackward knows for torch {contract.name} (found {shape}, expected "
+            f"{contract.shape}); supported: torch{SUPPORTED_TORCH} with unmodified pipelining. "
+            "Run torch's own backward (do not call ppbackward.install())."
+        )
+    owner = custom_nodes_need_owner()
+    if contract.adapter == "legacy":
+        functions: dict[str, Callable[..., Any]] = {
+            "stage_backward": legacy_stage_backward,
+            "stage_backward_input": legacy_stage_backward_input,
+            "stage_backward_weight": legacy_stage_backward_weight,
+        }
+    else:
+        functions = {
+            "stage_backward": _ours.stage_backward,
+            "stage_backward_input": owned_stage_backward_input
+            if owner
+            else _ours.stage_backward_input,
+            "stage_backward_weight": _ours.stage_backward_weight,
+        }
+    return Adapter(text, contract, shape is not None, owner, functions)
+
+
+# --- Note [custom Function nodes need an owner] --------------------------------------------------
+
+
+class _ProbeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+class _ProbeFunction2(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, grad
+
+
+@functools.lru_cache(maxsize=None)
+def custom_nodes_need_owner() -> bool:
+    """True when a custom Function node that B's ``ParamGroups`` references can die before W:
+    Note [custom Function nodes need an owner].
+
+    Mirrors how B holds such nodes: the ``GradientEdge`` of an output (``get_gradient_edge``), and a
+    ``GradientEdge`` built from a custom Function node's ``next_functions``; each is kept while
+    every tensor and node that owned the custom node is dropped.
+    """
+    with torch.enable_grad():
+        x = torch.zeros(1, requires_grad=True)
+        out = _ProbeFunction.apply(x)
+        top = _ProbeFunction2.apply(x, _ProbeFunction.apply(x))
+    held = (
+        torch.autograd.graph.get_gradient_edge(out),
+        GradientEdge(*top.grad_fn.next_functions[1][:2]),
+    )
+    del out, top
+    for edge in held:
+        try:
+            _ = edge.node.next_functions
+        except RuntimeError:
+            return True
+    return False
+
+
+class _OwnedParamGroups(ParamGroups):
+    """A :class:`ParamGroups` that also owns the C++ nodes its custom Function nodes hang from.
+
+    Note [custom Function nodes need an owner]. ``_owners`` are ``ViewBackward`` nodes of the stage
+    outputs; :meth:`_release` (called by W whatever happens) drops them with the groups.
+    """
+
+    __slots__ = ("_owners",)
+
+    def __init__(self, groups: list, weight_ids: frozenset, owners: tuple) -> None:
+        super().__init__(groups, weight_ids)
+        self._owners = owners
+
+    def _release(self) -> None:
+        super()._release()
+        self._owners = ()
+
+
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    """Every tensor leaf of nested tuples/lists/dicts (explicit stack: Note [no closure cycle])."""
+    found: list[torch.Tensor] = []
+    todo = [tree]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (tuple, list)):
+            todo.extend(reversed(item))
+        elif isinstance(item, dict):
+            todo.extend(reversed(list(item.values())))
+    return found
+
+
+def _output_owners(stage_outputs: Any) -> tuple:
+    """One C++ view node per differentiable output: owns the output's ``grad_fn`` and below."""
+    with torch.enable_grad():
+        return tuple(t.view_as(t).grad_fn for t in _tensors_in(stage_outputs) if t.requires_grad)
+
+
+def _references_custom_node(groups: ParamGroups) -> bool:
+    """Whether any node held by ``groups`` (intermediates, edges) is a custom Function node.
+
+    Scans the groups' tuples and lists whatever their layout (``GradientEdge`` is a tuple).
+    """
+    todo: list[Any] = list(groups)
+    while todo:
+        item = todo.pop()
+        if isinstance(item, BackwardCFunction):
+            return True
+        if isinstance(item, (tuple, list)):
+            todo.extend(item)
+    return False
+
+
+def _split_b(stage_outputs: Any, output_grads: Any, input_values: Any, weights: Any, own: bool):
+    """ppbackward's B, with owners for custom Function nodes when ``own``."""
+    owners = _output_owners(stage_outputs) if own else ()
+    grads, groups = _ours.stage_backward_input(stage_outputs, output_grads, input_values, weights)
+    if owners and _references_custom_node(groups):
+        groups = _OwnedParamGroups(groups._groups, groups._weight_ids, owners)
+    return grads, groups
+
+
+def owned_stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights):
+    """``ppbackward.stage_backward_input`` for a torch whose custom Function nodes need an owner
+    (Note [custom Function nodes need an owner]); same arguments and results."""
+    return _split_b(stage_outputs_or_loss, output_grads, input_values, weights, own=True)
+
+
+# --- the torch 2.5 adapter ---------------------------------------------------------------------
+
+# Outputs that a legacy B detached in place, by id; weak values, so an entry dies with its tensor.
+_DETACHED_BY_B: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _received_inputs(input_values: list) -> bool:
+    """Whether ``input_values`` look like what 2.5's ``stage.py`` gives a non-first stage.
+
+    Note [stage 0 on torch 2.5]: 2.5's ``stage.py`` runs B on every stage and, on stage 0 only,
+    a full ``stage_backward`` of the same outputs at W time, so B must leave stage 0's graph
+    intact. A non-first stage's inputs are its receive buffers: leaf tensors that require grad
+    (``stage.py`` sets ``requires_grad_(True)`` on every one). Stage 0's are microbatch chunks of
+    the user's inputs: views, or tensors that do not require grad. Anything else is handled as
+    stage 0 (always correct, only slower); the reverse mistake is caught by
+    :func:`legacy_stage_backward`.
+    """
+    return bool(input_values) and all(
+        isinstance(v, torch.Tensor) and v.requires_grad and v.grad_fn is None for v in input_values
+    )
+
+
+def legacy_stage_backward_input(stage_outputs, output_grads, input_values, weights):
+    """B for torch 2.5's ``stage.py``; Note [stage 0 on torch 2.5].
+
+    On a non-first stage: ppbackward's B (outputs detached, unread saved tensors released). On stage
+    0: nothing of the graph is freed; the input grads of inputs that require grad are computed with
+    the graph retained, and the returned ``ParamGroups`` lets
+    :func:`ppbackward.stage_backward_weight` run the whole weight backward from the outputs, should
+    W come that way instead of as the full backward 2.5's ``stage.py`` runs there.
+
+    Returns:
+        ``(input_grads, param_groups)``: a tuple aligned with ``input_values`` (2.5's upstream
+        returned ``None`` unless every input required grad; ``stage.py`` accepts both) and a
+        :class:`ppbackward.ParamGroups`.
+    """
+    input_values = list(input_values)
+    weights = list(weights)
+    own = custom_nodes_need_owner()
+    if _received_inputs(input_values):
+        differentiable = [t for t in _tensors_in(stage_outputs) if t.grad_fn is not None]
+        split = _split_b(stage_outputs, output_grads, input_values, weights, own)
+        for t in differentiable:
+            if t.grad_fn is None:
+                _DETACHED_BY_B[id(t)] = t
+        return split
+    flat = flatten_outputs_and_grads(stage_outputs, output_grads)
+    result: list[Optional[torch.Tensor]] = [None] * len(input_values)
+    wanted = [
+        (i, v)
+        for i, v in enumerate(input_values)
+        if isinstance(v, torch.Tensor) and v.requires_grad
+    ]
+    if flat.tensors and wanted:
+        found = torch.autograd.grad(
+            flat.tensors,
+            [v for _, v in wanted],
+            grad_outputs=flat.grads,
+            retain_graph=True,
+            allow_unused=True,
+        )
+        for (i, _), g in zip(wanted, found):
+            result[i] = g
+    # Views as outputs: B detaches no view, and with no input it runs no engine call and releases
+    # nothing, so the graph stays whole for the full backward at W time.
+    with torch.enable_grad():
+        aliases = [t.view_as(t) for t in flat.tensors]
+    _, groups = _ours.stage_backward_input(aliases, flat.grads, [], weights)
+    return tuple(result), groups
+
+
+def legacy_stage_backward(stage_output, output_grads, input_values, outputs_with_grads_idxs=None):
+    """Full backward for torch 2.5's ``stage.py``: ppbackward's, returned as a list.
+
+    2.5's ``backward_maybe_with_nosync`` would take a 2-tuple (a stage with two inputs) for B's
+    ``(grads, param_groups)``; upstream returned a list.
+
+    Raises:
+        RuntimeError: an output was detached by a B that took this stage for a non-first one (Note
+            [stage 0 on torch 2.5]); running on would silently skip every gradient.
+    """
+    for t in _tensors_in(stage_output):
+        if _DETACHED_BY_B.get(id(t)) is t:
+            raise RuntimeError(
+                "ppbackward on torch 2.5: stage_backward got an output that stage_backward_input "
+                "already detached. torch 2.5 runs B and then a full backward on stage 0, and "
+                "ppbackward took this stage for a non-first one because every input is a leaf "
+                "tensor requiring grad. Pass stage 0 inputs that do not require grad, use a "
+                "full-backward schedule, or run torch >= 2.6."
+            )
+    return list(
+        _ours.stage_backward(stage_output, output_grads, input_values, outputs_with_grads_idxs)
+    )
+
+
+def legacy_stage_backward_weight(weights, param_groups, retain_graph=False):
+    """W for torch 2.5's ``stage.py`` (called with two arguments): ppbackward's, as a list."""
+    return list(_ours.stage_backward_weight(weights, param_groups, retain_graph))

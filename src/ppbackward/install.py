@@ -1,8 +1,16 @@
 """Swap ppbackward's stage backward into ``torch.distributed.pipelining`` and back.
 
+Public names: :func:`install`, :func:`uninstall`, :func:`is_installed`, :func:`installed`;
+:func:`active_adapter` tells which adapter :func:`install` chose.
+
 ``torch/distributed/pipelining/stage.py`` binds ``stage_backward``, ``stage_backward_input`` and
 ``stage_backward_weight`` by name at import time (``from ._backward import ...``), so the names are
-replaced in both ``torch.distributed.pipelining._backward`` and ``torch.distributed.pipelining.stage``.
+replaced in both ``torch.distributed.pipelining._backward`` and
+``torch.distributed.pipelining.stage``.
+What goes in is chosen by ``ppbackward._compat.select_adapter`` from the torch version and the shape
+of its ``stage.py``: ppbackward's own functions where ``stage.py`` consumes them as they are (torch
+2.6+), thin adapters that only reshape results where it does not (torch 2.5); see
+Note [adapters only reshape] in ``ppbackward._compat`` and ``docs/compatibility.md``.
 
 Note [exact originals]: the first :func:`install` records the objects found in both modules, and
 :func:`uninstall` puts exactly those objects back; repeated calls are no-ops.
@@ -14,17 +22,17 @@ import contextlib
 import importlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
-from ppbackward import backward as _ours
-from ppbackward._compat import check_supported
+from ppbackward._compat import Adapter, select_adapter
 
-__all__ = ["install", "uninstall", "is_installed", "installed"]
+__all__ = ["install", "uninstall", "is_installed", "installed", "active_adapter"]
 
 _NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 _MODULES = ("torch.distributed.pipelining._backward", "torch.distributed.pipelining.stage")
 _lock = threading.Lock()
 _originals: dict[tuple[str, str], Any] = {}  # (module, name) -> torch's object
+_active: list[Adapter] = []  # the adapter in place while installed (zero or one entry)
 
 
 def _modules() -> list[Any]:
@@ -35,16 +43,20 @@ def install() -> None:
     """Replace torch's stage backward functions with ppbackward's, in ``_backward`` and ``stage``.
 
     Idempotent. Call it before running a schedule step (stages look the names up at call time).
+    The functions put in are those of the adapter for the installed torch (:func:`active_adapter`):
+    ppbackward's own on torch 2.6 to 2.14, list-returning wrappers with a stage-0-safe B on 2.5.
 
     Raises:
-        ppbackward.UnsupportedTorchError: the installed torch's pipelining contract is unknown (the
-            message names the version and the supported range); nothing is patched then.
+        ppbackward.UnsupportedTorchError: the installed torch is outside
+            ``ppbackward.SUPPORTED_TORCH``, or its ``stage.py`` does not have the shape known for
+            its version (the message names the version and the supported range); nothing is
+            patched then.
         RuntimeError: the pipelining modules lack one of the expected names.
     """
     with _lock:
         if _originals:
             return
-        check_supported()
+        adapter = select_adapter()
         mods = _modules()
         for mod in mods:
             for name in _NAMES:
@@ -53,8 +65,9 @@ def install() -> None:
         found = {(mod.__name__, name): getattr(mod, name) for mod in mods for name in _NAMES}
         for mod in mods:
             for name in _NAMES:
-                setattr(mod, name, getattr(_ours, name))
+                setattr(mod, name, adapter.functions[name])
         _originals.update(found)
+        _active.append(adapter)
 
 
 def uninstall() -> None:
@@ -65,11 +78,18 @@ def uninstall() -> None:
         for (mod_name, name), original in _originals.items():
             setattr(importlib.import_module(mod_name), name, original)
         _originals.clear()
+        _active.clear()
 
 
 def is_installed() -> bool:
     """True while ppbackward's functions are swapped in."""
     return bool(_originals)
+
+
+def active_adapter() -> Optional[Adapter]:
+    """The adapter :func:`install` put in place (``adapter.name``, e.g.
+    ``"native (torch 2.12-2.14 contract)"``), or ``None`` while not installed."""
+    return _active[0] if _active else None
 
 
 @contextlib.contextmanager

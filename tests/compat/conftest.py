@@ -1,0 +1,124 @@
+"""Fixtures for tests/compat: a one-process gloo group, a loopback transport for torch 2.5, and a
+cyclic-garbage meter. These tests run on whatever torch is installed (``scripts/compat.sh`` runs
+them on each version) and skip what does not apply to it."""
+
+from __future__ import annotations
+
+import collections
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import schedules
+
+import ppbackward as pb
+
+
+@pytest.fixture(autouse=True)
+def _always_uninstalled():
+    pb.uninstall()
+    yield
+    pb.uninstall()
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """World size 1 (gloo, in-memory store): every stage of a schedule lives in this process."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+class _Work:
+    def wait(self) -> bool:
+        return True
+
+
+class _Works(list):
+    """Finished work in both shapes torch's schedules expect from ``_batch_p2p``: one object with
+    ``wait()`` (torch 2.5-2.7) or a list of them (2.8+). Empty, it is falsy like upstream's
+    ``None``."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class Loopback:
+    """Stands in for ``schedules._batch_p2p`` so that several stages can share rank 0: gloo cannot
+    send to its own rank, and up to torch 2.7 the multi-stage schedules talk between stages of one
+    rank through P2P (later ones hand tensors over locally and never get here). Only the transport
+    is replaced: each send's data is queued and copied into the next receive buffer, in the order
+    the schedule posts them; the schedule, ``stage.py`` and the backward are torch's."""
+
+    def __init__(self) -> None:
+        self.queue: collections.deque = collections.deque()
+
+    def __call__(self, ops, desc=None):
+        if not ops:
+            return _Works()
+        for op in ops:
+            if op.op.__name__ == "isend":
+                self.queue.append(op.tensor.detach().clone())
+        for op in ops:
+            if op.op.__name__ == "irecv":
+                data = self.queue.popleft()
+                # numel, not shape: the neighbour handshake sends a 0-d tensor into a (1,) buffer.
+                assert data.numel() == op.tensor.numel(), "loopback: send/recv order mismatch"
+                with torch.no_grad():
+                    op.tensor.copy_(data.reshape(op.tensor.shape))
+        return _Works([_Work()])
+
+
+@pytest.fixture
+def same_rank_transport(monkeypatch, process_group):
+    """Lets several stages share rank 0 on every supported torch (see :class:`Loopback`)."""
+    monkeypatch.setattr(schedules, "_batch_p2p", Loopback())
+
+
+class Garbage:
+    """What the cyclic garbage collector found while running a callable (``gc.DEBUG_SAVEALL``)."""
+
+    def __init__(self, objects: list) -> None:
+        self.total = len(objects)
+        self.tensors = sum(isinstance(o, torch.Tensor) for o in objects)
+        self.nodes = sum(isinstance(o, torch.autograd.graph.Node) for o in objects)
+        self.kinds = collections.Counter(type(o).__name__ for o in objects).most_common(6)
+
+    def __repr__(self) -> str:
+        return (
+            f"Garbage(total={self.total}, tensors={self.tensors}, nodes={self.nodes}, {self.kinds})"
+        )
+
+
+def _collect_all() -> None:
+    while gc.collect():
+        pass
+
+
+@pytest.fixture
+def cyclic_garbage():
+    """``cyclic_garbage(fn)`` runs ``fn`` and returns a :class:`Garbage` of the reference cycles it
+    left; gc state is restored and the garbage freed afterwards."""
+
+    def measure(fn) -> Garbage:
+        _collect_all()
+        enabled = gc.isenabled()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            fn()
+            _collect_all()
+            found = Garbage(gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            _collect_all()
+            if enabled:
+                gc.enable()
+        return found
+
+    return measure

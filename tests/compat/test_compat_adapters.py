@@ -1,0 +1,302 @@
+"""The adapters' own behaviour, on any installed torch (they only wrap ppbackward's functions):
+what each returns, that the torch 2.5 B keeps stage 0's graph whole for the full backward at W
+time, the custom-Function node owner, exact grads against plain autograd, and no reference cycle."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ppbackward as pb
+from ppbackward import _compat
+
+
+class _Scale(torch.autograd.Function):
+    """x * w as a custom Function: an intermediate with an edge into a weight."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class _Double(torch.autograd.Function):
+    """2 * v as a custom Function: applied to a weight alone, it is a weight-only node."""
+
+    @staticmethod
+    def forward(ctx, v):
+        return v * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class Stage(nn.Module):
+    """Linear -> scale by w (a custom Function when ``custom``) -> tanh -> Linear.
+
+    Custom Function nodes that B's ParamGroups reaches only through an edge (Note [custom Function
+    nodes need an owner]): with ``weight_only`` an extra output is a custom Function of a weight
+    alone (an output edge, as ``get_gradient_edge`` gives it); with ``custom`` the scale's weight
+    goes through a custom Function first, and the stage ends in another custom scale whose weight
+    does too (an entry of a custom node's ``next_functions`` that only the detached output owned).
+    With ``pair`` an extra output is the scaled activation summed."""
+
+    def __init__(self, custom: bool = False, pair: bool = False, weight_only: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.rand(4) + 0.5)
+        self.v = nn.Parameter(torch.randn(4))
+        self.u = nn.Parameter(torch.rand(4) + 0.5)
+        self.custom, self.pair, self.weight_only = custom, pair, weight_only
+
+    def forward(self, x, y=None):
+        h = self.a(x if y is None else x + y)
+        h = _Scale.apply(h, _Double.apply(self.w)) if self.custom else h * self.w
+        act = torch.tanh(h)
+        self.activation = weakref.ref(act)  # saved by tanh's node and by ``b`` (W reads it)
+        top = self.b(act)
+        outs = (_Scale.apply(top, _Double.apply(self.u)) if self.custom else top,)
+        if self.pair:
+            outs += (h.sum(1),)
+        if self.weight_only:
+            outs += (_Double.apply(self.v),)
+        return outs if len(outs) > 1 else outs[0]
+
+
+def _reference(stage, inputs, grads):
+    """Parameter and input grads of one plain autograd backward on deep copies."""
+    ref = copy.deepcopy(stage)
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    outs = ref(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(list(outs), list(grads))
+    return [p.grad for p in ref.parameters()], [t.grad for t in leaves]
+
+
+def _close(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _setup(custom=False, pair=False, received=True, n_inputs=1, weight_only=False):
+    torch.manual_seed(0)
+    stage = Stage(custom, pair, weight_only)
+    inputs = [torch.randn(3, 4) for _ in range(n_inputs)]
+    if received:  # what a non-first stage gets: leaf receive buffers that require grad
+        inputs = [t.requires_grad_() for t in inputs]
+    outs = stage(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = tuple(torch.randn_like(o) for o in outs)
+    return stage, inputs, outs, grads
+
+
+# --- torch 2.5 adapter: result containers ---------------------------------------------------------
+
+
+def test_legacy_full_backward_returns_a_list_even_for_two_inputs():
+    # 2.5's stage.py would unpack a 2-tuple as B's (grads, param_groups).
+    stage, inputs, outs, grads = _setup(n_inputs=2)
+    want_params, want_inputs = _reference(stage, inputs, grads)
+    got = _compat.legacy_stage_backward(outs, grads, inputs)
+    assert type(got) is list and len(got) == 2
+    _close(got, want_inputs)
+    _close([p.grad for p in stage.parameters()], want_params)
+
+
+def test_legacy_weight_returns_a_list_of_grads_after_accumulation():
+    stage, inputs, outs, grads = _setup()
+    want_params, want_inputs = _reference(stage, inputs, grads)
+    got_inputs, groups = _compat.legacy_stage_backward_input(
+        outs, grads, inputs, stage.parameters()
+    )
+    assert type(got_inputs) is tuple and isinstance(groups, pb.ParamGroups)
+    _close(list(got_inputs), want_inputs)
+    got = _compat.legacy_stage_backward_weight(stage.parameters(), groups)  # called with 2 args
+    assert type(got) is list
+    _close(got, want_params)
+    assert all(g is p.grad for g, p in zip(got, stage.parameters()))
+
+
+# --- torch 2.5 adapter: Note [stage 0 on torch 2.5] ---------------------------------------------
+
+
+@pytest.mark.parametrize("user_input_requires_grad", [False, True])
+def test_legacy_b_on_stage_0_keeps_the_graph_for_the_full_backward_at_w_time(
+    user_input_requires_grad,
+):
+    torch.manual_seed(0)
+    stage = Stage(custom=True)
+    user = torch.randn(6, 4, requires_grad=user_input_requires_grad)
+    chunk = user.tensor_split(2)[0]  # what 2.5's schedule hands stage 0
+    out = stage(chunk)
+    grad = torch.randn_like(out)
+    ref_stage = copy.deepcopy(stage)
+    ref_user = user.detach().clone().requires_grad_(user_input_requires_grad)
+    ref_out = ref_stage(ref_user.tensor_split(2)[0])
+    ref_out.backward(grad)
+
+    got_inputs, groups = _compat.legacy_stage_backward_input(
+        (out,), (grad,), [chunk], stage.parameters()
+    )
+    assert out.grad_fn is not None, "stage 0's outputs must stay attached for the full backward"
+    assert all(p.grad is None for p in stage.parameters())
+    if user_input_requires_grad:
+        want = torch.autograd.grad(ref_stage(ref_user.tensor_split(2)[0]), ref_user, grad)[0][:3]
+        torch.testing.assert_close(got_inputs[0], want)
+    else:
+        assert got_inputs == (None,)
+    # What 2.5's backward_weight_one_chunk does on stage 0: a full backward of the same outputs.
+    _compat.legacy_stage_backward((out,), (grad,), [chunk])
+    _close([p.grad for p in stage.parameters()], [p.grad for p in ref_stage.parameters()])
+    if user_input_requires_grad:
+        torch.testing.assert_close(user.grad, ref_user.grad)
+    del groups
+
+
+def test_legacy_b_on_stage_0_also_hands_w_a_complete_param_groups():
+    torch.manual_seed(0)
+    stage = Stage()
+    x = torch.randn(3, 4)
+    out = stage(x)
+    grad = torch.randn_like(out)
+    want_params, _ = _reference(stage, [x], [grad])
+    _, groups = _compat.legacy_stage_backward_input((out,), (grad,), [x], stage.parameters())
+    got = _compat.legacy_stage_backward_weight(stage.parameters(), groups)
+    _close(got, want_params)
+
+
+def test_legacy_full_backward_refuses_outputs_a_split_b_detached():
+    stage, inputs, outs, grads = _setup()
+    _compat.legacy_stage_backward_input(outs, grads, inputs, stage.parameters())
+    assert outs[0].grad_fn is None
+    with pytest.raises(RuntimeError, match="already detached"):
+        _compat.legacy_stage_backward(outs, grads, inputs)
+    assert all(p.grad is None for p in stage.parameters())
+
+
+def test_legacy_detached_registry_holds_no_tensor():
+    stage, inputs, outs, grads = _setup()
+    _compat.legacy_stage_backward_input(outs, grads, inputs, stage.parameters())
+    ref = weakref.ref(outs[0])
+    assert any(t is outs[0] for t in _compat._DETACHED_BY_B.values())
+    del outs
+    assert ref() is None
+
+
+# --- Note [custom Function nodes need an owner] -------------------------------------------------
+
+
+@pytest.mark.parametrize("custom", [False, True])
+def test_owned_b_keeps_custom_nodes_alive_until_w_then_drops_them(custom):
+    stage, inputs, outs, grads = _setup(custom=custom, weight_only=True)
+    want_params, want_inputs = _reference(stage, inputs, grads)
+    got_inputs, groups = _compat._split_b(outs, grads, inputs, stage.parameters(), own=True)
+    assert type(groups) is _compat._OwnedParamGroups and groups._owners
+    del outs  # the caller may drop its outputs: the owners keep the custom nodes alive
+    _close(list(got_inputs), want_inputs)
+    got = pb.stage_backward_weight(stage.parameters(), groups)
+    _close(list(got), want_params)
+    assert groups.consumed and groups._owners == () and len(groups) == 0
+
+
+def test_owned_b_adds_no_owner_when_no_custom_node_is_referenced():
+    stage, inputs, outs, grads = _setup(custom=False, pair=True)
+    _, groups = _compat._split_b(outs, grads, inputs, stage.parameters(), own=True)
+    assert type(groups) is pb.ParamGroups
+
+
+_UNOWNED = """
+import sys, torch
+sys.path.insert(0, {here!r})
+import ppbackward as pb
+from test_compat_adapters import _setup
+stage, inputs, outs, grads = _setup(custom=True, weight_only=True)
+_, groups = pb.stage_backward_input(outs, grads, inputs, stage.parameters())
+del outs
+pb.stage_backward_weight(stage.parameters(), groups)
+print("W ran")
+"""
+
+
+def test_without_an_owner_w_fails_where_torch_holds_custom_nodes_weakly():
+    """Negative control, in a child process (torch may crash outright): why the owner exists."""
+    if not _compat.custom_nodes_need_owner():
+        pytest.skip("this torch keeps custom Function nodes alive from Python")
+    code = _UNOWNED.format(here=str(Path(__file__).parent))
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240
+    )
+    assert child.returncode != 0 and "W ran" not in child.stdout, child.stderr[-2000:]
+
+
+# --- leak freedom of every adapter path ----------------------------------------------------------
+
+
+def _paths():
+    def legacy_split():
+        stage, inputs, outs, grads = _setup(custom=True, pair=True, n_inputs=2, weight_only=True)
+        _, groups = _compat.legacy_stage_backward_input(outs, grads, inputs, stage.parameters())
+        _compat.legacy_stage_backward_weight(stage.parameters(), groups)
+
+    def legacy_stage_0():
+        stage, inputs, outs, grads = _setup(custom=True, pair=True, received=False)
+        _, groups = _compat.legacy_stage_backward_input(outs, grads, inputs, stage.parameters())
+        _compat.legacy_stage_backward(outs, grads, inputs)
+
+    def legacy_full():
+        stage, inputs, outs, grads = _setup(custom=True, pair=True, n_inputs=2)
+        _compat.legacy_stage_backward(outs, grads, inputs)
+
+    def owned_split():
+        stage, inputs, outs, grads = _setup(custom=True, pair=True, weight_only=True)
+        _, groups = _compat.owned_stage_backward_input(outs, grads, inputs, stage.parameters())
+        del outs
+        pb.stage_backward_weight(stage.parameters(), groups)
+
+    return {f.__name__: f for f in (legacy_split, legacy_stage_0, legacy_full, owned_split)}
+
+
+@pytest.mark.parametrize("path", sorted(_paths()))
+def test_no_reference_cycle_on_any_adapter_path(path, cyclic_garbage):
+    run = _paths()[path]
+    run()  # warm-up (lazy imports, caches)
+    found = cyclic_garbage(run)
+    assert found.total == 0, found
+
+
+@pytest.mark.parametrize("path", ["legacy_split", "owned_split"])
+def test_activations_freed_by_refcount_when_w_returns(path):
+    stage, inputs, outs, grads = _setup(custom=True, weight_only=True)
+    saved = stage.activation
+    b = (
+        _compat.legacy_stage_backward_input
+        if path == "legacy_split"
+        else _compat.owned_stage_backward_input
+    )
+    gc.disable()
+    try:
+        _, groups = b(outs, grads, inputs, stage.parameters())
+        pb.stage_backward_weight(stage.parameters(), groups)
+        del outs, groups, grads
+        assert saved() is None
+    finally:
+        gc.enable()
