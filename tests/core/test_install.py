@@ -55,7 +55,7 @@ def test_installed_context_manager_nests():
     assert all(_current()[k] is ORIGINALS[k] for k in ORIGINALS)
 
 
-@pytest.mark.parametrize("version", ["2.4.1", "2.11.0", "2.15.0", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.4.1", "2.3.1", "2.15.0", "3.0.0"])
 def test_unsupported_versions_are_refused_naming_version_and_range(version):
     with pytest.raises(pb.UnsupportedTorchError) as info:
         _compat.check_supported(version)
