@@ -95,9 +95,9 @@ class ScheduleCase:
         cls = _schedule_module().__dict__[self.name]
         params = inspect.signature(cls.__init__).parameters
         kwargs: dict[str, Any] = {"loss_fn": loss_fn}
-        if "scale_grads" not in params:
-            raise RuntimeError(f"{self.name} takes no scale_grads argument in torch {torch.__version__}")
-        kwargs["scale_grads"] = False
+        if "scale_grads" in params:
+            kwargs["scale_grads"] = False
+        # else: torch < 2.6 has no grad scaling in its schedules at all
         first = stages[0] if self.rule is not None and self.rule.style == "single" else stages
         return cls(first, self.n_microbatches, **kwargs)
 

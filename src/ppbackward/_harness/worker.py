@@ -89,9 +89,12 @@ def select_backward(mode: str) -> dict[str, str]:
     elif mode == "ppbackward":
         import ppbackward
 
+        from ppbackward.install import active_adapter
+
         ppbackward.install()
+        adapter = active_adapter()
         for name in _NAMES:
-            if getattr(stage_mod, name) is not getattr(ppbackward, name):
+            if getattr(stage_mod, name) is not adapter.functions[name]:
                 raise RuntimeError(f"ppbackward.install() did not replace pipelining.stage.{name}")
     elif mode.startswith("leaky:"):
         _load_module(mode[len("leaky:") :]).install()
@@ -377,9 +380,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--metadata",
         choices=("static", "dynamic"),
-        default="dynamic",
+        default=None,
         help="dynamic: torch infers shapes on the first step (its default; needs numpy); "
-        "static: every PipelineStage gets example inputs/outputs",
+        "static: every PipelineStage gets example inputs/outputs (default: dynamic, static on torch < 2.6, "
+        "whose PipelineStage requires input_args)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r uses cuda:LOCAL_RANK")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process-group backend")
@@ -412,6 +416,8 @@ def _write(path: Path, verdict: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.metadata is None:
+        args.metadata = "static" if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6) else "dynamic"
     if not 0 < args.case_timeout < args.pg_timeout:
         raise SystemExit(
             "--case-timeout must be positive and below --pg-timeout (the ranks resynchronise on the world group)"
