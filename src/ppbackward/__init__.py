@@ -14,7 +14,7 @@ from ppbackward._param_groups import ParamGroups
 from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
 from ppbackward.install import install, installed, is_installed, uninstall
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "SUPPORTED_TORCH",
