@@ -16,33 +16,8 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
+from stages import Double, Scale
 from ppbackward import _compat
-
-
-class _Scale(torch.autograd.Function):
-    """x * w as a custom Function: an intermediate with an edge into a weight."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, (g * x).sum(0)
-
-
-class _Double(torch.autograd.Function):
-    """2 * v as a custom Function: applied to a weight alone, it is a weight-only node."""
-
-    @staticmethod
-    def forward(ctx, v):
-        return v * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
 
 
 class Stage(nn.Module):
@@ -66,15 +41,15 @@ class Stage(nn.Module):
 
     def forward(self, x, y=None):
         h = self.a(x if y is None else x + y)
-        h = _Scale.apply(h, _Double.apply(self.w)) if self.custom else h * self.w
+        h = Scale.apply(h, Double.apply(self.w)) if self.custom else h * self.w
         act = torch.tanh(h)
         self.activation = weakref.ref(act)  # saved by tanh's node and by ``b`` (W reads it)
         top = self.b(act)
-        outs = (_Scale.apply(top, _Double.apply(self.u)) if self.custom else top,)
+        outs = (Scale.apply(top, Double.apply(self.u)) if self.custom else top,)
         if self.pair:
             outs += (h.sum(1),)
         if self.weight_only:
-            outs += (_Double.apply(self.v),)
+            outs += (Double.apply(self.v),)
         return outs if len(outs) > 1 else outs[0]
 
 

@@ -15,32 +15,11 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
 import ppbackward as pb
+from stages import Double, Scale
 from ppbackward import _compat
 
 N_MICROBATCHES = 2
 BATCH = 4
-
-
-class _Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, (g * x).sum(0)
-
-
-class _Double(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, v):
-        return v * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
 
 
 class Block(nn.Module):
@@ -56,7 +35,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
-        return torch.tanh(_Scale.apply(h, _Double.apply(self.w)) if self.custom else h * self.w)
+        return torch.tanh(Scale.apply(h, Double.apply(self.w)) if self.custom else h * self.w)
 
 
 # name -> (number of stages on this rank, multi-stage schedule)

@@ -13,6 +13,32 @@ from torch.utils.checkpoint import checkpoint
 DTYPE = torch.float64
 
 
+class Scale(torch.autograd.Function):
+    """``x * w`` as a custom Function: an intermediate with an edge into a weight."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class Double(torch.autograd.Function):
+    """``2 * v`` as a custom Function: applied to a weight alone, it is a weight-only node."""
+
+    @staticmethod
+    def forward(ctx, v):
+        return v * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
 def _x(seed: int, *shape: int, requires_grad: bool = True) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g, dtype=DTYPE).requires_grad_(requires_grad)

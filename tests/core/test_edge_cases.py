@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import ppbackward as pb
+from stages import Scale
 
 
 class _FusedLinear(torch.autograd.Function):
@@ -32,18 +33,6 @@ class _FusedLinear(torch.autograd.Function):
         return g @ w * 2.0, None
 
 
-class _Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, (g * x).sum(0)
-
-
 def test_custom_function_intermediate_runs_once_and_is_exact():
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4, 4))
@@ -55,7 +44,7 @@ def test_custom_function_intermediate_runs_once_and_is_exact():
         w.main_grad = torch.zeros(4, 4)
         w.grad = v.grad = None
         xi = x.clone().requires_grad_()
-        out = _Scale.apply(_FusedLinear.apply(xi, w), v)
+        out = Scale.apply(_FusedLinear.apply(xi, w), v)
         g = torch.ones(3, 4)
         if mode == "plain":
             out.backward(g)
