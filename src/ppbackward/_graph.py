@@ -10,7 +10,7 @@ Private module. Vocabulary (the field's terms, see ``docs/how-it-works.md``):
   gradients flowing *into* it (all its input slots). W calls it once more on that
   gradient, computing only its edges into W-only nodes (the deferred weight-gradient work, e.g.
   ``grad_out^T @ input`` of a linear layer); see Note [W computes only weight edges] in
-  ``ppbackward.backward``.
+  ``ppbackward._weight_edges``.
 * **param group**: a connected component of intermediates, W-only nodes and weight leaves
   (union-find over the edges into W-only nodes). Every weight leaf and every W-only node belongs
   to exactly one group.

@@ -2,7 +2,7 @@
 
 Private module. Between B and W a stage keeps the autograd graph of every microbatch in flight. W
 only runs the intermediates and the weight-only subgraphs (Note [W computes only weight edges] in
-``ppbackward.backward``); every other node of the graph already ran in B and never runs again, yet
+``ppbackward._weight_edges``); every other node of the graph already ran in B and never runs again, yet
 its saved tensors (activation inputs, softmax outputs, attention's q/k/v ...) would stay alive
 until W returns, because the intermediates' ``next_functions`` keep those nodes alive.
 

@@ -28,12 +28,10 @@ class FlatOutputs(NamedTuple):
         tensors: output tensors that take part in the backward (``requires_grad`` or ``grad_fn``).
         grads: the gradient for each entry of ``tensors`` (implicit ones already materialised for
             scalar outputs whose gradient was ``None``).
-        paths: the path of each entry, e.g. ``"stage_output[1]['h']"``, for error messages.
     """
 
     tensors: list[torch.Tensor]
     grads: list[torch.Tensor]
-    paths: list[str]
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -119,7 +117,7 @@ def flatten_outputs_and_grads(
         RuntimeError: an output that an earlier B already consumed (see ``consumed``).
     """
     grads_given = grads is not None
-    flat = FlatOutputs([], [], [])
+    flat = FlatOutputs([], [])
     # Note [no closure cycle]: an explicit stack of (output, grad, path) instead of a recursive
     # nested function; nothing here can refer to itself.
     stack: list[tuple[Any, Any, str, bool]] = [(outputs, grads, root, grads_given)]
@@ -129,7 +127,6 @@ def flatten_outputs_and_grads(
             if _is_differentiable(out):
                 flat.tensors.append(out)
                 flat.grads.append(_check_grad(out, grad, path, given))
-                flat.paths.append(path)
             elif consumed is not None and consumed.get(id(out)) is out:
                 raise RuntimeError(
                     f"{path}: this output was already backpropagated by stage_backward_input, "

@@ -34,11 +34,10 @@ from ppbackward._graph import analyze, gradient_edge
 from ppbackward._param_groups import ParamGroup, ParamGroups
 from ppbackward._saved import release_saved_tensors
 from ppbackward._tree import flatten_outputs_and_grads
+from ppbackward._weight_edges import accumulate, weight_edge_grads
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
-# The engine entry point torch.autograd.backward ends in (torch >= 2.3); see _accumulate.
-_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _ROOT_SEQ = float("inf")  # the outputs' gradients come first (Note [accumulation order])
 # Outputs B detached in place, by id (weak): meeting one again is an error, not a silent no-op.
 _DETACHED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -301,105 +300,6 @@ def _build_groups(specs, captured, output_grads, root_edges) -> list[ParamGroup]
     return groups
 
 
-class _Job:
-    """The intermediates W must call, and what they returned. Referenced only by the ctx of one
-    ``_CallIntermediates`` node for the duration of one engine call (Note [no closure cycle])."""
-
-    __slots__ = ("calls", "results")
-
-    def __init__(self, calls: list) -> None:
-        self.calls = calls
-        self.results: list[tuple] = []
-
-
-class _CallIntermediates(torch.autograd.Function):
-    """Calls the intermediates from inside an engine call: Note [W computes only weight edges]."""
-
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, job: _Job) -> torch.Tensor:  # type: ignore[override]
-        ctx.job = job
-        return anchor.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        job, ctx.job = ctx.job, None
-        for node, grads, _ in job.calls:
-            job.results.append(_call_node(node, grads))
-        return None, None
-
-
-def _call_node(node, grads: tuple) -> list:
-    """Run one autograd node on ``grads``; the result is aligned with ``node.next_functions``.
-
-    C++ nodes are callable. A custom ``autograd.Function`` node is run through its ``apply``, which
-    returns one entry per forward input; the entries of inputs that required grad map, in order, to
-    the valid entries of ``next_functions``. Missing gradients are materialised as zeros for it, as
-    the engine does by default (``ctx.set_materialize_grads``).
-    """
-    if not isinstance(node, BackwardCFunction):
-        return list(node(*grads))
-    metas = node._input_metadata
-    full = [
-        g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
-        for g, m in zip(grads, metas)
-    ]
-    outs = node.apply(*full)
-    if not isinstance(outs, tuple):
-        outs = (outs,)
-    nf = node.next_functions
-    result: list = [None] * len(nf)
-    wanted = [i for i, needed in enumerate(node.needs_input_grad) if needed]
-    valid = [j for j, (nxt, _) in enumerate(nf) if nxt is not None]
-    for i, j in zip(wanted, valid):
-        result[j] = outs[i] if i < len(outs) else None
-    return result
-
-
-def _conform(grad: torch.Tensor, node, slot: int) -> torch.Tensor:
-    """Shape, dtype and device of ``grad`` as the engine would deliver it to ``node``'s ``slot``
-    (its ``validate_outputs`` step): broadcast gradients summed back, dtype and device cast."""
-    meta = node._input_metadata[slot]
-    if tuple(grad.shape) != tuple(meta.shape):
-        grad = grad.sum_to_size(meta.shape)
-    if grad.dtype != meta.dtype or grad.device != meta.device:
-        grad = grad.to(device=meta.device, dtype=meta.dtype)
-    return grad
-
-
-def _weight_edge_grads(calls: list) -> list[tuple]:
-    """Call each intermediate on its captured gradients, computing only its weight edges.
-
-    Note [W computes only weight edges]: an autograd node decides which of its outputs to compute
-    from the exec info of the engine call it runs in (``task_should_compute_output``): an edge whose
-    next node the current call does not need is skipped. W therefore calls each intermediate from
-    inside an engine call whose ``inputs`` are exactly the intermediates' edges into weight-only
-    nodes. The edges back towards the stage input (the input-gradient work B already did) are
-    skipped, so W does only the deferred weight work (e.g. ``grad_out^T @ input`` of a linear
-    layer), never re-runs a node of the input side and never walks it. The call is an
-    ``autograd.grad`` from a one-element anchor through ``_CallIntermediates``, whose backward calls
-    the nodes; it accumulates nothing and registers no hook.
-
-    Returns:
-        For each call, the tuple the node returned (aligned with its ``next_functions``).
-    """
-    job = _Job(calls)
-    targets: list[GradientEdge] = []
-    seen: set = set()
-    for node, _, w_edges in calls:
-        nf = node.next_functions
-        for i in w_edges:
-            edge = GradientEdge(*nf[i][:2])
-            if edge not in seen:
-                seen.add(edge)
-                targets.append(edge)
-    first = next(g for _, grads, _ in calls for g in grads if g is not None)
-    with torch.enable_grad():
-        anchor = torch.zeros((), device=first.device, requires_grad=True)
-        out = _CallIntermediates.apply(anchor, job)
-        torch.autograd.grad([out], [anchor, *targets], allow_unused=True)
-    return job.results
-
-
 def stage_backward_weight(
     weights: Iterable[torch.nn.Parameter],
     param_groups: ParamGroups,
@@ -412,8 +312,9 @@ def stage_backward_weight(
     backward, so tensor hooks and ``register_post_accumulate_grad_hook`` hooks (DDP,
     optimizer-in-backward; pytorch/pytorch#144530) fire once per parameter, and the grad layout is
     the one a full backward produces. Two engine calls, whatever the number of param groups: one
-    computes the intermediates' weight edges (Note [W computes only weight edges]), one runs the
-    weight-only subgraphs and accumulates every parameter exactly once.
+    computes the intermediates' weight edges (Note [W computes only weight edges] in
+    ``ppbackward._weight_edges``), one runs the weight-only subgraphs and accumulates every
+    parameter exactly once.
 
     Args:
         weights: the same parameters that were given to :func:`stage_backward_input`.
@@ -451,19 +352,19 @@ def stage_backward_weight(
         calls = [call for group in groups for call in group.intermediates]
         contributions = [c for group in groups for c in group.ready]
         if calls:
-            for (node, _, w_edges), outs in zip(calls, _weight_edge_grads(calls)):
+            for (node, _, w_edges), outs in zip(calls, weight_edge_grads(calls)):
                 nf, seq = node.next_functions, node._sequence_nr()
                 for i in w_edges:
                     if outs[i] is not None:
                         nxt, nr = nf[i][:2]
-                        contributions.append((seq, GradientEdge(nxt, nr), _conform(outs[i], nxt, nr)))
+                        contributions.append((seq, GradientEdge(nxt, nr), outs[i]))
         if contributions:
             # Note [accumulation order]: a full backward adds the gradients reaching one node in
             # the order their producers run: the outputs' first, then by decreasing sequence
             # number. Feeding them as separate roots in that order (the engine adds roots in list
             # order) keeps W bit-identical to a full backward where a weight gets several.
             contributions.sort(key=lambda c: c[0], reverse=True)
-            _accumulate(
+            accumulate(
                 [GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions],
                 [grad for _, _, grad in contributions],
                 [p for group in groups for p in group.params],
@@ -472,20 +373,6 @@ def stage_backward_weight(
     finally:
         param_groups._release()
     return tuple(w.grad for w in weights)
-
-
-def _accumulate(roots: list, grads: list, params: list, retain_graph: bool) -> None:
-    """``torch.autograd.backward(roots, grads, inputs=params)``, without its per-root Python checks.
-
-    Every gradient here already has its root's shape, dtype and device (``_conform``, or the output
-    checks of ``ppbackward._tree``), so W goes straight to the engine entry point that
-    ``torch.autograd.backward`` itself ends in (about 1 ms less per 300 roots); on a torch without
-    it, the public call.
-    """
-    if _ENGINE_RUN_BACKWARD is None:
-        torch.autograd.backward(roots, grad_tensors=grads, inputs=params, retain_graph=retain_graph)
-    else:
-        _ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(params), True, True)
 
 
 def _check_same_weights(weights: list[torch.Tensor], expected: frozenset[int]) -> None:
