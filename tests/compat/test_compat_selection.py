@@ -17,6 +17,7 @@ from torch.distributed.pipelining import stage as upstream_stage
 import ppbackward as pb
 from ppbackward import _compat
 from ppbackward.install import active_adapter
+from stages import Double
 
 NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,15 +142,6 @@ def test_installed_stage_py_has_the_shape_of_its_version():
 
 
 def test_custom_node_probe_matches_what_torch_does():
-    class Double(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
-
     class Mul(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w):
