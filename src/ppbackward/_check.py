@@ -125,7 +125,10 @@ def _cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
     failures = sorted({f for r in per_rank.values() if r for f in r.get("failures", [])})
     status = {r.get("status") for r in per_rank.values() if r}
     if not steps:
-        return {"status": "skip" if status == {"skip"} else "fail", "failures": failures}
+        if status == {"skip"}:
+            reasons = sorted({r.get("reason", "") for r in per_rank.values() if r})
+            return {"status": "skip", "failures": reasons}
+        return {"status": "fail", "failures": failures}
     step_seconds = [
         sum(s["seconds"] for s in r["steps"]) / len(r["steps"]) for r in per_rank.values() if r and r.get("steps")
     ]
@@ -227,11 +230,15 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(_table(results, schedules))
     print()
+    verdicts = [v for r in launches.values() for v in r.verdicts.values() if v]
+    for note in sorted({w for v in verdicts for w in v.get("workarounds", [])}):
+        print(f"note: {note}")  # e.g. ppbackward._harness.gloo_p2p on torch 2.5-2.7
     problems = {b: r.launch_problems() for b, r in launches.items()}
     for backward, launch_result in launches.items():
         if problems[backward]:
             print(f"{backward}: the launch itself failed:\n{launch_result.format_launch()}\n")
     ours = results["ppbackward"]
+    ran = [s for s in schedules if ours.get(s, {}).get("status") != "skip"]
     bad = [s for s in schedules if ours.get(s, {}).get("status") not in ("pass", "skip")]
     if bad and not problems["ppbackward"]:
         print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
@@ -248,12 +255,14 @@ def run(args: argparse.Namespace) -> int:
     if problems["ppbackward"]:
         outcome = f"FAIL: its launch failed ({problems['ppbackward'][0].splitlines()[0]})"
     else:
-        outcome = f"{'PASS' if passed else 'FAIL'} on {len(schedules) - len(bad)}/{len(schedules)} schedules"
+        outcome = f"{'PASS' if passed else 'FAIL'} on {len(ran) - len(bad)}/{len(ran)} schedules"
     upstream = (
         f"torch's own launch failed ({problems['upstream'][0].splitlines()[0]})"
         if problems["upstream"]
-        else f"torch's own backward failed {len(upstream_bad)}/{len(schedules)}"
+        else f"torch's own backward failed {len(upstream_bad)}/{len(ran)}"
     )
+    if len(ran) < len(schedules):
+        upstream += f"; {len(schedules) - len(ran)} skipped (not in torch {torch.__version__})"
     verdict = f"VERDICT: ppbackward {outcome}; {upstream} ({elapsed:.0f} s; logs: {logs})"
     print(verdict)
     if args.json:

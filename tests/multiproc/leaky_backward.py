@@ -1,7 +1,9 @@
 """Test-only: a deliberately leaky stage backward, the negative control of ``tests/multiproc``.
 
 Loaded by the worker with ``--backward leaky:<path to this file>``, which calls :func:`install`. It wraps
-torch's own three functions (correct grads) and adds one leak per call of ``stage_backward`` or
+the three functions ``ppbackward.install()`` puts in for the installed torch (exact grads, no leak of
+their own -- torch 2.5's own functions leak, which would blur the counts) and adds one leak per call of
+``stage_backward`` or
 ``stage_backward_input`` -- exactly one of the two runs once per stage per microbatch (stage 0 of a
 zero-bubble schedule skips B and runs a full backward at W time). The kind comes from the environment
 variable ``PPBACKWARD_LEAK_KIND``:
@@ -73,10 +75,13 @@ def stage_backward_weight(weights, param_groups, retain_graph=False):  # noqa: A
 
 
 def install() -> None:
-    """Swap the leaky functions into both pipelining modules (torch's originals are wrapped)."""
-    backward = importlib.import_module(_MODULES[0])
+    """Swap the leaky functions into both pipelining modules, wrapping what ``ppbackward.install()`` put in."""
+    import ppbackward
+
+    ppbackward.install()
+    stage = importlib.import_module(_MODULES[1])
     for name in _NAMES:
-        _ORIGINALS.setdefault(name, getattr(backward, name))
+        _ORIGINALS.setdefault(name, getattr(stage, name))
     for mod_name in _MODULES:
         mod = importlib.import_module(mod_name)
         for name in _NAMES:

@@ -134,7 +134,9 @@ def _fake_stage(index: int, last: bool, **caches) -> types.SimpleNamespace:
 
 
 def test_stage_caches_accept_torchs_tensor_free_leftovers_and_flag_anything_else() -> None:
-    ok = _fake_stage(0, False, bwd_cache={0: (None,), 1: ()}, dw_runner={0: lambda: None})
+    every_stage = probes.outputs_kept_on_every_stage()  # torch 2.5: every stage keeps its outputs
+    kept = [torch.ones(1), torch.ones(1)] if every_stage else []
+    ok = _fake_stage(0, False, bwd_cache={0: (None,), 1: ()}, dw_runner={0: lambda: None}, output_chunks=kept)
     assert probes.stage_caches(ok, 2)[1] == []
     last = _fake_stage(1, True, output_chunks=[torch.ones(1), torch.ones(1)])
     assert probes.stage_caches(last, 2)[1] == []
@@ -149,12 +151,26 @@ def test_stage_caches_accept_torchs_tensor_free_leftovers_and_flag_anything_else
     )
     failures = "\n".join(probes.stage_caches(bad, 2)[1])
     for expected in ("fwd_cache holds 1", "bwd_cache holds 1", "dw_runner placeholders hold 1 tensors",
-                     "dw_runner holds closures", "output_chunks holds 1 entries, expected 0"):
+                     "dw_runner holds closures", f"output_chunks holds 1 entries, expected {2 if every_stage else 0}"):
         assert expected in failures
 
 
-def test_activation_probe_counts_what_releasing_the_receive_buffers_frees() -> None:
-    info = types.SimpleNamespace(is_root_arg=False, buffer=torch.randn(2, 4).requires_grad_())
+def test_outputs_kept_on_every_stage_matches_the_releases_read() -> None:
+    release = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if release == (2, 5):  # 2.5.1: forward_one_chunk appends unguarded
+        assert probes.outputs_kept_on_every_stage() is True
+    elif release >= (2, 13):  # 2.13.0, 2.14.1: `if self.is_last and save_forward_output:`
+        assert probes.outputs_kept_on_every_stage() is False
+    else:
+        pytest.skip(f"torch {torch.__version__}: forward_one_chunk's output_chunks rule not read for this release")
+
+
+@pytest.mark.parametrize("with_flag", [True, False], ids=["is_root_arg-False", "torch-2.5-RecvInfo"])
+def test_activation_probe_counts_what_releasing_the_receive_buffers_frees(with_flag: bool) -> None:
+    buffer = torch.randn(2, 4).requires_grad_()
+    flag = {"is_root_arg": False} if with_flag else {}
+    info = types.SimpleNamespace(buffer=buffer, **flag)
+    del buffer
     stage = types.SimpleNamespace(args_recv_info={0: (info,)})
     lin = torch.nn.Linear(4, 4)
     probe = probes.ActivationProbe()
@@ -238,3 +254,4 @@ def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_
     assert "rank 0 did not finish its cases" in problems
     text = result.format_failures()
     assert "stuck here" in text and "command: torchrun" in text
+

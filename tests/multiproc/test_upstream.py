@@ -7,6 +7,9 @@ asserted here: its W bypasses the post-accumulate-grad hooks (every split case);
 backward through the graph a second time" when one parameter scales two sequential residual branches
 (``transformer``'s ``gate``: ``h = h + g * a(h); out = h + g * b(h)``); its B raises "Can't detach views
 in-place" on an output that is a view (``tuple``).
+
+torch 2.5's own backward leaks (upstream's fixes shipped in 2.6.0): there every full-backward case must
+fail, and only by the leak, each step leaving tensors in reference cycles that a gc run frees.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from multiproc_specs import LAUNCH_TEST_TIMEOUT
+from ppbackward._compat import torch_release
 from ppbackward._harness import schedules
 
 FULL_BACKWARD = [name for name, rule in schedules.RULES.items() if not rule.split_backward]
@@ -26,10 +30,18 @@ def test_upstream_mode_reports_every_case_and_full_backward_schedules_pass(launc
     print(f"\nupstream-ws2: {result.seconds:.1f}s\n{result.summary()}")
     verdict = result.verdicts[0]
     assert verdict["installed"]["stage_backward"] == "torch.distributed.pipelining._backward.stage_backward"
-    full = [c for c in result.case_ids() if c.split("/")[0] in FULL_BACKWARD]
+    full = [c for c in result.case_ids() if c.split("/")[0] in FULL_BACKWARD and result.case_status(c) != "skip"]
     assert full, result.summary()
-    failing = [c for c in full if result.case_status(c) != "pass"]
-    assert not failing, "\n\n".join(result.format_case(c) for c in failing)
+    if torch_release()[:2] < (2, 6):
+        for case_id in full:
+            failures = [f for r in result.case(case_id).values() if r for f in r["failures"]]
+            assert any(": garbage: " in f for f in failures), result.format_case(case_id)
+            others = [f for f in failures if ": garbage: " not in f and "freed only by a gc run" not in f]
+            assert not others, result.format_case(case_id)
+    else:
+        failing = [c for c in full if result.case_status(c) != "pass"]
+        assert not failing, "\n\n".join(result.format_case(c) for c in failing)
     for case_id in result.case_ids():
         for record in result.case(case_id).values():
-            assert record is not None and (record["status"] == "pass" or record["failures"]), case_id
+            assert record is not None, case_id
+            assert record["status"] == "pass" or record["failures"] or record.get("reason"), case_id

@@ -8,7 +8,9 @@ are tiny (d=16) so that a case costs milliseconds; what matters is the *shape* o
 * ``transformer`` — pre-LN blocks (LayerNorm, multi-head attention, MLP); stage 0 embeds integer tokens;
   ``gate`` is one parameter used by two ops of the stage (it scales both residual branches); ``frozen``
   is a weight with ``requires_grad=False`` used in forward; every stage takes the keyword argument
-  ``mask=AttentionMask(...)``, a non-tensor object replicated to every microbatch and every stage.
+  ``mask=AttentionMask(...)``, a non-tensor object replicated to every microbatch and every stage
+  (torch 2.5's stage hands keyword arguments to stage 0 only; later stages then use the default, the
+  same causal mask).
 * ``tuple`` — every boundary carries a tuple of two tensors; one of them is a view produced by a node
   with several outputs (``unbind``); the last stage returns one tensor.
 * ``ckpt`` — the stage's inner MLP runs under non-reentrant activation checkpointing.
@@ -68,6 +70,9 @@ class AttentionMask:
         return torch.ones(seq, seq, dtype=torch.bool).triu(1)
 
 
+_CAUSAL = AttentionMask(causal=True)  # what every stage gets; the default where torch 2.5 passes nothing
+
+
 def sum_squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Sum-reduced loss (no mean): the pipeline's grads are then the plain sum over microbatches."""
     return ((output - target) ** 2).sum()
@@ -112,7 +117,7 @@ class TransformerStage(nn.Module):
         out = scores.softmax(-1) @ v  # (b, heads, t, dh)
         return self.proj(out.transpose(1, 2).reshape(b, t, D))
 
-    def forward(self, h: torch.Tensor, *, mask: AttentionMask) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, *, mask: AttentionMask = _CAUSAL) -> torch.Tensor:
         if self.embed is not None:
             h = self.embed(h)
         h = h + self.gate * self._attention(self.ln1(h), mask)

@@ -32,13 +32,17 @@ Note [kept caches]: torch 2.13's stage also keeps, holding no tensor:
 * ``dw_runner`` — a no-op placeholder per microbatch that ran B separately (popped only with a custom
   ``dw_builder``);
 * ``output_chunks`` on the last stage — one output per microbatch: the step's return value, until the
-  next step (or ``clear_runtime_states()``).
+  next step (or ``clear_runtime_states()``). torch 2.5's ``forward_one_chunk`` appends on *every* stage
+  (the guard ``if self.is_last`` came later), so there each stage keeps its outputs until the next step;
+  :func:`outputs_kept_on_every_stage` reads which rule the installed ``stage.py`` follows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import re
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -53,6 +57,7 @@ __all__ = [
     "GarbageResult",
     "HookCounter",
     "garbage_probe",
+    "outputs_kept_on_every_stage",
     "schedule_caches",
     "stage_caches",
 ]
@@ -64,7 +69,8 @@ KEPT_BY_DESIGN = {
     "non-first stage (V schedules: the local hand-off from set_local_fwd_input); reused by the next step",
     "bwd_cache": "stage 0 only: input grads never sent, never popped; hold no tensor",
     "dw_runner": "one no-op placeholder per microbatch run with B/W split; hold no tensor",
-    "output_chunks": "last stage only: one output per microbatch, the step's return value, until the next step",
+    "output_chunks": "last stage only (every stage on torch 2.5): one output per microbatch, the step's return "
+    "value, until the next step",
 }
 
 
@@ -145,7 +151,9 @@ class ActivationProbe:
             for infos in stage.args_recv_info.values():
                 for info in infos:
                     buf = getattr(info, "buffer", None)
-                    if getattr(info, "is_root_arg", True) or not isinstance(buf, torch.Tensor):
+                    # a root-level input: torch 2.13's _RecvInfo(is_root_arg=True), 2.5's _RootArgPlaceholder
+                    # (no buffer); 2.5's _RecvInfo has no is_root_arg and is always a receive buffer
+                    if getattr(info, "is_root_arg", False) or not isinstance(buf, torch.Tensor):
                         continue
                     info.buffer = torch.empty_strided(buf.size(), buf.stride(), dtype=buf.dtype, device=buf.device)
                     released += 1
@@ -202,6 +210,22 @@ def count_tensors(obj: Any, depth: int = 6) -> int:
     return 0
 
 
+def outputs_kept_on_every_stage() -> bool:
+    """Whether the installed ``forward_one_chunk`` appends to ``output_chunks`` on every stage (torch 2.5).
+
+    Read from its source: an append not guarded by ``if self.is_last`` (Note [kept caches]). Without source
+    (a bytecode-only install) the later rule, last stage only, is assumed.
+    """
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    try:
+        source = inspect.getsource(_PipelineStageBase.forward_one_chunk)
+    except (OSError, TypeError):
+        return False
+    guarded = re.search(r"if self\.is_last\b[^\n]*:\s*\n\s*self\.output_chunks\.append", source)
+    return "output_chunks.append" in source and guarded is None
+
+
 _CACHES = ("fwd_cache", "bwd_cache", "backward_state", "dw_runner", "output_chunks")
 
 
@@ -237,7 +261,7 @@ def stage_caches(stage: Any, n_microbatches: int) -> tuple[dict[str, Any], list[
             failures.append(f"{where}: dw_runner holds closures (not the no-op placeholders)")
     out = found.get("output_chunks")
     if out is not None:
-        expected = n_microbatches if stage.is_last else 0
+        expected = n_microbatches if stage.is_last or outputs_kept_on_every_stage() else 0
         if out["entries"] != expected:
             failures.append(f"{where}: output_chunks holds {out['entries']} entries, expected {expected}")
     return found, failures

@@ -4,7 +4,8 @@ Note [schedule placement]: a schedule places ``stages_per_rank`` stages on each 
 ``num_stages = stages_per_rank * world_size`` in all.
 
 * single-stage schedules (``ScheduleGPipe``, ``Schedule1F1B``): stage ``r`` on rank ``r``;
-* loop style (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``):
+* loop style (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``, and
+  torch 2.5's ``ScheduleFlexibleInterleaved1F1B``):
   rank ``r`` holds stages ``r, r + ws, r + 2 ws, ...``;
 * V style (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``; exactly two stages per rank): rank ``r``
   holds stages ``r`` and ``2 ws - 1 - r``, so rank ``ws - 1`` holds two adjacent stages and passes
@@ -12,12 +13,16 @@ Note [schedule placement]: a schedule places ``stages_per_rank`` stages on each 
 
 Note [microbatch rules] (torch 2.13; each rule picks the smallest count >= 2 that the schedule accepts):
 ``Schedule1F1B`` needs ``n >= num_stages``; the interleaved and zero-bubble loop schedules need ``n`` to be
-a multiple of ``max(1, n // ws)`` (``n = ws`` is); ``ScheduleDualPipeV`` needs ``n >= num_stages``;
-``ScheduleZBVZeroBubble`` plans at least ``2 ws - 1`` microbatches and is given ``2 ws``.
+a multiple of ``max(1, n // ws)`` (``n = ws`` is; the same for 2.5's ``ScheduleFlexibleInterleaved1F1B``, whose
+relaxed rule 2.6 folded into ``ScheduleInterleaved1F1B``); ``ScheduleDualPipeV`` needs ``n >= num_stages``;
+``ScheduleZBVZeroBubble`` plans at least ``2 ws - 1`` microbatches and is given ``2 ws``. On torch 2.5
+``ScheduleLoopedBFS`` gets ``n = ws``: its time-step plan with fewer microbatches than ranks runs a backward
+before its grads have arrived (world size 4, ``n = 2``: "[4] for chunk 1 has gradients None", with torch's
+own backward as with ppbackward).
 
 Every class named ``Schedule*`` in ``torch.distributed.pipelining.schedules`` is discovered; one without a
 rule here becomes a case that fails with "no placement rule" (so a new torch schedule cannot be silently
-left out), and a rule whose class the installed torch lacks becomes a skip with the release that added it.
+left out), and a rule whose class the installed torch lacks becomes a skip naming the releases that ship it.
 """
 
 from __future__ import annotations
@@ -40,7 +45,17 @@ class ScheduleRule:
     microbatches: Callable[[int, int], int]  # (world_size, num_stages) -> n_microbatches
     split_backward: bool  # runs B and W separately (stage_backward_input / stage_backward_weight)
     since: str  # first torch release that shipped the class
+    until: str | None = None  # last torch release that shipped it (None: still shipped)
 
+    def releases(self) -> str:
+        if self.until is None:
+            return f"first shipped in {self.since}"
+        if self.until == self.since:
+            return f"shipped in {self.since} only"
+        return f"shipped in {self.since}-{self.until}"
+
+
+_TORCH_2_5 = torch.__version__.startswith("2.5.")
 
 RULES: dict[str, ScheduleRule] = {
     rule.name: rule
@@ -48,8 +63,9 @@ RULES: dict[str, ScheduleRule] = {
         ScheduleRule("ScheduleGPipe", 1, "single", lambda ws, ns: 2, False, "2.4"),
         ScheduleRule("Schedule1F1B", 1, "single", lambda ws, ns: ns, False, "2.4"),
         ScheduleRule("ScheduleInterleaved1F1B", 2, "loop", lambda ws, ns: ws, False, "2.4"),
-        ScheduleRule("ScheduleLoopedBFS", 2, "loop", lambda ws, ns: 2, False, "2.4"),
+        ScheduleRule("ScheduleLoopedBFS", 2, "loop", lambda ws, ns: ws if _TORCH_2_5 else 2, False, "2.4"),
         ScheduleRule("ScheduleInterleavedZeroBubble", 2, "loop", lambda ws, ns: ws, True, "2.5"),
+        ScheduleRule("ScheduleFlexibleInterleaved1F1B", 2, "loop", lambda ws, ns: ws, False, "2.5", until="2.5"),
         ScheduleRule("ScheduleZBVZeroBubble", 2, "v", lambda ws, ns: 2 * ws, True, "2.6"),
         ScheduleRule("ScheduleDualPipeV", 2, "v", lambda ws, ns: ns, True, "2.8"),
     )
@@ -145,7 +161,7 @@ def matrix(world_size: int, only: list[str] | None = None, microbatches: int = 0
                     name,
                     world_size,
                     rule,
-                    skip=f"{name} is not in torch {torch.__version__} (first shipped in {rule.since})",
+                    skip=f"{name} is not in torch {torch.__version__} ({rule.releases()})",
                 )
             )
         else:

@@ -25,6 +25,9 @@ swaps in a deliberately leaky backward).
 Every case runs on its own gloo subgroup with ``--case-timeout``; an exception in a case is recorded and
 the ranks resynchronise on the world group (``--pg-timeout``) before the next case. The verdict file is
 rewritten after every case, so a rank killed mid-run still leaves the cases it finished.
+
+On gloo with torch 2.5-2.7, whose schedules drop P2P works and hang, the worker puts in
+:mod:`ppbackward._harness.gloo_p2p` for both backwards and lists it in the verdict's ``workarounds``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import faulthandler
 import gc
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -49,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ppbackward._harness import gloo_p2p
 from ppbackward._harness import models as zoo
 from ppbackward._harness import probes
 from ppbackward._harness import schedules as sched
@@ -295,6 +300,24 @@ def _to_device(batch: zoo.Batch, device: torch.device) -> zoo.Batch:
     )
 
 
+def _first_stage_check_drops_kwargs() -> bool:
+    """Note [torch 2.5 kwargs check]: torch 2.5's ``_validate_fwd_input`` checks stage 0's positional
+    inputs against its ``input_args`` minus one per keyword argument (``expected_args[: len(expected_args)
+    - len(kwargs)]``), so a stage called with keyword arguments (the ``transformer`` model's ``mask``)
+    fails with "Number of values (1) does not match expected number (0)" unless ``input_args`` carries
+    one placeholder per keyword argument. Stage 0 never reads ``input_args`` otherwise (its inputs are
+    the microbatch); later releases dropped the check.
+    """
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    fn = getattr(_PipelineStageBase, "_validate_fwd_input", None)
+    try:
+        source = inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        return False
+    return "len(expected_args)-len(kwargs)" in source.replace(" ", "")
+
+
 def run_case(
     case: sched.ScheduleCase,
     spec: zoo.ModelSpec,
@@ -334,6 +357,9 @@ def run_case(
             first_batch = zoo.make_batch(spec, case.n_microbatches, seed=seed * 1000)
             examples = zoo.stage_examples(reference, first_batch, case.n_microbatches)
             meta = {i: {"input_args": examples[i][0], "output_args": examples[i][1]} for i in stage_ids}
+            if 0 in meta and first_batch.kwargs and _first_stage_check_drops_kwargs():
+                pad = tuple(torch.empty(0) for _ in first_batch.kwargs)  # Note [torch 2.5 kwargs check]
+                meta[0]["input_args"] = (*meta[0]["input_args"], *pad)
             del first_batch, examples
         pp_stages = [
             PipelineStage(local[i], i, case.num_stages, device, group=group, **meta[i])
@@ -445,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         "kept_by_design": probes.KEPT_BY_DESIGN,
         "complete": False,
         "fatal": None,
+        "workarounds": [],
         "cases": [],
     }
     t_start = time.perf_counter()
@@ -471,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         specs = [zoo.get_model(m) for m in model_names]
         verdict["installed"] = select_backward(args.backward)
         say(f"backward={args.backward}: {verdict['installed']['stage_backward']}")
+        if args.backend == "gloo" and gloo_p2p.apply():  # Note [dropped P2P works]
+            verdict["workarounds"].append(gloo_p2p.DESCRIPTION)
+            say(f"workaround: {gloo_p2p.DESCRIPTION}")
         device = torch.device("cpu")
         if args.device == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
