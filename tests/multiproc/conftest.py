@@ -20,6 +20,12 @@ about 2.5 minutes):
    nodes, and a live-reference leak as *lifetime* with its exact count of saved activations.
 5. ``test_hang.py`` — a rank blocked in ``dist.recv`` (~21 s): the launcher kills every process of the
    launch at its 20 s timeout and the failure shows each rank's log with the stack it hung in.
+6. ``test_gloo_p2p.py`` — two bare gloo launches (~12 s): the worker's workaround for torch 2.5-2.7
+   schedules dropping P2P works delivers a whole batch, and the dropped-work shape hangs (negative
+   control).
+
+On torch 2.5 the same tests run the schedules 2.5 has (see ``docs/compatibility.md``, "torch 2.5.1
+under torchrun"); ``test_upstream.py`` then requires torch's own full backward to fail, by its leak.
 
 Where things run: pytest (this process) only launches ``python -m torch.distributed.run --standalone``
 through :func:`ppbackward._harness.launch.launch`; torchrun starts the ranks, each running
@@ -31,7 +37,8 @@ What each case asserts, per rank and per step (see ``ppbackward._harness.worker`
 garbage (``check_tensor_leaks``: 0 tensors, 0 autograd nodes), lifetime (gc disabled: every saved
 activation freed once ``clear_runtime_states()`` ran and the receive buffers -- what torch's stage keeps
 by design -- are released), caches (``fwd_cache``, ``backward_state`` empty; ``bwd_cache`` and
-``dw_runner`` only tensor-free leftovers; ``output_chunks`` one per microbatch on the last stage;
+``dw_runner`` only tensor-free leftovers; ``output_chunks`` one per microbatch on the last stage, on
+every stage with torch 2.5;
 the schedule's losses and pending receives empty), numerics (each loss and every parameter's grad
 within ``|x - ref| <= 1e-6 + 1e-5 |ref|`` of a single-process float32 reference, sum-reduced loss,
 ``scale_grads=False``), hooks (post-accumulate-grad hooks once per trainable parameter per microbatch).
