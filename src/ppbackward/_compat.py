@@ -13,35 +13,23 @@ result from the others by ``isinstance(result, tuple) and len(result) == 2``), o
 the graph (2.5's ``stage.py`` runs B on stage 0 and then a *full* backward of the same outputs at W
 time). From 2.6 on, ``stage.py`` consumes ppbackward's own functions unchanged.
 
-Note [custom Function nodes need an owner]: before torch 2.13, the Python object of a custom
-``autograd.Function`` node (``BackwardCFunction``) holds its C++ node weakly, and so may a
-``GradientEdge`` to it. Once B has detached the stage outputs, a custom node that B's
-``ParamGroups`` reaches only by such an edge (an output edge; a weight edge of a custom
-intermediate, which ran in B) may have no owner left, and W then fails with a ``RuntimeError``
-or, depending on the call path, crashes the process (a dead node handed to the engine).
-:func:`custom_nodes_need_owner` probes this at run time the way B holds nodes; when it holds and
-B's ``ParamGroups`` references a custom node, the adapter keeps one C++ view node per output, taken
-before B, as the owners inside the ``ParamGroups`` (:class:`_OwnedParamGroups`); W's release drops
-them. This keeps the output side of that microbatch's graph until W, as if B had not detached the
-outputs; graphs without custom Function nodes are unaffected. No cycle: the owners are autograd
-nodes, which never refer back.
+Note [custom Function nodes need an owner] lives in ``ppbackward._node_owner``: ppbackward's own B
+keeps the nodes it needs on the releases that need it (2.5-2.12), whichever adapter is in place;
+:class:`Adapter` only reports it (``owns_custom_nodes``).
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import re
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from torch.autograd.function import BackwardCFunction
-from torch.autograd.graph import GradientEdge
 
 from ppbackward import backward as _ours
-from ppbackward._param_groups import ParamGroups
+from ppbackward._node_owner import custom_nodes_need_owner
 from ppbackward._tree import flatten_outputs_and_grads
 
 __all__: list[str] = []  # private module
@@ -242,8 +230,10 @@ class Adapter(NamedTuple):
         shape_checked: whether a ``stage.py`` shape (probed from the installed torch, or given)
             was checked against ``contract.shape``; ``False`` when the source is unavailable or
             only a version was given.
-        owns_custom_nodes: whether B's ``ParamGroups`` gets an owner for custom Function nodes
-            (Note [custom Function nodes need an owner]); probed on the installed torch.
+        owns_custom_nodes: whether ppbackward's B keeps owners for custom Function nodes on this
+            torch (Note [custom Function nodes need an owner], ``ppbackward._node_owner``); probed
+            on the installed torch. Reported only: B does it under every adapter and when called
+            directly.
         functions: name -> replacement for ``stage_backward``, ``stage_backward_input`` and
             ``stage_backward_weight``; ppbackward's own functions where nothing needs reshaping.
     """
@@ -295,80 +285,13 @@ def select_adapter(version: Optional[str] = None, shape: Optional[StageShape] = 
     else:
         functions = {
             "stage_backward": _ours.stage_backward,
-            "stage_backward_input": owned_stage_backward_input
-            if owner
-            else _ours.stage_backward_input,
+            "stage_backward_input": _ours.stage_backward_input,
             "stage_backward_weight": _ours.stage_backward_weight,
         }
     return Adapter(text, contract, shape is not None, owner, functions)
 
 
-# --- Note [custom Function nodes need an owner] --------------------------------------------------
-
-
-class _ProbeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad
-
-
-class _ProbeFunction2(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, grad
-
-
-@functools.lru_cache(maxsize=None)
-def custom_nodes_need_owner() -> bool:
-    """True when a custom Function node that B's ``ParamGroups`` references can die before W:
-    Note [custom Function nodes need an owner].
-
-    Mirrors how B holds such nodes: the ``GradientEdge`` of an output (``get_gradient_edge``), and a
-    ``GradientEdge`` built from a custom Function node's ``next_functions``; each is kept while
-    every tensor and node that owned the custom node is dropped.
-    """
-    with torch.enable_grad():
-        x = torch.zeros(1, requires_grad=True)
-        out = _ProbeFunction.apply(x)
-        top = _ProbeFunction2.apply(x, _ProbeFunction.apply(x))
-    held = (
-        torch.autograd.graph.get_gradient_edge(out),
-        GradientEdge(*top.grad_fn.next_functions[1][:2]),
-    )
-    del out, top
-    for edge in held:
-        try:
-            _ = edge.node.next_functions
-        except RuntimeError:
-            return True
-    return False
-
-
-class _OwnedParamGroups(ParamGroups):
-    """A :class:`ParamGroups` that also owns the C++ nodes its custom Function nodes hang from.
-
-    Note [custom Function nodes need an owner]. ``_owners`` are ``ViewBackward`` nodes of the stage
-    outputs; :meth:`_release` (called by W whatever happens) drops them with the groups.
-    """
-
-    __slots__ = ("_owners",)
-
-    def __init__(self, groups: list, weight_ids: frozenset, owners: tuple) -> None:
-        super().__init__(groups, weight_ids)
-        self._owners = owners
-
-    def _release(self) -> None:
-        super()._release()
-        self._owners = ()
-
+# --- the torch 2.5 adapter ---------------------------------------------------------------------
 
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
     """Every tensor leaf of nested tuples/lists/dicts (explicit stack: Note [no closure cycle])."""
@@ -384,44 +307,6 @@ def _tensors_in(tree: Any) -> list[torch.Tensor]:
             todo.extend(reversed(list(item.values())))
     return found
 
-
-def _output_owners(stage_outputs: Any) -> tuple:
-    """One C++ view node per differentiable output: owns the output's ``grad_fn`` and below."""
-    with torch.enable_grad():
-        return tuple(t.view_as(t).grad_fn for t in _tensors_in(stage_outputs) if t.requires_grad)
-
-
-def _references_custom_node(groups: ParamGroups) -> bool:
-    """Whether any node held by ``groups`` (intermediates, edges) is a custom Function node.
-
-    Scans the groups' tuples and lists whatever their layout (``GradientEdge`` is a tuple).
-    """
-    todo: list[Any] = list(groups)
-    while todo:
-        item = todo.pop()
-        if isinstance(item, BackwardCFunction):
-            return True
-        if isinstance(item, (tuple, list)):
-            todo.extend(item)
-    return False
-
-
-def _split_b(stage_outputs: Any, output_grads: Any, input_values: Any, weights: Any, own: bool):
-    """ppbackward's B, with owners for custom Function nodes when ``own``."""
-    owners = _output_owners(stage_outputs) if own else ()
-    grads, groups = _ours.stage_backward_input(stage_outputs, output_grads, input_values, weights)
-    if owners and _references_custom_node(groups):
-        groups = _OwnedParamGroups(groups._groups, groups._weight_ids, owners)
-    return grads, groups
-
-
-def owned_stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights):
-    """``ppbackward.stage_backward_input`` for a torch whose custom Function nodes need an owner
-    (Note [custom Function nodes need an owner]); same arguments and results."""
-    return _split_b(stage_outputs_or_loss, output_grads, input_values, weights, own=True)
-
-
-# --- the torch 2.5 adapter ---------------------------------------------------------------------
 
 # Outputs that a legacy B detached in place, by id; weak values, so an entry dies with its tensor.
 _DETACHED_BY_B: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -459,10 +344,9 @@ def legacy_stage_backward_input(stage_outputs, output_grads, input_values, weigh
     """
     input_values = list(input_values)
     weights = list(weights)
-    own = custom_nodes_need_owner()
     if _received_inputs(input_values):
         differentiable = [t for t in _tensors_in(stage_outputs) if t.grad_fn is not None]
-        split = _split_b(stage_outputs, output_grads, input_values, weights, own)
+        split = _ours.stage_backward_input(stage_outputs, output_grads, input_values, weights)
         for t in differentiable:
             if t.grad_fn is None:
                 _DETACHED_BY_B[id(t)] = t

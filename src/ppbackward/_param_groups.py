@@ -49,11 +49,12 @@ class ParamGroups:
     See Note [param_groups hold no cycle] in this module.
     """
 
-    __slots__ = ("_groups", "_weight_ids", "_consumed")
+    __slots__ = ("_groups", "_weight_ids", "_owners", "_consumed")
 
-    def __init__(self, groups: list[ParamGroup], weight_ids: frozenset[int]) -> None:
+    def __init__(self, groups: list[ParamGroup], weight_ids: frozenset[int], owners: tuple[Node, ...] = ()) -> None:
         self._groups = groups
         self._weight_ids = weight_ids
+        self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
         self._consumed = False
 
     @property
@@ -79,4 +80,5 @@ class ParamGroups:
     def _release(self) -> None:
         """Drop every node, tensor and gradient; mark consumed."""
         self._groups = []
+        self._owners = ()
         self._consumed = True

@@ -31,6 +31,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
 from ppbackward._graph import analyze, gradient_edge
+from ppbackward._node_owner import owners_for
 from ppbackward._param_groups import ParamGroup, ParamGroups
 from ppbackward._saved import release_saved_tensors
 from ppbackward._tree import flatten_outputs_and_grads
@@ -226,11 +227,12 @@ def stage_backward_input(
     groups = _build_groups(specs, captured, flat.grads, root_edges)
     if groups:  # Note [release unread saved tensors]
         release_saved_tensors([*b_only, *(n for n in inter if isinstance(n, BackwardCFunction))])
+    owners = owners_for(flat.tensors, groups)  # Note [custom Function nodes need an owner]; () on torch 2.13+
     _detach_outputs(flat.tensors, used_nodes)
     result: list[Optional[torch.Tensor]] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = found.get(id(t))
-    return tuple(result), ParamGroups(groups, weight_ids)
+    return tuple(result), ParamGroups(groups, weight_ids, owners)
 
 
 def _capture_outputs_hook(box: list):

@@ -1,6 +1,6 @@
 """The adapters' own behaviour, on any installed torch (they only wrap ppbackward's functions):
 what each returns, that the torch 2.5 B keeps stage 0's graph whole for the full backward at W
-time, the custom-Function node owner, exact grads against plain autograd, and no reference cycle."""
+time, the custom-Function node owners ppbackward's B keeps (``ppbackward._node_owner``), exact grads against plain autograd, and no reference cycle."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import ppbackward as pb
 from stages import Double, Scale
-from ppbackward import _compat
+from ppbackward import _compat, _node_owner
 
 
 class Stage(nn.Module):
@@ -180,12 +180,18 @@ def test_legacy_detached_registry_holds_no_tensor():
 # --- Note [custom Function nodes need an owner] -------------------------------------------------
 
 
+@pytest.fixture
+def owners_needed(monkeypatch):
+    """Make B take owners whatever the torch (2.13+ needs none): the mechanism runs on every release."""
+    monkeypatch.setattr(_node_owner, "custom_nodes_need_owner", lambda: True)
+
+
 @pytest.mark.parametrize("custom", [False, True])
-def test_owned_b_keeps_custom_nodes_alive_until_w_then_drops_them(custom):
+def test_b_keeps_custom_nodes_alive_until_w_then_drops_them(custom, owners_needed):
     stage, inputs, outs, grads = _setup(custom=custom, weight_only=True)
     want_params, want_inputs = _reference(stage, inputs, grads)
-    got_inputs, groups = _compat._split_b(outs, grads, inputs, stage.parameters(), own=True)
-    assert type(groups) is _compat._OwnedParamGroups and groups._owners
+    got_inputs, groups = pb.stage_backward_input(outs, grads, inputs, stage.parameters())
+    assert groups._owners
     del outs  # the caller may drop its outputs: the owners keep the custom nodes alive
     _close(list(got_inputs), want_inputs)
     got = pb.stage_backward_weight(stage.parameters(), groups)
@@ -193,17 +199,27 @@ def test_owned_b_keeps_custom_nodes_alive_until_w_then_drops_them(custom):
     assert groups.consumed and groups._owners == () and len(groups) == 0
 
 
-def test_owned_b_adds_no_owner_when_no_custom_node_is_referenced():
+def test_b_takes_no_owner_when_no_custom_node_is_referenced(owners_needed):
     stage, inputs, outs, grads = _setup(custom=False, pair=True)
-    _, groups = _compat._split_b(outs, grads, inputs, stage.parameters(), own=True)
-    assert type(groups) is pb.ParamGroups
+    _, groups = pb.stage_backward_input(outs, grads, inputs, stage.parameters())
+    assert len(groups) and groups._owners == ()
 
 
-_UNOWNED = """
+def test_b_takes_no_owner_where_torch_keeps_custom_nodes_alive():
+    stage, inputs, outs, grads = _setup(custom=True, weight_only=True)
+    _, groups = pb.stage_backward_input(outs, grads, inputs, stage.parameters())
+    assert bool(groups._owners) is _node_owner.custom_nodes_need_owner()
+    pb.stage_backward_weight(stage.parameters(), groups)
+
+
+_DIRECT = """
 import sys, torch
-sys.path.insert(0, {here!r})
+sys.path[:0] = [{here!r}, {core!r}]
 import ppbackward as pb
+from ppbackward import _node_owner
 from test_compat_adapters import _setup
+if {unowned!r}:
+    _node_owner.custom_nodes_need_owner = lambda: False
 stage, inputs, outs, grads = _setup(custom=True, weight_only=True)
 _, groups = pb.stage_backward_input(outs, grads, inputs, stage.parameters())
 del outs
@@ -212,15 +228,29 @@ print("W ran")
 """
 
 
+def _direct_b_then_w(unowned: bool) -> subprocess.CompletedProcess:
+    """Direct calls (no ``install()``), the outputs dropped between B and W, in a child process
+    (without owners torch may crash outright)."""
+    tests = Path(__file__).resolve().parent.parent
+    code = _DIRECT.format(here=str(tests / "compat"), core=str(tests / "core"), unowned=unowned)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+
+
+def test_direct_b_and_w_survive_the_caller_dropping_its_outputs():
+    child = _direct_b_then_w(unowned=False)
+    assert child.returncode == 0 and "W ran" in child.stdout, child.stderr[-2000:]
+
+
 def test_without_an_owner_w_fails_where_torch_holds_custom_nodes_weakly():
-    """Negative control, in a child process (torch may crash outright): why the owner exists."""
-    if not _compat.custom_nodes_need_owner():
+    """Negative control: why B keeps owners."""
+    if not _node_owner.custom_nodes_need_owner():
         pytest.skip("this torch keeps custom Function nodes alive from Python")
-    code = _UNOWNED.format(here=str(Path(__file__).parent))
-    child = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240
-    )
+    child = _direct_b_then_w(unowned=True)
     assert child.returncode != 0 and "W ran" not in child.stdout, child.stderr[-2000:]
+    # the failure is W's (a RuntimeError from a dead node, or a crash by signal), not the set-up's
+    crashed = child.returncode < 0
+    assert crashed or "stage_backward_weight" in child.stderr, child.stderr[-2000:]
+    assert crashed or "RuntimeError" in child.stderr.strip().splitlines()[-1], child.stderr[-2000:]
 
 
 # --- leak freedom of every adapter path ----------------------------------------------------------
@@ -241,13 +271,13 @@ def _paths():
         stage, inputs, outs, grads = _setup(custom=True, pair=True, n_inputs=2)
         _compat.legacy_stage_backward(outs, grads, inputs)
 
-    def owned_split():
+    def direct_split():
         stage, inputs, outs, grads = _setup(custom=True, pair=True, weight_only=True)
-        _, groups = _compat.owned_stage_backward_input(outs, grads, inputs, stage.parameters())
+        _, groups = pb.stage_backward_input(outs, grads, inputs, stage.parameters())
         del outs
         pb.stage_backward_weight(stage.parameters(), groups)
 
-    return {f.__name__: f for f in (legacy_split, legacy_stage_0, legacy_full, owned_split)}
+    return {f.__name__: f for f in (legacy_split, legacy_stage_0, legacy_full, direct_split)}
 
 
 @pytest.mark.parametrize("path", sorted(_paths()))
@@ -258,15 +288,11 @@ def test_no_reference_cycle_on_any_adapter_path(path, cyclic_garbage):
     assert found.total == 0, found
 
 
-@pytest.mark.parametrize("path", ["legacy_split", "owned_split"])
-def test_activations_freed_by_refcount_when_w_returns(path):
+@pytest.mark.parametrize("path", ["legacy_split", "direct_split"])
+def test_activations_freed_by_refcount_when_w_returns(path, owners_needed):
     stage, inputs, outs, grads = _setup(custom=True, weight_only=True)
     saved = stage.activation
-    b = (
-        _compat.legacy_stage_backward_input
-        if path == "legacy_split"
-        else _compat.owned_stage_backward_input
-    )
+    b = _compat.legacy_stage_backward_input if path == "legacy_split" else pb.stage_backward_input
     gc.disable()
     try:
         _, groups = b(outs, grads, inputs, stage.parameters())

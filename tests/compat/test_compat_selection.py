@@ -15,7 +15,7 @@ from torch.distributed.pipelining import _backward as upstream_backward
 from torch.distributed.pipelining import stage as upstream_stage
 
 import ppbackward as pb
-from ppbackward import _compat
+from ppbackward import _compat, _node_owner
 from ppbackward.install import active_adapter
 from stages import Double
 
@@ -78,11 +78,11 @@ def test_a_stage_py_of_unexpected_shape_is_refused(version, wrong_shape):
     assert "found" in str(info.value) and "expected" in str(info.value)
 
 
-def test_node_owner_is_added_to_native_b_only_when_needed(monkeypatch):
+def test_node_owner_is_reported_and_native_b_is_ppbackwards_own_either_way(monkeypatch):
     monkeypatch.setattr(_compat, "custom_nodes_need_owner", lambda: True)
     owned = _compat.select_adapter("2.6.0")
     assert owned.owns_custom_nodes and "+node-owner" in owned.name
-    assert owned.functions["stage_backward_input"] is _compat.owned_stage_backward_input
+    assert owned.functions["stage_backward_input"] is pb.stage_backward_input  # B keeps the owners itself
     monkeypatch.setattr(_compat, "custom_nodes_need_owner", lambda: False)
     plain = _compat.select_adapter("2.6.0")
     assert not plain.owns_custom_nodes
@@ -165,7 +165,7 @@ def test_custom_node_probe_matches_what_torch_does():
     top = Mul.apply(x, Double.apply(x))
     weight = GradientEdge(*top.grad_fn.next_functions[1][:2])  # a custom intermediate's weight edge
     del top
-    assert _compat.custom_nodes_need_owner() is not (survives(root) and survives(weight))
+    assert _node_owner.custom_nodes_need_owner() is not (survives(root) and survives(weight))
 
 
 # --- install() with the installed torch ---------------------------------------------------------

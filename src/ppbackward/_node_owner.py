@@ -1,0 +1,105 @@
+"""Keeping custom ``autograd.Function`` nodes alive from B to W on torch releases that hold them weakly.
+
+Private module, used by :func:`ppbackward.stage_backward_input`.
+
+Note [custom Function nodes need an owner]: before torch 2.13, the Python object of a custom
+``autograd.Function`` node (``BackwardCFunction``) holds its C++ node weakly, and so may a
+``GradientEdge`` to it. Once B has detached the stage outputs, a custom node that B's
+``ParamGroups`` reaches only by such an edge (an output edge; a weight edge of a custom
+intermediate, which ran in B) may have no owner left, and W then fails with a ``RuntimeError``
+(``element 0 of tensors does not require grad``) or, depending on the call path, crashes the
+process (a dead node handed to the engine). :func:`custom_nodes_need_owner` probes this once, the
+way B holds nodes; where it holds and B's param groups reference a custom node,
+:func:`owners_for` returns one C++ view node per stage output, taken before B detaches the outputs,
+and B stores them in its ``ParamGroups``; W's release drops them. This keeps the output side of
+that microbatch's graph (nodes, not the saved tensors B released) until W, as if B had not detached
+the outputs; graphs without custom Function nodes, and torch 2.13+, are unaffected. No cycle: the
+owners are autograd nodes, which never refer back.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["custom_nodes_need_owner", "owners_for"]
+
+
+class _Clone(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+class _Mul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, grad
+
+
+@functools.lru_cache(maxsize=None)
+def custom_nodes_need_owner() -> bool:
+    """True when a custom Function node that B's ``ParamGroups`` references can die before W.
+
+    Mirrors how B holds such nodes: the ``GradientEdge`` of an output (``get_gradient_edge``), and a
+    ``GradientEdge`` built from a custom Function node's ``next_functions``; each is kept while
+    every tensor and node that owned the custom node is dropped. Measured: true on torch 2.5.1
+    through 2.12.1, false on 2.13.0 and 2.14.1 (docs/compatibility.md).
+    """
+    with torch.enable_grad():
+        x = torch.zeros(1, requires_grad=True)
+        out = _Clone.apply(x)
+        top = _Mul.apply(x, _Clone.apply(x))
+    held = (
+        torch.autograd.graph.get_gradient_edge(out),
+        GradientEdge(*top.grad_fn.next_functions[1][:2]),
+    )
+    del out, top
+    for edge in held:
+        try:
+            _ = edge.node.next_functions
+        except RuntimeError:
+            return True
+    return False
+
+
+def _references_custom_node(groups: Any) -> bool:
+    """Whether any node in ``groups`` (nested tuples/lists: intermediates, edges) is a custom Function node."""
+    todo: list[Any] = list(groups)
+    while todo:  # explicit stack: Note [no closure cycle]
+        item = todo.pop()
+        if isinstance(item, BackwardCFunction):
+            return True
+        if isinstance(item, (tuple, list)):
+            todo.extend(item)
+    return False
+
+
+def owners_for(outputs: list[torch.Tensor], groups: Any) -> tuple[Node, ...]:
+    """The nodes B must keep for W: Note [custom Function nodes need an owner].
+
+    Args:
+        outputs: the stage's output tensors, before B detaches them.
+        groups: B's param groups (``ParamGroup`` tuples).
+
+    Returns:
+        One ``ViewBackward`` node per output that requires grad, owning that output's ``grad_fn``
+        and everything below it; ``()`` where torch keeps custom nodes alive itself or ``groups``
+        references none.
+    """
+    if not custom_nodes_need_owner() or not _references_custom_node(groups):
+        return ()
+    with torch.enable_grad():
+        return tuple(t.view_as(t).grad_fn for t in outputs if t.requires_grad)
