@@ -110,7 +110,7 @@ def _run_backward(backward: str, args: argparse.Namespace, out_dir: Path, t0: fl
         seconds = record.get("seconds")
         took = f"{seconds:.1f} s" if isinstance(seconds, (int, float)) else "-"
         print(
-            f"  [{backward:>10}] {record.get('schedule', record.get('id', '?')):<30} {status:<5} "
+            f"  [{backward:>10}] {record.get('schedule', record.get('id', '?')):<31} {status:<5} "
             f"({took}; elapsed {time.perf_counter() - t0:5.1f} s)",
             flush=True,
         )
@@ -246,9 +246,11 @@ def run(args: argparse.Namespace) -> int:
     for s in upstream_bad:
         print(f"upstream {s}: {_reason(results['upstream'][s])}")
     if upstream_bad:
+        raised = any("garbage" not in results["upstream"][s] for s in upstream_bad)  # raised: no measurement
+        where = f" Full tracebacks: {logs}/upstream/rank<r>.json, cases[].error." if raised else ""
         print(
             "  (first failure of the case, on one rank and step; the table shows the worst over ranks and "
-            f"steps. Full tracebacks: {logs}/upstream/rank<r>.json, cases[].error)"
+            f"steps; \"B pinned\": bytes of the tensors in the cycles.{where})"
         )
     elapsed = time.perf_counter() - t0
     passed = not bad and not problems["ppbackward"]
