@@ -360,6 +360,11 @@ def stage_backward_weight(
                     if outs[i] is not None:
                         nxt, nr = nf[i][:2]
                         contributions.append((seq, GradientEdge(nxt, nr), outs[i]))
+            if not retain_graph:
+                # W called these nodes itself, outside an engine call that would free them: drop
+                # what they saved now, not when the last output referencing the graph dies (an
+                # output B could not detach, e.g. a view, may live until the next step).
+                release_saved_tensors(node for node, _, _ in calls)
         if contributions:
             # Note [accumulation order]: a full backward adds the gradients reaching one node in
             # the order their producers run: the outputs' first, then by decreasing sequence

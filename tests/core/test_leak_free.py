@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+import torch.nn as nn
 
 import ppbackward as pb
 from helpers import clone_inputs, output_grads
@@ -147,4 +148,30 @@ def test_negative_control_live_reference_is_caught():
         assert sum(r() is not None for r in refs) > 0
     finally:
         _STASH.clear()
+        gc.enable()
+
+
+@pytest.mark.parametrize("retain_graph", [False, True], ids=["w", "negative-control-retain_graph"])
+def test_w_frees_what_its_intermediates_saved_while_the_caller_still_holds_a_view_output(retain_graph):
+    """B cannot detach a view output, so the output keeps the graph; torch 2.5's stage holds every
+    stage's outputs until the next step. W must not leave the activation its intermediate (``lin2``'s
+    addmm) saved to that output's lifetime; with ``retain_graph=True`` it stays (the check can fail)."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+    weights = [*lin1.parameters(), *lin2.parameters()]
+    x = torch.randn(4, 8, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        act = torch.relu(lin1(x))
+        saved = weakref.ref(act)
+        out = lin2(act).view(32)  # the stage's output is a view
+        del act
+        _, groups = pb.stage_backward_input(out, torch.ones(32), [x], weights)
+        assert saved() is not None  # W's intermediate reads it
+        pb.stage_backward_weight(weights, groups, retain_graph=retain_graph)
+        del groups
+        assert out.grad_fn is not None  # the caller still holds the (attached) output
+        assert (saved() is not None) is retain_graph
+    finally:
         gc.enable()
