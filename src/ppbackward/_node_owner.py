@@ -10,8 +10,8 @@ intermediate, which ran in B) may have no owner left, and W then fails with a ``
 (``element 0 of tensors does not require grad``) or, depending on the call path, crashes the
 process (a dead node handed to the engine). :func:`custom_nodes_need_owner` probes this once, the
 way B holds nodes; where it holds and B's param groups reference a custom node,
-:func:`owners_for` returns one C++ view node per stage output, taken before B detaches the outputs,
-and B stores them in its ``ParamGroups``; W's release drops them. This keeps the output side of
+:func:`candidate_owners` gives one C++ node per stage output (a view of it), taken before B runs,
+and B stores them in its ``ParamGroups`` (:func:`owners_needed`); W's release drops them. This keeps the output side of
 that microbatch's graph (nodes, not the saved tensors B released) until W, as if B had not detached
 the outputs; graphs without custom Function nodes, and torch 2.13+, are unaffected. No cycle: the
 owners are autograd nodes, which never refer back.
@@ -26,7 +26,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["custom_nodes_need_owner", "owners_for"]
+__all__ = ["candidate_owners", "custom_nodes_need_owner", "owners_needed"]
 
 
 class _Clone(torch.autograd.Function):
@@ -87,19 +87,29 @@ def _references_custom_node(groups: Any) -> bool:
     return False
 
 
-def owners_for(outputs: list[torch.Tensor], groups: Any) -> tuple[Node, ...]:
-    """The nodes B must keep for W: Note [custom Function nodes need an owner].
+def _owner(t: torch.Tensor) -> Node:
+    """A C++ node whose only edge leads to ``t``'s ``grad_fn``: a view where the layout has views,
+    else a clone (sparse tensors; the clone's memory is freed at once, only its node is kept)."""
+    try:
+        return t.view_as(t).grad_fn
+    except (RuntimeError, NotImplementedError):
+        return t.clone().grad_fn
+
+
+def candidate_owners(outputs: list[torch.Tensor]) -> tuple[Node, ...]:
+    """Owners for every output that requires grad, taken before B runs anything (so that a failure
+    here leaves nothing behind); ``()`` where torch keeps custom nodes alive itself.
 
     Args:
-        outputs: the stage's output tensors, before B detaches them.
-        groups: B's param groups (``ParamGroup`` tuples).
-
-    Returns:
-        One ``ViewBackward`` node per output that requires grad, owning that output's ``grad_fn``
-        and everything below it; ``()`` where torch keeps custom nodes alive itself or ``groups``
-        references none.
+        outputs: the stage's output tensors.
     """
-    if not custom_nodes_need_owner() or not _references_custom_node(groups):
+    if not custom_nodes_need_owner():
         return ()
     with torch.enable_grad():
-        return tuple(t.view_as(t).grad_fn for t in outputs if t.requires_grad)
+        return tuple(_owner(t) for t in outputs if t.requires_grad)
+
+
+def owners_needed(owners: tuple[Node, ...], groups: Any) -> tuple[Node, ...]:
+    """``owners`` if B's param groups reference a custom Function node, else ``()``
+    (Note [custom Function nodes need an owner])."""
+    return owners if owners and _references_custom_node(groups) else ()

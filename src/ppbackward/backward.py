@@ -31,7 +31,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
 from ppbackward._graph import analyze, gradient_edge
-from ppbackward._node_owner import owners_for
+from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups
 from ppbackward._saved import release_saved_tensors
 from ppbackward._tree import flatten_outputs_and_grads
@@ -194,6 +194,7 @@ def stage_backward_input(
     specs, used_nodes, b_only = analyze(root_edges, input_nodes)
     inter = [node for spec in specs for node, _ in spec.intermediates]
     _refuse_reentrant_checkpoint(b_only, inter)
+    owners = candidate_owners(flat.tensors)  # Note [custom Function nodes need an owner]; () on torch 2.13+
 
     # Note [capturing intermediates]: a C++ intermediate gets a pre-hook recording the gradients
     # flowing into it, after the tensor hooks on that activation ran (exactly what the node
@@ -227,7 +228,7 @@ def stage_backward_input(
     groups = _build_groups(specs, captured, flat.grads, root_edges)
     if groups:  # Note [release unread saved tensors]
         release_saved_tensors([*b_only, *(n for n in inter if isinstance(n, BackwardCFunction))])
-    owners = owners_for(flat.tensors, groups)  # Note [custom Function nodes need an owner]; () on torch 2.13+
+    owners = owners_needed(owners, groups)
     _detach_outputs(flat.tensors, used_nodes)
     result: list[Optional[torch.Tensor]] = [None] * len(input_values)
     for i, t in wanted:

@@ -301,3 +301,18 @@ def test_activations_freed_by_refcount_when_w_returns(path, owners_needed):
         assert saved() is None
     finally:
         gc.enable()
+
+
+def test_b_owns_a_sparse_output_and_w_is_exact(owners_needed):
+    """A layout without views (sparse): the owner is a clone's node; B runs, W matches autograd."""
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    w_ref, x_ref = w.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    grad = torch.randn(3, 4).to_sparse()
+    torch.autograd.backward(Scale.apply(x_ref, Double.apply(w_ref)).to_sparse(), grad)
+    out = Scale.apply(x, Double.apply(w)).to_sparse()
+    (gx,), groups = pb.stage_backward_input(out, grad, [x], [w])
+    assert groups._owners
+    del out
+    pb.stage_backward_weight([w], groups)
+    assert torch.equal(gx, x_ref.grad) and torch.equal(w.grad, w_ref.grad)
