@@ -84,12 +84,18 @@ def _validate(args: argparse.Namespace) -> list[str] | None:
     from ppbackward._harness import schedules
 
     known = set(schedules.RULES) | set(schedules.discover())
-    if args.schedules == "all":
-        return None
-    only = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    unknown = [s for s in only if s not in known]
-    if unknown:
-        raise CheckError(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    only = None
+    if args.schedules != "all":
+        only = [s.strip() for s in args.schedules.split(",") if s.strip()]
+        if not only:
+            raise CheckError(f"--schedules {args.schedules!r}: no schedule named; give class names or 'all'")
+        unknown = [s for s in only if s not in known]
+        if unknown:
+            raise CheckError(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    cases = schedules.matrix(args.nproc, only, args.microbatches)
+    if all(case.skip for case in cases):  # nothing would run: say why instead of a vacuous pass
+        reasons = "; ".join(f"{case.skip}" for case in cases)
+        raise CheckError(f"nothing to check with --nproc {args.nproc}: {reasons}")
     return only
 
 
@@ -257,14 +263,17 @@ def run(args: argparse.Namespace) -> int:
     if problems["ppbackward"]:
         outcome = f"FAIL: its launch failed ({problems['ppbackward'][0].splitlines()[0]})"
     else:
-        outcome = f"{'PASS' if passed else 'FAIL'} on {len(ran) - len(bad)}/{len(ran)} schedules"
+        outcome = f"PASS on {len(ran)}/{len(ran)} schedules" if passed else f"FAIL on {len(bad)}/{len(ran)} schedules"
     upstream = (
         f"torch's own launch failed ({problems['upstream'][0].splitlines()[0]})"
         if problems["upstream"]
         else f"torch's own backward failed {len(upstream_bad)}/{len(ran)}"
     )
-    if len(ran) < len(schedules):
-        upstream += f"; {len(schedules) - len(ran)} skipped (not in torch {torch.__version__})"
+    skipped = [ours[s].get("failures", [""])[0] for s in schedules if s not in ran]
+    if skipped:
+        absent = all(" is not in torch " in (r or "") for r in skipped)
+        why = f"not in torch {torch.__version__}" if absent else "reasons in the table"
+        upstream += f"; {len(skipped)} skipped ({why})"
     verdict = f"VERDICT: ppbackward {outcome}; {upstream} ({elapsed:.0f} s; logs: {logs})"
     print(verdict)
     if args.json:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 COMMAND = [sys.executable, "-m", "ppbackward"]
 
@@ -48,6 +49,9 @@ def test_check_end_to_end_prints_table_verdict_and_json(tmp_path):
     "args, message",
     [
         (["--schedules", "ScheduleNope"], "unknown schedule(s) ScheduleNope; known: "),
+        (["--schedules", ","], "--schedules ',': no schedule named"),
+        (["--schedules", "ScheduleFlexibleInterleaved1F1B"] if not torch.__version__.startswith("2.5.")
+         else ["--schedules", "ScheduleDualPipeV"], "nothing to check with --nproc 2: Schedule"),
         (["--nproc", "0"], "--nproc 0: need at least 1 rank"),
         (["--device", "cuda"], "--device cuda: torch.cuda.is_available() is False"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),

@@ -255,3 +255,14 @@ def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_
     text = result.format_failures()
     assert "stuck here" in text and "command: torchrun" in text
 
+
+
+def test_one_rank_skips_multi_stage_schedules_only_where_torch_cannot_hand_over_locally() -> None:
+    release = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    for case in schedules.matrix(1):
+        if case.rule is None or case.name not in schedules.discover():
+            continue
+        local = case.rule.stages_per_rank == 1 or release >= (2, 12)
+        assert (case.skip is None) is local, (case.name, case.skip)
+        if not local:
+            assert "gloo cannot send to its own rank" in case.skip

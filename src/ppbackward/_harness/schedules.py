@@ -55,7 +55,8 @@ class ScheduleRule:
         return f"shipped in {self.since}-{self.until}"
 
 
-_TORCH_2_5 = torch.__version__.startswith("2.5.")
+_TORCH_RELEASE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+_TORCH_2_5 = _TORCH_RELEASE == (2, 5)
 
 RULES: dict[str, ScheduleRule] = {
     rule.name: rule
@@ -162,6 +163,17 @@ def matrix(world_size: int, only: list[str] | None = None, microbatches: int = 0
                     world_size,
                     rule,
                     skip=f"{name} is not in torch {torch.__version__} ({rule.releases()})",
+                )
+            )
+        elif world_size == 1 and rule.stages_per_rank > 1 and _TORCH_RELEASE < (2, 12):
+            cases.append(
+                ScheduleCase(
+                    name,
+                    world_size,
+                    rule,
+                    skip=f"{name} needs 2 or more ranks on torch {torch.__version__}: its stages on one rank "
+                    "exchange activations through P2P, and gloo cannot send to its own rank (torch 2.12+ "
+                    "hands them over locally)",
                 )
             )
         else:
