@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ppbackward._compat import torch_release
 from ppbackward._harness import gloo_p2p
 
 PROBE = Path(__file__).resolve().parent / "gloo_p2p_probe.py"
@@ -64,5 +65,5 @@ def test_workaround_is_needed_only_where_batch_p2p_drops_works() -> None:
     assert not gloo_p2p.needed(gloo_p2p._batch_p2p_keeping_all)
     assert not gloo_p2p.needed(len)  # no Python source
     assert gloo_p2p._batch_p2p_keeping_all([]) is None  # "if work := _batch_p2p(...)" then skips the wait
-    release = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    release = torch_release()[:2]
     assert gloo_p2p.needed() is (release < (2, 8)), "pytorch/pytorch#152938 first shipped in 2.8"

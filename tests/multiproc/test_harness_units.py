@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ppbackward._compat import torch_release
 from ppbackward._harness import models, probes, schedules, worker
 from ppbackward._harness.launch import LaunchResult
 
@@ -156,7 +157,7 @@ def test_stage_caches_accept_torchs_tensor_free_leftovers_and_flag_anything_else
 
 
 def test_outputs_kept_on_every_stage_matches_the_releases_read() -> None:
-    release = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    release = torch_release()[:2]
     if release == (2, 5):  # 2.5.1: forward_one_chunk appends unguarded
         assert probes.outputs_kept_on_every_stage() is True
     elif release >= (2, 13):  # 2.13.0, 2.14.1: `if self.is_last and save_forward_output:`
@@ -258,7 +259,7 @@ def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_
 
 
 def test_one_rank_skips_multi_stage_schedules_only_where_torch_cannot_hand_over_locally() -> None:
-    release = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    release = torch_release()[:2]
     for case in schedules.matrix(1):
         if case.rule is None or case.name not in schedules.discover():
             continue

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ppbackward._compat import torch_release
+
 __all__ = ["RULES", "ScheduleCase", "ScheduleRule", "discover", "matrix"]
 
 
@@ -55,7 +57,7 @@ class ScheduleRule:
         return f"shipped in {self.since}-{self.until}"
 
 
-_TORCH_RELEASE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+_TORCH_RELEASE = torch_release()[:2]
 _TORCH_2_5 = _TORCH_RELEASE == (2, 5)
 
 RULES: dict[str, ScheduleRule] = {
