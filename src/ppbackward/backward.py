@@ -180,6 +180,11 @@ def stage_backward_input(
     Raises:
         ValueError, TypeError: malformed ``output_grads``; nothing has been run then.
     """
+    if torch.is_inference_mode_enabled():
+        # The graph was built outside; B needs views with grad_fn to find leaves' AccumulateGrad
+        # nodes, which inference mode does not record (a full backward needs none).
+        with torch.inference_mode(False):
+            return stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights)
     input_values = list(input_values)
     flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads, consumed=_DETACHED)
     weights = list(weights)

@@ -3,6 +3,7 @@ order is a full backward's, misuse raises instead of silently doing nothing."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -130,3 +131,22 @@ def test_b_does_not_consume_the_weights_iterator_when_input_is_bad():
     with pytest.raises(ValueError):
         pb.stage_backward_input(lin(x), torch.ones(3), [x], params)
     assert len(list(params)) == 2
+
+
+def test_split_backward_called_under_inference_mode_matches_autograd():
+    """The graph is built outside; B and W called inside ``torch.inference_mode()`` (e.g. by an
+    evaluation wrapper) give exactly autograd's grads."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    ref = copy.deepcopy(module)
+    x = torch.randn(3, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    grad = torch.randn(3, 4)
+    ref(x_ref).backward(grad)
+    out = module(x)
+    with torch.inference_mode():
+        (gx,), groups = pb.stage_backward_input(out, grad, [x], module.parameters())
+        pb.stage_backward_weight(module.parameters(), groups)
+    assert torch.equal(gx, x_ref.grad)
+    for p, q in zip(module.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
