@@ -269,9 +269,9 @@ def run(args: argparse.Namespace) -> int:
         if problems["upstream"]
         else f"torch's own backward failed {len(upstream_bad)}/{len(ran)}"
     )
-    skipped = [ours[s].get("failures", [""])[0] for s in schedules if s not in ran]
+    skipped = [(ours[s].get("failures") or [""])[0] for s in schedules if s not in ran]
     if skipped:
-        absent = all(" is not in torch " in (r or "") for r in skipped)
+        absent = all(" is not in torch " in r for r in skipped)
         why = f"not in torch {torch.__version__}" if absent else "reasons in the table"
         upstream += f"; {len(skipped)} skipped ({why})"
     verdict = f"VERDICT: ppbackward {outcome}; {upstream} ({elapsed:.0f} s; logs: {logs})"

@@ -11,10 +11,10 @@ intermediate, which ran in B) may have no owner left, and W then fails with a ``
 process (a dead node handed to the engine). :func:`custom_nodes_need_owner` probes this once, the
 way B holds nodes; where it holds and B's param groups reference a custom node,
 :func:`candidate_owners` gives one C++ node per stage output (a view of it), taken before B runs,
-and B stores them in its ``ParamGroups`` (:func:`owners_needed`); W's release drops them. This keeps the output side of
-that microbatch's graph (nodes, not the saved tensors B released) until W, as if B had not detached
-the outputs; graphs without custom Function nodes, and torch 2.13+, are unaffected. No cycle: the
-owners are autograd nodes, which never refer back.
+and B stores them in its ``ParamGroups`` (:func:`owners_needed`); W's release drops them. This
+keeps the output side of that microbatch's graph (nodes, not the saved tensors B released) until
+W, as if B had not detached the outputs; graphs without custom Function nodes, and torch 2.13+,
+are unaffected. No cycle: the owners are autograd nodes, which never refer back.
 """
 
 from __future__ import annotations

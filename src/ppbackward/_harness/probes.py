@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import re
 import types
@@ -210,11 +211,13 @@ def count_tensors(obj: Any, depth: int = 6) -> int:
     return 0
 
 
+@functools.lru_cache(maxsize=None)
 def outputs_kept_on_every_stage() -> bool:
     """Whether the installed ``forward_one_chunk`` appends to ``output_chunks`` on every stage (torch 2.5).
 
     Read from its source: an append not guarded by ``if self.is_last`` (Note [kept caches]). Without source
-    (a bytecode-only install) the later rule, last stage only, is assumed.
+    (a bytecode-only install) the later rule, last stage only, is assumed. Read once per process: the
+    cache probes call it per stage per step.
     """
     from torch.distributed.pipelining.stage import _PipelineStageBase
 

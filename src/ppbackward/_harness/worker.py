@@ -37,6 +37,7 @@ import contextlib
 import copy
 import dataclasses
 import faulthandler
+import functools
 import gc
 import importlib
 import importlib.util
@@ -300,6 +301,7 @@ def _to_device(batch: zoo.Batch, device: torch.device) -> zoo.Batch:
     )
 
 
+@functools.lru_cache(maxsize=None)
 def _first_stage_check_drops_kwargs() -> bool:
     """Note [torch 2.5 kwargs check]: torch 2.5's ``_validate_fwd_input`` checks stage 0's positional
     inputs against its ``input_args`` minus one per keyword argument (``expected_args[: len(expected_args)
