@@ -21,9 +21,12 @@ _USAGE = """usage: ppbackward {check,bench} [options]
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to a command; returns the exit code."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:
+        print(_USAGE, file=sys.stderr)  # a usage error, like argparse's: stderr, exit code 2
+        return 2
+    if args[0] in ("-h", "--help"):
         print(_USAGE)
-        return 0 if args else 2
+        return 0
     command, rest = args[0], args[1:]
     if command == "check":
         from ppbackward._check import main as check_main

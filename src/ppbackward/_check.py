@@ -4,14 +4,17 @@ Private module behind the console script. It launches the multiproc harness work
 (``ppbackward._harness.worker``) under torchrun twice — with torch's own stage backward and with
 ``ppbackward.install()`` — on a built-in model, then prints one row per schedule and backward:
 
-* ``garbage``: tensors + autograd nodes found in reference cycles after a step (max over ranks and
-  steps; ``ppbackward.leaks.check_tensor_leaks``);
+Every column is the worst rank and worst step of the case (Note [worst cell]):
+
+* ``garbage``: tensors + autograd nodes found in reference cycles after a step
+  (``ppbackward.leaks.check_tensor_leaks``);
 * ``gc-only``: bytes of saved activations freed only by a gc run (held by a cycle);
 * ``held``: bytes of saved activations still alive after the step, the stage's runtime state
   cleared and a gc run (held by a live reference);
 * ``max|dg|``: max |grad - reference| over every parameter, against a single-process reference;
-* ``hooks``: post-accumulate-grad hook calls / expected (once per parameter per microbatch);
-* ``step``: mean seconds per step (max over ranks).
+* ``hooks``: post-accumulate-grad hook calls / expected (once per parameter per microbatch) of the
+  rank and step furthest from expected;
+* ``step``: seconds per step, the slowest rank's mean over its steps (timing is not judged).
 
 Exit code 0 only when ppbackward passes every cell; upstream's failures are reported, not fatal.
 """
@@ -19,8 +22,11 @@ Exit code 0 only when ppbackward passes every cell; upstream's failures are repo
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import json
+import re
+import shutil
 import sys
 import tempfile
 import time
@@ -40,10 +46,20 @@ class CheckError(Exception):
     """A problem with the request or the machine, reported as one clear message (exit code 2)."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds ``(default: X)`` only where the help text does not already say what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "(default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ppbackward check",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         description="Run every pipeline schedule of the installed torch under torchrun, with torch's own "
         "stage backward and with ppbackward, and compare leaks, activation lifetime, grads and hooks.",
     )
@@ -54,12 +70,44 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedules", default="all", help="comma-separated schedule class names, or 'all'")
     p.add_argument("--steps", type=int, default=2, help="measured schedule steps per case")
     p.add_argument("--microbatches", type=int, default=0, help="microbatches per step (0: each schedule's rule)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per torchrun launch before it is killed")
+    p.add_argument(
+        "--timeout", type=float, default=300.0,
+        help="seconds a launch may go without any rank finishing a case, once every rank has started; then "
+        "every rank's stack is written to its log and the launch is killed",
+    )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    p.add_argument("--logs", metavar="DIR", help="keep the ranks' logs and verdicts in DIR (default: a temp dir)")
+    p.add_argument(
+        "--logs", metavar="DIR",
+        help="keep the ranks' logs and verdicts in DIR (default: a temp dir, deleted when ppbackward passes)",
+    )  # fmt: skip
     # For the test suite and debugging: extra arguments for the harness worker (e.g. --hang-rank=1).
     p.add_argument("--worker-arg", action="append", default=[], help=argparse.SUPPRESS)
     return p
+
+
+def _suggest(name: str, known: set[str]) -> list[str]:
+    """Known schedule names close to ``name``, case and the ``Schedule`` prefix ignored."""
+    def stem(text: str) -> str:
+        text = text.lower()
+        return text[len("schedule") :] if text.startswith("schedule") else text
+
+    stems = {stem(k): k for k in sorted(known)}
+    query = stem(name)
+    if query in stems:
+        return [stems[query]]
+    prefixed = [k for s, k in stems.items() if query and s.startswith(query)]
+    if prefixed:
+        return prefixed[:2]
+    return [stems[s] for s in difflib.get_close_matches(query, list(stems), n=2, cutoff=0.75)]
+
+
+def _unknown_schedules(names: list[str], known: set[str]) -> str:
+    """``"unknown schedule(s) a (did you mean ScheduleA?), b; known: ..."``."""
+    parts = []
+    for name in names:
+        close = _suggest(name, known)
+        parts.append(f"{name} (did you mean {' or '.join(close)}?)" if close else name)
+    return f"unknown schedule(s) {', '.join(parts)}; known: {', '.join(sorted(known))}"
 
 
 def _validate(args: argparse.Namespace) -> list[str] | None:
@@ -72,8 +120,8 @@ def _validate(args: argparse.Namespace) -> list[str] | None:
         raise CheckError(f"--steps {args.steps}: need at least 1 step")
     if args.microbatches < 0:
         raise CheckError(f"--microbatches {args.microbatches}: must be 0 (automatic) or positive")
-    if args.timeout <= 10:
-        raise CheckError(f"--timeout {args.timeout:g}: must exceed 10 seconds")
+    if args.timeout <= 0:
+        raise CheckError(f"--timeout {args.timeout:g}: must be positive (seconds)")
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise CheckError("--device cuda: torch.cuda.is_available() is False on this machine")
@@ -91,7 +139,7 @@ def _validate(args: argparse.Namespace) -> list[str] | None:
             raise CheckError(f"--schedules {args.schedules!r}: no schedule named; give class names or 'all'")
         unknown = [s for s in only if s not in known]
         if unknown:
-            raise CheckError(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise CheckError(_unknown_schedules(unknown, known))
     cases = schedules.matrix(args.nproc, only, args.microbatches)
     if all(case.skip for case in cases):  # nothing would run: say why instead of a vacuous pass
         reasons = "; ".join(f"{case.skip}" for case in cases)
@@ -107,16 +155,15 @@ def _run_backward(backward: str, args: argparse.Namespace, out_dir: Path, t0: fl
         "--steps", str(args.steps), "--microbatches", str(args.microbatches),
         "--device", args.device, "--backend", args.backend,
         # a case that fails on one rank leaves the others waiting for it: keep that wait short
-        "--case-timeout", "10", "--pg-timeout", "60",
+        "--case-timeout", "10",
         *args.worker_arg,
     ]  # fmt: skip
 
     def progress(record: dict[str, Any]) -> None:
-        status = record.get("status", "?")
         seconds = record.get("seconds")
         took = f"{seconds:.1f} s" if isinstance(seconds, (int, float)) else "-"
         print(
-            f"  [{backward:>10}] {record.get('schedule', record.get('id', '?')):<31} {status:<5} "
+            f"  [{backward:>10}] {record.get('schedule', record.get('id', '?')):<31} {_progress_status(record):<22} "
             f"({took}; elapsed {time.perf_counter() - t0:5.1f} s)",
             flush=True,
         )
@@ -125,39 +172,87 @@ def _run_backward(backward: str, args: argparse.Namespace, out_dir: Path, t0: fl
     return launch(args.nproc, worker_args, out_dir / backward, args.timeout, on_case=progress)
 
 
+# Which failure messages (``"step N: <kind>: ..."``, see ppbackward._harness.worker) each column reports.
+_KINDS = {"garbage": "garbage:", "gc-only": "lifetime:", "held": "lifetime:", "max|dg|": "numerics:", "hooks": "hooks:"}
+
+
+def _failure_kind(failure: str) -> str:
+    """``"hooks"`` for ``"step 0: hooks: ..."``; ``"raised"`` for an exception record."""
+    if failure.startswith("exception: "):
+        return "raised"
+    text = failure.split(": ", 1)[1] if failure.startswith("step ") and ": " in failure else failure
+    return text.split(":", 1)[0]
+
+
+def _progress_status(record: dict[str, Any]) -> str:
+    """``pass``, ``skip``, or ``FAIL`` with why: ``FAIL raised RuntimeError`` (the case stopped on an
+    exception) or ``FAIL hooks,numerics`` (the checks that failed, on rank 0)."""
+    status = record.get("status", "?")
+    if status in ("pass", "skip"):
+        return status
+    failures = record.get("failures") or []
+    if status == "error" and failures:
+        return "FAIL raised " + failures[0].removeprefix("exception: ").split(":", 1)[0]
+    kinds = dict.fromkeys(_failure_kind(f) for f in failures)
+    return "FAIL " + ",".join(kinds) if kinds else "FAIL"
+
+
+def _step_metrics(step: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "garbage": step["garbage"]["tensors"] + step["garbage"]["nodes"],
+        "gc-only": step["lifetime"]["bytes_freed_only_by_gc"],
+        "held": step["lifetime"]["bytes_held_after_gc"],
+        "max|dg|": step["numerics"]["max_abs_grad_err"],
+        "hooks": abs(step["hooks"]["fired"] - step["hooks"]["expected"]),
+    }
+
+
 def _cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
-    """Aggregate one case's per-rank records into the table's metrics."""
-    steps = [s for r in per_rank.values() if r for s in r.get("steps", [])]
-    failures = sorted({f for r in per_rank.values() if r for f in r.get("failures", [])})
-    status = {r.get("status") for r in per_rank.values() if r}
+    """Aggregate one case's per-rank records into the table's metrics.
+
+    Note [worst cell]: every column shows the worst rank and step for that column (the largest value;
+    for ``hooks``, the rank and step whose count is furthest from expected, shown as fired/expected of
+    that rank and step), and ``worst`` remembers which (rank, step) each column came from, so that the
+    footnote of a failing case quotes the failure behind the first failing cell.
+    """
+    records = {rank: r for rank, r in per_rank.items() if r}
+    failures = [f"rank {rank}, {f}" for rank, r in records.items() for f in r.get("failures", [])]
+    status = {r.get("status") for r in records.values()}
+    steps = [(rank, s) for rank, r in records.items() for s in r.get("steps", [])]
     if not steps:
         if status == {"skip"}:
-            reasons = sorted({r.get("reason", "") for r in per_rank.values() if r})
-            return {"status": "skip", "failures": reasons}
-        return {"status": "fail", "failures": failures}
-    step_seconds = [
-        sum(s["seconds"] for s in r["steps"]) / len(r["steps"]) for r in per_rank.values() if r and r.get("steps")
-    ]
+            return {"status": "skip", "failures": sorted({r.get("reason", "") for r in records.values()})}
+        return {"status": "fail", "failures": failures or ["no verdict"]}
+    worst: dict[str, tuple[int, int]] = {}
+    best: dict[str, Any] = {}
+    for rank, step in steps:
+        for column, value in _step_metrics(step).items():
+            if column not in best or value > best[column]:
+                best[column], worst[column] = value, (rank, step["step"])
+    hooks_rank, hooks_step = worst["hooks"]
+    hooks = next(s["hooks"] for r, s in steps if r == hooks_rank and s["step"] == hooks_step)
+    step_seconds = [sum(s["seconds"] for s in r["steps"]) / len(r["steps"]) for r in records.values() if r.get("steps")]
     return {
         "status": "pass" if status == {"pass"} else "fail",
-        "garbage": max(s["garbage"]["tensors"] + s["garbage"]["nodes"] for s in steps),
-        "bytes_freed_only_by_gc": max(s["lifetime"]["bytes_freed_only_by_gc"] for s in steps),
-        "bytes_held_after_step": max(s["lifetime"]["bytes_held_after_gc"] for s in steps),
-        "max_abs_grad_err": max(s["numerics"]["max_abs_grad_err"] for s in steps),
-        "hooks_fired": sum(s["hooks"]["fired"] for s in steps),
-        "hooks_expected": sum(s["hooks"]["expected"] for s in steps),
+        "garbage": best["garbage"],
+        "bytes_freed_only_by_gc": best["gc-only"],
+        "bytes_held_after_step": best["held"],
+        "max_abs_grad_err": best["max|dg|"],
+        "hooks_fired": hooks["fired"],
+        "hooks_expected": hooks["expected"],
         "step_seconds": max(step_seconds),
+        "worst": {column: list(where) for column, where in worst.items()},
         "failures": failures,
     }
 
 
 def _cell_ok(values: dict[str, Any]) -> dict[str, bool]:
-    numerics_ok = not any(f.split(": ", 2)[-1].startswith("numerics") or "numerics:" in f for f in values["failures"])
+    kinds = {_failure_kind(f.split(", ", 1)[-1]) for f in values["failures"]}
     return {
         "garbage": values["garbage"] == 0,
         "gc-only": values["bytes_freed_only_by_gc"] == 0,
         "held": values["bytes_held_after_step"] == 0,
-        "max|dg|": numerics_ok,
+        "max|dg|": "numerics" not in kinds,
         "hooks": values["hooks_fired"] == values["hooks_expected"],
         "step": True,
     }
@@ -176,16 +271,28 @@ def _format_cell(column: str, values: dict[str, Any], ok: bool) -> str:
 
 
 def _reason(values: dict[str, Any] | None) -> str:
-    """The first failure of a case, in full (one line)."""
+    """The failure behind the first failing cell of a case (Note [worst cell]), one line:
+    ``rank 1, step 0: hooks: ...``; the first failure when no cell fails (an exception, caches)."""
     if values is None:
         return "no verdict"
-    return (values.get("failures") or ["no measurement"])[0].removeprefix("exception: ").splitlines()[0]
+    failures = values.get("failures") or ["no measurement"]
+    if "garbage" in values:
+        oks = _cell_ok(values)
+        for column, kind in _KINDS.items():
+            if oks[column]:
+                continue
+            rank, step = values["worst"][column]
+            prefix = f"rank {rank}, step {step}: {kind}"
+            match = next((f for f in failures if f.startswith(prefix)), None)
+            if match is not None:
+                return match.splitlines()[0]
+    return failures[0].replace("exception: ", "", 1).splitlines()[0]
 
 
 def _short_reason(values: dict[str, Any] | None) -> str:
     if values is not None and values["status"] == "skip":
         return "skipped: " + (values.get("failures") or [""])[0]
-    first = _reason(values).split(" (", 1)[0]
+    first = re.sub(r"^rank \d+, (step \d+: )?", "", _reason(values)).split(" (", 1)[0]
     return "FAIL: " + (first if len(first) <= 90 else first[:87] + "...")
 
 
@@ -249,15 +356,17 @@ def run(args: argparse.Namespace) -> int:
     if bad and not problems["ppbackward"]:
         print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
     upstream_bad = [s for s in schedules if results["upstream"].get(s, {}).get("status") not in ("pass", "skip")]
-    for s in upstream_bad:
-        print(f"upstream {s}: {_reason(results['upstream'][s])}")
-    if upstream_bad:
+    footnotes = [f"upstream {s}: {_reason(results['upstream'][s])}" for s in upstream_bad]
+    for line in footnotes:
+        print(line)
+    if footnotes:
         raised = any("garbage" not in results["upstream"][s] for s in upstream_bad)  # raised: no measurement
-        where = f" Full tracebacks: {logs}/upstream/rank<r>.json, cases[].error." if raised else ""
-        print(
-            "  (first failure of the case, on one rank and step; the table shows the worst over ranks and "
-            f"steps; \"B pinned\": bytes of the tensors in the cycles.{where})"
-        )
+        legend = ["each line: the failure behind the case's first failing cell, on the rank and step it names"]
+        if any(" B pinned)" in line for line in footnotes):
+            legend.append('"B pinned": bytes of the tensors found in the cycles')
+        if raised:
+            legend.append(f"full tracebacks: {logs}/upstream/rank<r>.json, cases[].error")
+        print(f"  ({'; '.join(legend)})")
     elapsed = time.perf_counter() - t0
     passed = not bad and not problems["ppbackward"]
     if problems["ppbackward"]:
@@ -274,7 +383,11 @@ def run(args: argparse.Namespace) -> int:
         absent = all(" is not in torch " in r for r in skipped)
         why = f"not in torch {torch.__version__}" if absent else "reasons in the table"
         upstream += f"; {len(skipped)} skipped ({why})"
-    verdict = f"VERDICT: ppbackward {outcome}; {upstream} ({elapsed:.0f} s; logs: {logs})"
+    keep = bool(args.logs) or not passed
+    if not keep:
+        shutil.rmtree(logs, ignore_errors=True)  # a passing run leaves nothing behind; --logs keeps them
+    where = f"logs: {logs}" if keep else "logs deleted; --logs DIR keeps them"
+    verdict = f"VERDICT: ppbackward {outcome}; {upstream} ({elapsed:.0f} s; {where})"
     print(verdict)
     if args.json:
         payload = {
@@ -288,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
             "launch_problems": problems,
             "passed": passed,
             "verdict": verdict,
-            "logs": str(logs),
+            "logs": str(logs) if keep else None,
         }
         Path(args.json).write_text(json.dumps(payload, indent=1))
     return 0 if passed else 1

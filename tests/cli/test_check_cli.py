@@ -1,7 +1,11 @@
-"""``ppbackward check`` end to end (real torchrun launches) and its bad inputs.
+"""``ppbackward check``: its bad inputs, its table and verdict, and a hung launch.
 
-Layers: the bad-input tests run no process group (seconds); the end-to-end test launches torchrun
-twice with 2 ranks on two schedules (~20 s); the hang test waits for two 15 s launch timeouts."""
+Layers, cheapest first: bad requests and the table's arithmetic run in this process (no torchrun, well
+under a second each; ``main(argv)`` is called directly); one subprocess proves the console script;
+the end-to-end test launches torchrun twice with 2 ranks on two schedules; the hang test launches twice
+and waits for both hangs to be detected (Note [hang clock] in ``ppbackward._harness.launch``: the clock
+starts once every rank has started, so nothing here depends on how fast the machine is).
+"""
 
 from __future__ import annotations
 
@@ -9,46 +13,26 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 
-COMMAND = [sys.executable, "-m", "ppbackward"]
+from ppbackward import _check
+from ppbackward.__main__ import main
 
 
-def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=timeout, env=env)
-
-
-@pytest.mark.timeout(300)
-def test_check_end_to_end_prints_table_verdict_and_json(tmp_path):
-    out = tmp_path / "check.json"
-    proc = _run(
-        "check", "--model", "mlp", "--schedules", "ScheduleGPipe,ScheduleZBVZeroBubble",
-        "--steps", "1", "--json", str(out), "--logs", str(tmp_path / "logs"),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    text = proc.stdout
-    assert "[ppbackward] ScheduleZBVZeroBubble" in text and "elapsed" in text  # progress lines
-    rows = {tuple(line.split()[:2]): line for line in text.splitlines() if line.startswith("Schedule")}
-    assert "FAIL" not in rows[("ScheduleZBVZeroBubble", "ppbackward")]
-    assert "hooks" in text and "64/64 ok" in rows[("ScheduleZBVZeroBubble", "ppbackward")]
-    # torch's own W bypasses AccumulateGrad: its hook column fails, and that is not fatal.
-    assert "FAIL" in rows[("ScheduleZBVZeroBubble", "upstream")]
-    assert "VERDICT: ppbackward PASS on 2/2 schedules; torch's own backward failed 1/2" in text
-    data = json.loads(out.read_text())
-    assert data["passed"] is True and data["model"] == "mlp"
-    ours = data["results"]["ppbackward"]["ScheduleZBVZeroBubble"]
-    assert ours["garbage"] == 0 and ours["bytes_held_after_step"] == 0
-    assert ours["hooks_fired"] == ours["hooks_expected"] == 64
-    assert (tmp_path / "logs" / "ppbackward" / "rank1.log").exists()
+def _check_main(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(["check", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--schedules", "ScheduleNope"], "unknown schedule(s) ScheduleNope; known: "),
+        (["--schedules", "schedulegpipe"], "unknown schedule(s) schedulegpipe (did you mean ScheduleGPipe?); known: "),
         (["--schedules", ","], "--schedules ',': no schedule named"),
         (["--schedules", "ScheduleFlexibleInterleaved1F1B"] if not torch.__version__.startswith("2.5.")
          else ["--schedules", "ScheduleDualPipeV"], "nothing to check with --nproc 2: Schedule"),
@@ -56,20 +40,18 @@ def test_check_end_to_end_prints_table_verdict_and_json(tmp_path):
         (["--device", "cuda"], "--device cuda: torch.cuda.is_available() is False"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["--steps", "0"], "--steps 0: need at least 1 step"),
-        (["--timeout", "5"], "--timeout 5: must exceed 10 seconds"),
+        (["--timeout", "0"], "--timeout 0: must be positive (seconds)"),
     ],
-)
-def test_check_bad_input_is_a_clear_error(args, message):
-    proc = _run("check", *args, timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"ppbackward check: error: {message}" in proc.stderr
-    assert "launching" not in proc.stdout
+)  # fmt: skip
+def test_check_bad_input_is_a_clear_error(capsys, args, message):
+    rc, out, err = _check_main(capsys, *args)
+    assert rc == 2, out + err
+    assert f"ppbackward check: error: {message}" in err
+    assert "launching" not in out
 
 
 def test_check_without_torchrun_is_a_clear_error(monkeypatch, capsys):
     import importlib.util
-
-    from ppbackward import _check
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch.distributed.run" else real(name, *a))
@@ -77,20 +59,109 @@ def test_check_without_torchrun_is_a_clear_error(monkeypatch, capsys):
     assert "has no torch.distributed / torchrun" in capsys.readouterr().err
 
 
-def test_unknown_command_and_help():
-    proc = _run("frobnicate", timeout=60)
-    assert proc.returncode == 2 and "unknown command 'frobnicate'" in proc.stderr
-    proc = _run("--help", timeout=60)
-    assert proc.returncode == 0 and "check" in proc.stdout and "bench" in proc.stdout
+def test_help_names_each_default_once(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text
+    assert "(default: a temp dir, deleted when ppbackward passes)" in text and "(default: 2)" in text
 
 
-@pytest.mark.timeout(200)
-def test_check_hung_rank_fails_in_bounded_time_with_log_tail(tmp_path):
-    proc = _run(
-        "check", "--model", "mlp", "--schedules", "ScheduleGPipe", "--steps", "1", "--timeout", "15",
+def test_bare_command_is_a_usage_error_on_stderr_and_help_is_not(capsys):
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "usage: ppbackward {check,bench}" in err
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    out, err = capsys.readouterr()
+    assert "check" in out and "bench" in out and err == ""
+
+
+def test_console_script_runs():
+    proc = subprocess.run([sys.executable, "-m", "ppbackward", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: ppbackward {check,bench}" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# the table's arithmetic (Note [worst cell]) and the progress words
+
+
+def _step(step: int, fired: int, expected: int, garbage: int = 0) -> dict:
+    return {
+        "step": step,
+        "seconds": 0.01,
+        "garbage": {"tensors": garbage, "nodes": 0},
+        "lifetime": {"bytes_freed_only_by_gc": 0, "bytes_held_after_gc": 0},
+        "numerics": {"max_abs_grad_err": 0.0},
+        "hooks": {"fired": fired, "expected": expected},
+    }
+
+
+def test_every_column_is_the_worst_rank_and_step_and_the_footnote_quotes_that_cell():
+    hooks = "hooks: post-accumulate-grad hooks fired {} times, expected 16 (...)"
+    per_rank = {
+        0: {"status": "fail", "steps": [_step(0, 8, 16), _step(1, 8, 16)],
+            "failures": ["step 0: " + hooks.format(8), "step 1: " + hooks.format(8)]},
+        1: {"status": "fail", "steps": [_step(0, 16, 16), _step(1, 0, 16, garbage=0)],
+            "failures": ["step 1: " + hooks.format(0)]},
+    }  # fmt: skip
+    values = _check._cell_values(per_rank)
+    assert (values["hooks_fired"], values["hooks_expected"]) == (0, 16)  # rank 1, step 1: not a total
+    assert values["worst"]["hooks"] == [1, 1]
+    assert _check._format_cell("hooks", values, _check._cell_ok(values)["hooks"]) == "0/16 FAIL"
+    assert _check._reason(values) == "rank 1, step 1: " + hooks.format(0)
+    assert _check._short_reason(values).startswith("FAIL: hooks: post-accumulate-grad hooks fired 0 times")
+
+
+def test_progress_says_why_a_case_failed():
+    assert _check._progress_status({"status": "pass"}) == "pass"
+    raised = {"status": "error", "failures": ["exception: RuntimeError: Trying to backward ... (caused by X)"]}
+    assert _check._progress_status(raised) == "FAIL raised RuntimeError"
+    checks = {"status": "fail", "failures": ["step 0: hooks: fired 0", "step 0: numerics: x", "step 1: hooks: y"]}
+    assert _check._progress_status(checks) == "FAIL hooks,numerics"
+
+
+# ----------------------------------------------------------------------------------------------------
+# real launches
+
+
+@pytest.mark.timeout(900)  # a backstop: the launcher bounds each launch itself
+def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the default logs folder goes
+    out = tmp_path / "check.json"
+    rc, text, err = _check_main(
+        capsys, "--model", "mlp", "--schedules", "ScheduleGPipe,ScheduleZBVZeroBubble", "--steps", "1",
+        "--json", str(out),
+    )  # fmt: skip
+    assert rc == 0, text + err
+    assert "[ppbackward] ScheduleZBVZeroBubble" in text and "elapsed" in text  # progress lines
+    rows = {tuple(line.split()[:2]): line for line in text.splitlines() if line.startswith("Schedule")}
+    ours = rows[("ScheduleZBVZeroBubble", "ppbackward")]
+    assert "FAIL" not in ours and "32/32 ok" in ours  # one rank, one step: 2 stages x 4 params x 4 microbatches
+    # torch's own W bypasses AccumulateGrad: its hook column fails, and that is not fatal.
+    assert "FAIL" in rows[("ScheduleZBVZeroBubble", "upstream")]
+    assert "upstream ScheduleZBVZeroBubble: rank " in text and ": hooks: post-accumulate-grad hooks fired" in text
+    assert "B pinned" not in text  # nothing leaked: no legend for it
+    assert "VERDICT: ppbackward PASS on 2/2 schedules; torch's own backward failed 1/2" in text
+    assert "logs deleted; --logs DIR keeps them" in text
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("ppbackward-check-")]  # nothing left behind
+    data = json.loads(out.read_text())
+    assert data["passed"] is True and data["model"] == "mlp" and data["logs"] is None
+    ours = data["results"]["ppbackward"]["ScheduleZBVZeroBubble"]
+    assert ours["garbage"] == 0 and ours["bytes_held_after_step"] == 0
+    assert ours["hooks_fired"] == ours["hooks_expected"] == 32
+
+
+@pytest.mark.timeout(900)  # a backstop: the launcher bounds each launch itself
+def test_check_hung_rank_fails_in_bounded_time_with_each_rank_s_stack(tmp_path, capsys):
+    rc, text, err = _check_main(
+        capsys, "--model", "mlp", "--schedules", "ScheduleGPipe", "--steps", "1", "--timeout", "3",
         "--worker-arg=--hang-rank=1", "--logs", str(tmp_path),
-    timeout=150)  # fmt: skip
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "the launch itself failed" in proc.stdout and "timed out after 15s" in proc.stdout
-    assert "rank 1" in proc.stdout and "recv" in proc.stdout  # the hung rank's log tail
-    assert "VERDICT: ppbackward FAIL" in proc.stdout
+    )  # fmt: skip
+    assert rc == 1, text + err
+    assert "the launch itself failed" in text and "no rank made progress for 3s" in text
+    assert "rank 1 log tail" in text and " in recv" in text and " in barrier" in text  # each rank's stack
+    assert "VERDICT: ppbackward FAIL" in text and f"logs: {tmp_path}" in text
+    assert (tmp_path / "ppbackward" / "rank1.log").exists()  # kept: the run failed

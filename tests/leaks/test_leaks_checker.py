@@ -72,6 +72,31 @@ def test_leak_is_counted_with_chain_and_graph_in_a_temp_folder(tmp_path, monkeyp
     shutil.rmtree(report.output_dir)
 
 
+class _Holder:
+    pass
+
+
+class _Slotted:
+    __slots__ = ("out", "me")
+
+
+@pytest.mark.parametrize("cls", [_Holder, _Slotted], ids=["plain-object", "slots"])
+def test_chain_names_the_attribute_of_a_plain_object(cls):
+    # Python 3.11+ keeps a plain object's attributes inline (no __dict__ between object and value)
+    with check_tensor_leaks(strict=False, max_chains=1) as report:
+        holder = cls()
+        holder.out = torch.ones(3)
+        holder.me = holder
+        del holder
+    assert report.num_tensors == 1
+    assert report.chains[0].splitlines() == [
+        "[0] Tensor float32[3] on cpu, 12 bytes",
+        f"  <- [1] {__name__}.{cls.__qualname__} object via .out",
+        "  (reference cycle: [1] is held by [1] via .me)",
+    ]
+    shutil.rmtree(report.output_dir)
+
+
 def test_strict_raises_with_the_report():
     with pytest.raises(TensorLeakError) as info:
         with check_tensor_leaks():

@@ -14,14 +14,18 @@ import torch.distributed as dist
 
 from ppbackward._harness import gloo_p2p
 
-dist.init_process_group("gloo", timeout=timedelta(seconds=float(sys.argv[2])))
+# A long timeout for the rendezvous (start-up can be slow on a busy machine), then a group whose timeout
+# is argv[2] seconds for the batch itself, made once both ranks are known to be up.
+dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+dist.barrier()
+group = dist.new_group(backend="gloo", timeout=timedelta(seconds=float(sys.argv[2])))
 rank = dist.get_rank()
 if rank == 0:
     buffers = [torch.full((4,), float(i)) for i in range(3)]
-    ops = [dist.P2POp(dist.isend, b, 1) for b in buffers]
+    ops = [dist.P2POp(dist.isend, b, 1, group) for b in buffers]
 else:
     buffers = [torch.zeros(4) for _ in range(3)]
-    ops = [dist.P2POp(dist.irecv, b, 0) for b in buffers]
+    ops = [dist.P2POp(dist.irecv, b, 0, group) for b in buffers]
 if sys.argv[1] == "keep":
     gloo_p2p._batch_p2p_keeping_all(ops).wait()
 else:

@@ -249,12 +249,26 @@ def test_failures_are_one_block_per_case_with_failing_ranks_details_and_log(tmp_
 def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_path: Path) -> None:
     (tmp_path / "rank1.log").write_text("stuck here\n")
     verdict = {"complete": False, "backward": "upstream", "cases": []}
-    result = _result(tmp_path, {0: verdict, 1: None}, timed_out=True, returncode=-9)
+    result = _result(tmp_path, {0: verdict, 1: None}, timed_out=True, returncode=-9, hang="progress")
     problems = "\n".join(result.launch_problems())
-    assert "timed out after 10s" in problems and "rank 1 wrote no verdict" in problems
-    assert "rank 0 did not finish its cases" in problems
+    assert "timed out: no rank made progress for 10s after every rank had started" in problems
+    assert "rank 1 wrote no verdict" in problems and "rank 0 did not finish its cases" in problems
     text = result.format_failures()
     assert "stuck here" in text and "command: torchrun" in text
+
+
+def test_a_rank_that_never_started_is_a_start_up_timeout(tmp_path: Path) -> None:
+    result = _result(tmp_path, {0: {"complete": False, "cases": []}, 1: None}, timed_out=True, returncode=-9,
+                     hang="startup", startup_timeout=300.0)  # fmt: skip
+    problems = "\n".join(result.launch_problems())
+    assert "timed out: rank(s) 1 had not started 300s after the launch" in problems
+
+
+def test_first_line_of_an_exception_is_cut_with_an_ellipsis() -> None:
+    short = worker._first_line(RuntimeError("short\nsecond line"))
+    assert short == "RuntimeError: short"
+    cut = worker._first_line(RuntimeError("x" * 500))
+    assert cut.endswith("...") and len(cut) == len("RuntimeError: ") + worker._MESSAGE_CHARS
 
 
 

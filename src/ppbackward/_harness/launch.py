@@ -6,12 +6,19 @@ ppbackward._harness.worker ...`` with the *current* interpreter, in its own sess
 ``<out>/torchrun.log``; every worker writes ``<out>/rank<r>.log``, ``<out>/rank<r>.json`` (its verdict,
 rewritten after every case) and ``<out>/rank<r>.pid``.
 
-Note [killing a hung launch]: torchrun starts every worker in a session of its own, so killing
-torchrun's process group does not reach them. On timeout the launcher therefore (1) ``SIGKILL``\\ s each
+Note [hang clock]: a launch is judged hung by events, never by how long the machine takes to start
+processes. Every worker writes ``rank<r>.json`` once its process group is up and again after every case.
+The hang clock starts when every rank has written it (all started) and restarts whenever any rank's file
+changes; ``timeout`` seconds without such progress is a hang. Until every rank has started, only the
+generous ``startup_timeout`` applies (a backstop for a rendezvous that never completes).
+
+Note [killing a hung launch]: on a hang the launcher first sends ``SIGUSR1`` to every worker, whose
+``faulthandler`` writes the Python stack of every thread into the worker's log from the signal handler
+(it works while the rank is blocked inside a gloo call), and waits until each log holds that dump (or the
+worker is gone; ``_DUMP_GRACE`` seconds at most). torchrun starts every worker in a session of its own,
+so killing torchrun's process group does not reach them. The launcher therefore (1) ``SIGKILL``\\ s each
 worker's process group, found from ``rank<r>.pid`` and checked to be a harness worker, (2) ``SIGTERM``\\ s
-torchrun's group and (3) ``SIGKILL``\\ s it after a grace period. Workers arm
-``faulthandler.dump_traceback_later`` a few seconds before the launcher's timeout, so each hung
-rank's log ends with the Python stack it was stuck in.
+torchrun's group and (3) ``SIGKILL``\\ s it after a grace period.
 
 :class:`LaunchResult` then answers "did every rank report, and did every case pass", and formats what
 went wrong as one block per failing case (each failing rank's failures, traceback and log excerpt),
@@ -31,12 +38,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LaunchResult", "launch"]
+__all__ = ["LaunchResult", "alive", "launch"]
 
 WORKER_MODULE = "ppbackward._harness.worker"
 _TAIL = 40  # log lines shown per rank
 _CASE_LOG = 20  # log lines shown per rank for one case
 _GRACE_S = 5.0  # between SIGTERM and SIGKILL of torchrun
+_DUMP_GRACE_S = 30.0  # most a worker gets to write its stack dump (Note [killing a hung launch])
+_DUMP_MARK = "(most recent call first)"  # faulthandler's header line of every thread's stack
+_POLL_S = 0.5
 
 
 def _src_root() -> str:
@@ -70,6 +80,8 @@ class LaunchResult:
     seconds: float
     verdicts: dict[int, dict[str, Any] | None]
     progress: list[str] = dataclasses.field(default_factory=list)  # case ids passed to ``on_case``, in order
+    hang: str | None = None  # "startup" or "progress" when timed out (Note [hang clock])
+    startup_timeout: float = 0.0
 
     # -- reading --------------------------------------------------------------------------------
     def log_path(self, rank: int) -> Path:
@@ -107,9 +119,16 @@ class LaunchResult:
     def launch_problems(self) -> list[str]:
         """Why the launch itself is broken (timeout, exit code, missing or incomplete verdicts)."""
         problems = []
-        if self.timed_out:
+        if self.timed_out and self.hang == "startup":
+            missing = [str(r) for r in range(self.world_size) if self.verdicts.get(r) is None]
             problems.append(
-                f"timed out after {self.timeout:.0f}s: the process groups of torchrun and of every worker "
+                f"timed out: rank(s) {', '.join(missing) or '?'} had not started {self.startup_timeout:.0f}s after "
+                "the launch; the process groups of torchrun and of every worker were killed"
+            )
+        elif self.timed_out:
+            problems.append(
+                f"timed out: no rank made progress for {self.timeout:.0f}s after every rank had started; each "
+                "worker's stack was dumped to its log, then the process groups of torchrun and of every worker "
                 "were killed"
             )
         elif self.returncode != 0:
@@ -227,15 +246,62 @@ def _is_worker(pid: int) -> bool:
     return WORKER_MODULE.encode() in cmdline
 
 
-def _kill_workers(out_dir: Path) -> None:
-    """SIGKILL the session of every harness worker that wrote a pid file (Note [killing a hung launch])."""
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie waiting for its parent."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return sys.platform != "linux"
+
+
+def _worker_pids(out_dir: Path) -> dict[int, int]:
+    """``{rank: pid}`` of every harness worker that wrote a pid file and is still that worker."""
+    found = {}
     for pid_file in sorted(out_dir.glob("rank*.pid")):
         try:
-            pid = int(pid_file.read_text().strip())
+            rank, pid = int(pid_file.stem[len("rank") :]), int(pid_file.read_text().strip())
         except (OSError, ValueError):
             continue
-        if not _is_worker(pid):
+        if _is_worker(pid):
+            found[rank] = pid
+    return found
+
+
+def _dump_stacks(out_dir: Path, grace: float = _DUMP_GRACE_S) -> None:
+    """``SIGUSR1`` every worker and wait until each log holds its stack dump (Note [killing a hung launch])."""
+    pending: dict[int, tuple[int, int]] = {}  # rank -> (pid, log size when the dump was first seen; -1: not yet)
+    for rank, pid in _worker_pids(out_dir).items():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
             continue
+        pending[rank] = (pid, -1)
+    deadline = time.monotonic() + grace
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.1)
+        for rank, (pid, seen_at) in list(pending.items()):
+            log = out_dir / f"rank{rank}.log"
+            try:
+                size = log.stat().st_size
+                text = log.read_text(errors="replace") if seen_at < 0 else ""
+            except OSError:
+                size, text = -1, ""
+            if not alive(pid) or (seen_at >= 0 and size == seen_at):
+                del pending[rank]  # gone, or its dump is complete (the log stopped growing)
+            elif seen_at >= 0 or _DUMP_MARK in text:
+                pending[rank] = (pid, size)
+
+
+def _kill_workers(out_dir: Path) -> None:
+    """SIGKILL the session of every harness worker that wrote a pid file (Note [killing a hung launch])."""
+    for pid in _worker_pids(out_dir).values():
         try:
             if os.getpgid(pid) == pid:
                 os.killpg(pid, signal.SIGKILL)
@@ -267,34 +333,67 @@ def _read_verdict(path: Path) -> dict[str, Any] | None:
         return None
 
 
+class _CaseReporter:
+    """Calls ``on_case`` with each case record rank 0 adds to its verdict file, once, in order."""
+
+    def __init__(self, path: Path, on_case: Callable[[dict[str, Any]], None] | None) -> None:
+        self.path = path
+        self.on_case = on_case
+        self.reported = 0
+
+    def poll(self) -> None:
+        if self.on_case is None:
+            return
+        cases = (_read_verdict(self.path) or {}).get("cases", [])
+        for record in cases[self.reported :]:
+            self.on_case(record)
+        self.reported = max(self.reported, len(cases))
+
+
+def _progress_marks(out_dir: Path, nproc: int) -> tuple[tuple[int, int] | None, ...]:
+    """``(mtime_ns, size)`` of every rank's verdict file, ``None`` where it does not exist yet."""
+    marks = []
+    for rank in range(nproc):
+        try:
+            st = (out_dir / f"rank{rank}.json").stat()
+        except OSError:
+            marks.append(None)
+            continue
+        marks.append((st.st_mtime_ns, st.st_size))
+    return tuple(marks)
+
+
 def _wait(
     proc: subprocess.Popen[bytes],
-    deadline: float,
-    progress: Path,
-    on_case: Callable[[dict[str, Any]], None] | None,
-) -> bool:
-    """Wait for ``proc`` until ``deadline`` (monotonic); report new cases; ``False`` on timeout."""
-    reported = 0
-
-    def report() -> None:
-        nonlocal reported
-        cases = (_read_verdict(progress) or {}).get("cases", [])
-        for record in cases[reported:]:
-            on_case(record)  # type: ignore[misc]
-        reported = max(reported, len(cases))
-
+    out_dir: Path,
+    nproc: int,
+    timeout: float,
+    startup_timeout: float,
+    reporter: _CaseReporter,
+) -> str | None:
+    """Wait for ``proc`` to exit, reporting cases as they finish; on a hang return its kind,
+    ``"startup"`` or ``"progress"`` (Note [hang clock]); ``None`` once ``proc`` exited."""
+    t0 = time.monotonic()
+    last: tuple[tuple[int, int] | None, ...] = ()
+    changed_at = t0
     while True:
         try:
-            proc.wait(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            proc.wait(timeout=_POLL_S)
         except subprocess.TimeoutExpired:
-            if on_case is not None:
-                report()
-            if time.monotonic() >= deadline:
-                return False
+            pass
+        reporter.poll()
+        if proc.returncode is not None:
+            return None
+        now = time.monotonic()
+        marks = _progress_marks(out_dir, nproc)
+        if None in marks:  # not every rank has started
+            if now - t0 >= startup_timeout:
+                return "startup"
             continue
-        if on_case is not None:
-            report()
-        return True
+        if marks != last:
+            last, changed_at = marks, now
+        elif now - changed_at >= timeout:
+            return "progress"
 
 
 def launch(
@@ -304,18 +403,23 @@ def launch(
     timeout: float,
     env: dict[str, str] | None = None,
     on_case: Callable[[dict[str, Any]], None] | None = None,
+    startup_timeout: float | None = None,
 ) -> LaunchResult:
-    """Run the harness worker on ``nproc`` ranks; never takes (much) longer than ``timeout`` seconds.
+    """Run the harness worker on ``nproc`` ranks; a hang is stopped in bounded time (Note [hang clock]).
 
     Args:
         nproc: processes (ranks) to start, all on this machine.
-        worker_args: arguments of ``python -m ppbackward._harness.worker`` besides ``--out`` (e.g.
-            ``["--backward", "ppbackward", "--schedules", "Schedule1F1B"]``).
+        worker_args: arguments of ``python -m ppbackward._harness.worker`` besides ``--out`` and
+            ``--launched-at`` (e.g. ``["--backward", "ppbackward", "--schedules", "Schedule1F1B"]``).
         out_dir: folder for logs and verdicts; created, and emptied of earlier verdicts and logs.
-        timeout: seconds before every process of the launch is killed (Note [killing a hung launch]).
+        timeout: seconds without progress (no rank finishing a case) once every rank has started, before
+            every rank's stack is dumped and every process of the launch killed (Note [killing a hung
+            launch]). It does not count the time the machine takes to start the ranks.
         env: extra environment variables for torchrun and the workers.
         on_case: called in this process with rank 0's record of each case as soon as rank 0 finished
             it (polled from ``rank0.json`` twice a second): progress for a command line.
+        startup_timeout: seconds for every rank to start (write its first verdict) before the launch is
+            killed; default ``max(300, timeout)``: a backstop, never reached on a healthy machine.
 
     Returns:
         A :class:`LaunchResult`; it raises nothing for a failed, crashed or hung launch.
@@ -324,7 +428,7 @@ def launch(
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("rank*.*"), out / "torchrun.log"]:
         old.unlink(missing_ok=True)
-    dump_after = max(1.0, timeout - 6.0)
+    startup = max(300.0, timeout) if startup_timeout is None else startup_timeout
     command = [
         sys.executable,
         "-m",
@@ -336,8 +440,8 @@ def launch(
         WORKER_MODULE,
         "--out",
         str(out),
-        "--dump-after",
-        f"{dump_after:.0f}",
+        "--launched-at",
+        f"{time.time():.3f}",
         *worker_args,
     ]
     full_env = dict(os.environ)
@@ -348,22 +452,25 @@ def launch(
     )
     full_env.update(env or {})
     t0 = time.monotonic()
-    timed_out = False
     progress: list[str] = []
 
     def seen(record: dict[str, Any]) -> None:
         progress.append(record["id"])
         on_case(record)  # type: ignore[misc]
+
+    reporter = _CaseReporter(out / "rank0.json", None if on_case is None else seen)
     with open(out / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
             start_new_session=True,
         )
         try:
-            timed_out = not _wait(proc, t0 + timeout, out / "rank0.json", None if on_case is None else seen)
-            if timed_out:
+            hang = _wait(proc, out, nproc, timeout, startup, reporter)
+            if hang is not None:
+                _dump_stacks(out)
                 _stop(proc, out)
         except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
+            _dump_stacks(out, grace=2.0)
             _stop(proc, out)
             raise
     return LaunchResult(
@@ -371,9 +478,11 @@ def launch(
         out_dir=out,
         world_size=nproc,
         returncode=proc.returncode,
-        timed_out=timed_out,
+        timed_out=hang is not None,
         timeout=timeout,
         seconds=time.monotonic() - t0,
         verdicts={r: _read_verdict(out / f"rank{r}.json") for r in range(nproc)},
         progress=progress,
+        hang=hang,
+        startup_timeout=startup,
     )

@@ -24,7 +24,17 @@ swaps in a deliberately leaky backward).
 
 Every case runs on its own gloo subgroup with ``--case-timeout``; an exception in a case is recorded and
 the ranks resynchronise on the world group (``--pg-timeout``) before the next case. The verdict file is
-rewritten after every case, so a rank killed mid-run still leaves the cases it finished.
+written once the process group is up and rewritten after every case, so a rank killed mid-run still leaves
+the cases it finished (the launcher's hang clock watches these writes, Note [hang clock] in
+:mod:`ppbackward._harness.launch`). ``SIGUSR1`` makes ``faulthandler`` dump every thread's stack to the
+rank's log (the launcher sends it before killing a hung launch).
+
+Note [timeouts scale with start-up]: the gloo timeouts decide whether a rank waiting for a peer gives up,
+so on a busy machine a fixed number of seconds would turn a slow peer into a false failure. The launcher
+passes ``--launched-at`` (its clock when it started torchrun); once the world process group is up, the
+ranks agree (all-reduce max) on how long this launch took to start, and ``--case-timeout`` and
+``--pg-timeout`` are multiplied by ``max(1, startup / REFERENCE_STARTUP_S)``: the machine's slowness at
+this moment, measured. The factor and the timeouts in force are in the verdict (``timeouts``).
 
 On gloo with torch 2.5-2.7, whose schedules drop P2P works and hang, the worker puts in
 :mod:`ppbackward._harness.gloo_p2p` for both backwards and lists it in the verdict's ``workarounds``.
@@ -44,6 +54,7 @@ import importlib.util
 import inspect
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -63,6 +74,10 @@ __all__ = ["ATOL", "RTOL", "main"]
 
 RTOL = 1e-5
 ATOL = 1e-6
+#: Seconds from torchrun's start to a 2-rank world process group on 2 idle cores (torch 2.13, CPU; measured
+#: 2.6-3.1 s):
+#: Note [timeouts scale with start-up].
+REFERENCE_STARTUP_S = 3.0
 _NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 SCHEMA = 1
 
@@ -269,9 +284,16 @@ def run_step(
 # one case
 
 
+_MESSAGE_CHARS = 200
+
+
 def _first_line(e: BaseException) -> str:
+    """``Type: first line of the message``, cut at ``_MESSAGE_CHARS`` with ``...`` (the traceback has it all)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+    first = lines[0] if lines else ""
+    if len(first) > _MESSAGE_CHARS:
+        first = first[: _MESSAGE_CHARS - 3].rstrip() + "..."
+    return f"{type(e).__name__}: {first}"
 
 
 def _describe(e: BaseException) -> str:
@@ -418,11 +440,40 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=0, help="microbatches per step (0: each schedule's rule)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pg-timeout", type=float, default=60.0, help="world process-group timeout (s)")
+    p.add_argument(
+        "--pg-timeout", type=float, default=300.0,
+        help="world process-group timeout (s): the barriers between cases wait this long for a rank whose case is slow",
+    )  # fmt: skip
     p.add_argument("--case-timeout", type=float, default=30.0, help="per-case subgroup timeout (s)")
-    p.add_argument("--dump-after", type=float, default=0.0, help="dump every thread's stack to the log after N s")
+    p.add_argument(
+        "--launched-at", type=float, default=None,
+        help="time.time() when the launcher started torchrun: scales the timeouts (Note [timeouts scale with start-up])",
+    )  # fmt: skip
     p.add_argument("--hang-rank", type=int, default=None, help="test only: this rank blocks in a recv forever")
     return p.parse_args(argv)
+
+
+def _scale_timeouts(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Scale ``args.case_timeout`` and ``args.pg_timeout`` in place by the measured start-up of this
+    launch (Note [timeouts scale with start-up]); return what is in force."""
+    startup = 0.0 if args.launched_at is None else max(0.0, time.time() - args.launched_at)
+    slowest = torch.tensor([startup], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    startup = float(slowest.item())
+    factor = max(1.0, startup / REFERENCE_STARTUP_S)
+    args.case_timeout *= factor
+    args.pg_timeout *= factor
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if factor > 1.0 and set_timeout is not None:
+        # the world group's (its barriers between cases); gloo's point-to-point ops keep the timeout their
+        # group was made with, so every case makes its subgroup after this, with the scaled case timeout
+        set_timeout(timedelta(seconds=args.pg_timeout))
+    return {
+        "startup_s": round(startup, 3),
+        "factor": round(factor, 3),
+        "case_timeout_s": round(args.case_timeout, 1),
+        "pg_timeout_s": round(args.pg_timeout, 1),
+    }
 
 
 def _redirect_output(path: Path) -> Any:
@@ -459,8 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     log = _redirect_output(out / f"rank{rank}.log")
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     faulthandler.enable(file=log, all_threads=True)
-    if args.dump_after > 0:
-        faulthandler.dump_traceback_later(args.dump_after, exit=False, file=log)
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # Note [killing a hung launch]
     torch.set_num_threads(1)
     verdict_path = out / f"rank{rank}.json"
     verdict: dict[str, Any] = {
@@ -508,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)
         dist.init_process_group(args.backend, timeout=timedelta(seconds=args.pg_timeout))
+        verdict["timeouts"] = _scale_timeouts(args, device)
+        say(f"timeouts: {verdict['timeouts']}")
         _write(verdict_path, verdict)
         if args.hang_rank is not None:
             if rank == args.hang_rank:
@@ -538,7 +590,6 @@ def main(argv: list[str] | None = None) -> int:
         raise
     verdict["seconds"] = round(time.perf_counter() - t_start, 3)
     _write(verdict_path, verdict)
-    faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
     say("done")
     return 0

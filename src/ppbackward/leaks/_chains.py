@@ -107,8 +107,35 @@ def _edge_label(src: Any, dst: Any) -> str:
                 continue
             if value is dst:
                 return f".{attr}"
+        label = _instance_attribute(src, dst)
+        if label:
+            return label
     except Exception:
         pass
+    return ""
+
+
+def _instance_attribute(src: Any, dst: Any) -> str:
+    """``".name"`` when ``dst`` is an instance attribute of ``src`` (in its ``__dict__`` or a slot).
+
+    Python 3.11+ keeps a plain object's attributes inline: ``gc.get_referents`` then yields the
+    attribute values themselves, with no ``__dict__`` in between, so the attribute is named here.
+    """
+    try:
+        attrs = object.__getattribute__(src, "__dict__")
+    except Exception:
+        attrs = {}
+    for name, value in attrs.items():
+        if value is dst:
+            return f".{name}"
+    for cls in type(src).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            try:
+                if object.__getattribute__(src, slot) is dst:
+                    return f".{slot}"
+            except Exception:
+                continue
     return ""
 
 
