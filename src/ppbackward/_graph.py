@@ -92,11 +92,17 @@ class Analysis(NamedTuple):
             output must not be detached in place (see ``stage_backward_input``).
         b_only: the nodes B runs that W never runs (on an input path, not an intermediate, not
             an input node: those belong to whoever produced the stage input).
+        w_only: the W-only nodes other than the weight leaves (the nodes W runs besides the
+            intermediates), in BFS order.
+        output_consumers: the intermediates and W-only nodes with an edge into an output's node: they
+            may have saved that output (Note [outputs detached after B] in ``ppbackward._saved``).
     """
 
     groups: list[GroupSpec]
     used_nodes: set[Node]
     b_only: list[Node]
+    w_only: list[Node]
+    output_consumers: list[Node]
 
 
 def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analysis:
@@ -180,7 +186,14 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
             _group(groups, parent, i).leaves.append(nodes[i])
     used = {nodes[i] for i, ps in enumerate(parents) if ps}
     b_only = [nodes[i] for i in reaches_input if i not in inter and nodes[i] not in input_nodes]
-    return Analysis(list(groups.values()), used, b_only)
+    leaf_set = set(leaves)
+    w_nodes = [nodes[i] for i in sorted(w_only) if i not in leaf_set]
+    consumers: dict[int, None] = {}
+    for edge in root_edges:
+        for p in parents[index[edge.node]]:
+            if p in inter or p in w_only:
+                consumers[p] = None
+    return Analysis(list(groups.values()), used, b_only, w_nodes, [nodes[i] for i in consumers])
 
 
 def _group(groups: dict[int, GroupSpec], parent: dict[int, int], i: int) -> GroupSpec:

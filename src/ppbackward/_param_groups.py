@@ -49,12 +49,19 @@ class ParamGroups:
     See Note [param_groups hold no cycle] in this module.
     """
 
-    __slots__ = ("_groups", "_weight_ids", "_owners", "_consumed")
+    __slots__ = ("_groups", "_weight_ids", "_owners", "_pinned", "_consumed")
 
-    def __init__(self, groups: list[ParamGroup], weight_ids: frozenset[int], owners: tuple[Node, ...] = ()) -> None:
+    def __init__(
+        self,
+        groups: list[ParamGroup],
+        weight_ids: frozenset[int],
+        owners: tuple[Node, ...] = (),
+        pinned: list = (),  # type: ignore[assignment]
+    ) -> None:
         self._groups = groups
         self._weight_ids = weight_ids
         self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
+        self._pinned = list(pinned)  # Note [outputs detached after B] (ppbackward._saved)
         self._consumed = False
 
     @property
@@ -81,4 +88,5 @@ class ParamGroups:
         """Drop every node, tensor and gradient; mark consumed."""
         self._groups = []
         self._owners = ()
+        self._pinned = []
         self._consumed = True

@@ -1,4 +1,4 @@
-"""Release, right after B, the saved tensors that W will never read.
+"""What B does to saved tensors: release those W will never read, pin those a caller may detach.
 
 Private module. Between B and W a stage keeps the autograd graph of every microbatch in flight. W
 only runs the intermediates and the weight-only subgraphs (Note [W computes only weight edges] in
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch.autograd.graph import Node
 
 __all__: list[str] = []  # private module
@@ -70,3 +71,106 @@ def release_saved_tensors(nodes: Iterable[Node]) -> int:
                     continue
                 released += 1
     return released
+
+
+# --- pinning --------------------------------------------------------------------------------------
+
+# Note [outputs detached after B]: after B the caller may detach the stage outputs in place: torch's
+# PipelineStage does so on the last stage (``t.detach_()`` on every non-view output, right after B),
+# and torch's own B did so on every stage. A node that saved such a tensor as one of its *inputs*
+# cannot use it any more ("Trying to use a saved tensor that has been detached in-place"): autograd
+# reads the saved input's grad_fn from the tensor itself, which the in-place detach cleared. (A saved
+# *output* keeps what it needs, and a leaf has no grad_fn to lose.) If W runs such a node, W fails:
+# e.g. a last stage whose input needs no grad (a frozen prefix before a LoRA adapter) leaves the whole
+# graph to W, loss included, and the loss node saved the stage output.
+#
+# So B pins, through the public saved-tensor API, every saved non-leaf input of the nodes W will run
+# that may hold a stage output: the consumers of the outputs B was given, and, when B was given a loss
+# (the stage outputs themselves are then unknown to it), every node W will run. ``register_hooks``
+# records the tensor's grad_fn when it is called, so a later in-place detach no longer matters; the
+# pack hook gets a detached alias (same storage: no copy, no memory) and keeps it in a holder with the
+# version it had, and the unpack hook checks that version (hooks switch off autograd's own check) and
+# returns the alias. W empties the holders once it is done (Note [release unread saved tensors]
+# cannot re-register hooks on these), so nothing outlives W. Saved tensors that already have hooks
+# (checkpointing, offloading) carry their own grad_fn the same way and are left alone.
+
+
+class _Pinned:
+    """A pinned saved tensor: the detached alias and the version it was saved at; empty once released."""
+
+    __slots__ = ("alias", "version")
+
+    def __init__(self, alias: torch.Tensor) -> None:
+        self.alias: torch.Tensor | None = alias
+        self.version = alias._version
+
+    def release(self) -> None:
+        self.alias = None
+
+
+class _PinHook:
+    """The pack hook of one :func:`pin_saved_inputs` call: makes a holder per tensor and lists it (a plain
+    object, no closure: Note [no closure cycle] in ``ppbackward.backward``)."""
+
+    __slots__ = ("pinned",)
+
+    def __init__(self) -> None:
+        self.pinned: list[_Pinned] = []
+
+    def __call__(self, alias: torch.Tensor) -> _Pinned:
+        holder = _Pinned(alias)
+        self.pinned.append(holder)
+        return holder
+
+
+def _unpin(pinned: _Pinned) -> torch.Tensor:
+    alias = pinned.alias
+    if alias is None:
+        raise RuntimeError(
+            "ppbackward released this saved tensor when stage_backward_weight (W) finished; running the "
+            "node again (a second backward through the same graph) is not supported. See Note [outputs "
+            "detached after B] in ppbackward._saved."
+        )
+    if alias._version != pinned.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{alias.dtype} {list(alias.shape)}] is at version {alias._version}; expected version "
+            f"{pinned.version} instead. (Checked by ppbackward, whose saved-tensor hooks replace autograd's "
+            "own check for tensors pinned after B: Note [outputs detached after B].)"
+        )
+    return alias
+
+
+def pin_saved_inputs(nodes: Iterable[Node]) -> list[_Pinned]:
+    """Pin every saved non-leaf input of ``nodes`` (Note [outputs detached after B]).
+
+    Args:
+        nodes: autograd nodes that W will run.
+
+    Returns:
+        The holders, for :func:`release_pinned` once W is done.
+    """
+    pack = _PinHook()
+    for node in nodes:
+        for attr in _saved_attrs(node):
+            try:
+                raw = getattr(node, attr)
+                value = getattr(node, "_saved_" + attr[len("_raw_saved_") :])
+            except (RuntimeError, AttributeError):  # freed, or modified in place: W raises autograd's error
+                continue
+            items = raw if isinstance(raw, (list, tuple)) else (raw,)
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            for item, t in zip(items, values):
+                if not isinstance(t, torch.Tensor) or t.grad_fn is None or t.grad_fn is node:
+                    continue  # not a tensor, a leaf, or the node's own output: nothing to lose
+                try:
+                    item.register_hooks(pack, _unpin)
+                except RuntimeError:  # already has hooks: its owner keeps its grad_fn
+                    continue
+    return pack.pinned
+
+
+def release_pinned(pinned: Iterable[_Pinned]) -> None:
+    """Drop the aliases :func:`pin_saved_inputs` kept (W is done with them)."""
+    for holder in pinned:
+        holder.release()

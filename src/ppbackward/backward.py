@@ -33,7 +33,7 @@ from torch.autograd.graph import GradientEdge
 from ppbackward._graph import analyze, gradient_edge
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups
-from ppbackward._saved import release_saved_tensors
+from ppbackward._saved import pin_saved_inputs, release_pinned, release_saved_tensors
 from ppbackward._tree import flatten_outputs_and_grads
 from ppbackward._weight_edges import accumulate, weight_edge_grads
 
@@ -196,7 +196,7 @@ def stage_backward_input(
     grad_inputs = _unique(t for _, t in wanted)
     input_nodes = {gradient_edge(t).node for t in grad_inputs}
     root_edges = [gradient_edge(t) for t in flat.tensors]
-    specs, used_nodes, b_only = analyze(root_edges, input_nodes)
+    specs, used_nodes, b_only, w_only, consumers = analyze(root_edges, input_nodes)
     inter = [node for spec in specs for node, _ in spec.intermediates]
     _refuse_reentrant_checkpoint(b_only, inter)
     owners = candidate_owners(flat.tensors)  # Note [custom Function nodes need an owner]; () on torch 2.13+
@@ -231,14 +231,18 @@ def stage_backward_input(
     captured = [box[0] if box else None for box in boxes]
 
     groups = _build_groups(specs, captured, flat.grads, root_edges)
+    pinned: list = []
     if groups:  # Note [release unread saved tensors]
         release_saved_tensors([*b_only, *(n for n in inter if isinstance(n, BackwardCFunction))])
+        # Note [outputs detached after B]: given a loss, B cannot tell the stage outputs from the rest
+        at_risk = consumers if output_grads is not None else [*inter, *w_only]
+        pinned = pin_saved_inputs(n for n in at_risk if not isinstance(n, BackwardCFunction))
     owners = owners_needed(owners, groups)
     _detach_outputs(flat.tensors, used_nodes)
     result: list[Optional[torch.Tensor]] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = found.get(id(t))
-    return tuple(result), ParamGroups(groups, weight_ids, owners)
+    return tuple(result), ParamGroups(groups, weight_ids, owners, pinned)
 
 
 def _capture_outputs_hook(box: list):
@@ -384,6 +388,8 @@ def stage_backward_weight(
                 retain_graph,
             )
     finally:
+        if not retain_graph:
+            release_pinned(param_groups._pinned)  # Note [outputs detached after B]
         param_groups._release()
     return tuple(w.grad for w in weights)
 
