@@ -1,20 +1,13 @@
-"""``ppbackward check``: every schedule of the installed torch, upstream vs ppbackward, one table.
+"""``ppbackward check``: the installed torch's schedules in real training setups, upstream vs ppbackward.
 
-Private module behind the console script. It launches the multiproc harness worker
+Private module behind the console script. For each scenario (``ppbackward._harness.scenarios``: a
+model set at a world size, optionally pipeline × data parallel) it launches the multiproc harness worker
 (``ppbackward._harness.worker``) under torchrun twice — with torch's own stage backward and with
-``ppbackward.install()`` — on a built-in model, then prints one row per schedule and backward:
-
-Every column is the worst rank and worst step of the case (Note [worst cell]):
-
-* ``garbage``: tensors + autograd nodes found in reference cycles after a step
-  (``ppbackward.leaks.check_tensor_leaks``);
-* ``gc-only``: bytes of saved activations freed only by a gc run (held by a cycle);
-* ``held``: bytes of saved activations still alive after the step, the stage's runtime state
-  cleared and a gc run (held by a live reference);
-* ``max|dg|``: max |grad - reference| over every parameter, against a single-process reference;
-* ``hooks``: post-accumulate-grad hook calls / expected (once per parameter per microbatch) of the
-  rank and step furthest from expected;
-* ``step``: seconds per step, the slowest rank's mean over its steps (timing is not judged).
+``ppbackward.install()`` — and prints one table per scenario, one row per case (schedule, model,
+wrapper) and backward; the columns are described in ``ppbackward._check_cells``. Every failing row of
+torch's gets a footnote naming the kind of failure, why it happens and its public report
+(``ppbackward._harness.diagnose``). Then, in this process, the bytes of saved activations held between
+B and W against the bytes W reads (``ppbackward._bench._memory``), and a verdict.
 
 Exit code 0 only when ppbackward passes every cell; upstream's failures are reported, not fatal.
 """
@@ -25,7 +18,6 @@ import argparse
 import difflib
 import importlib.util
 import json
-import re
 import shutil
 import sys
 import tempfile
@@ -35,11 +27,12 @@ from typing import Any
 
 import torch
 
+from ppbackward import _check_cells as cells
+
 __all__ = ["main"]
 
 BACKWARDS = ("upstream", "ppbackward")
-_MODELS = ("transformer", "mlp", "tuple", "ckpt")
-_COLUMNS = ("garbage", "gc-only", "held", "max|dg|", "hooks", "step")
+_MEMORY_CONFIG = "4x64x16"  # the stage the bytes held between B and W are measured on (bench notation)
 
 
 class CheckError(Exception):
@@ -57,16 +50,31 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ppbackward._harness.models import MODELS
+    from ppbackward._harness.parallel import WRAPS
+    from ppbackward._harness.scenarios import DEFAULT, SCENARIOS
+
     p = argparse.ArgumentParser(
         prog="ppbackward check",
         formatter_class=_HelpFormatter,
-        description="Run every pipeline schedule of the installed torch under torchrun, with torch's own "
-        "stage backward and with ppbackward, and compare leaks, activation lifetime, grads and hooks.",
+        description="Run the pipeline schedules of the installed torch under torchrun in real training setups, "
+        "with torch's own stage backward and with ppbackward, and compare leaks, activation lifetime, grads, "
+        "hooks and the memory held between B and W.",
     )
-    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) to start")
+    p.add_argument(
+        "--scenario", default=None, metavar="NAMES",
+        help=f"comma-separated scenarios ({', '.join(SCENARIOS)}), 'all', or 'default' "
+        f"(default: {','.join(DEFAULT)}; or the one --model names)",
+    )  # fmt: skip
+    p.add_argument("--model", choices=list(MODELS), default=None, help="run one built-in model instead of scenarios")
+    p.add_argument("--nproc", type=int, default=None, help="with --model: ranks to start (default: 2 x --dp)")
+    p.add_argument("--dp", type=int, default=1, help="with --model: data-parallel degree (world = dp x pp ranks)")
+    p.add_argument(
+        "--wrap", choices=WRAPS, default=None,
+        help="with --model: data-parallel wrapper of every stage module (default: ddp when --dp > 1, else none)",
+    )  # fmt: skip
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process-group backend")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r uses cuda:r")
-    p.add_argument("--model", choices=_MODELS, default="transformer", help="built-in model")
     p.add_argument("--schedules", default="all", help="comma-separated schedule class names, or 'all'")
     p.add_argument("--steps", type=int, default=2, help="measured schedule steps per case")
     p.add_argument("--microbatches", type=int, default=0, help="microbatches per step (0: each schedule's rule)")
@@ -87,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _suggest(name: str, known: set[str]) -> list[str]:
     """Known schedule names close to ``name``, case and the ``Schedule`` prefix ignored."""
+
     def stem(text: str) -> str:
         text = text.lower()
         return text[len("schedule") :] if text.startswith("schedule") else text
@@ -110,23 +119,53 @@ def _unknown_schedules(names: list[str], known: set[str]) -> str:
     return f"unknown schedule(s) {', '.join(parts)}; known: {', '.join(sorted(known))}"
 
 
-def _validate(args: argparse.Namespace) -> list[str] | None:
-    """Check the request before launching anything; return the schedule filter."""
+def _scenarios(args: argparse.Namespace) -> list[Any]:
+    """The scenarios to run: the named ones, or one made of ``--model`` (with ``--nproc``, ``--dp``, ``--wrap``)."""
+    from ppbackward._harness.scenarios import Scenario, select
+
+    if args.model is None:
+        for flag, value in (("--nproc", args.nproc), ("--wrap", args.wrap)):
+            if value is not None:
+                raise CheckError(f"{flag} applies to --model; a scenario fixes its own ranks and wrappers")
+        if args.dp != 1:
+            raise CheckError("--dp applies to --model; the ddp and fsdp scenarios run dp 2")
+        try:
+            return select(args.scenario or "default")
+        except ValueError as e:
+            raise CheckError(str(e)) from None
+    if args.scenario is not None:
+        raise CheckError("give --scenario or --model, not both")
+    if args.dp < 1:
+        raise CheckError(f"--dp {args.dp}: need at least 1")
+    nproc = args.nproc if args.nproc is not None else 2 * args.dp
+    if nproc < 1:
+        raise CheckError(f"--nproc {nproc}: need at least 1 rank")
+    if nproc % args.dp:
+        raise CheckError(f"--nproc {nproc} is not a multiple of --dp {args.dp}")
+    wrap = args.wrap or ("ddp" if args.dp > 1 else "none")
+    if wrap != "none" and args.dp == 1:
+        raise CheckError(f"--wrap {wrap} needs --dp 2 or more")
+    title = f"{args.model} ({'pipeline only' if wrap == 'none' else f'pipeline x {wrap}'})"
+    return [Scenario(args.model, title, nproc, (args.model,), dp=args.dp, wraps=(wrap,))]
+
+
+def _validate(args: argparse.Namespace) -> tuple[list[Any], list[str] | None]:
+    """Check the request before launching anything; return the scenarios and the schedule filter."""
     if importlib.util.find_spec("torch.distributed.run") is None or not torch.distributed.is_available():
         raise CheckError(f"torch {torch.__version__} has no torch.distributed / torchrun on this machine")
-    if args.nproc < 1:
-        raise CheckError(f"--nproc {args.nproc}: need at least 1 rank")
+    scenarios = _scenarios(args)
     if args.steps < 1:
         raise CheckError(f"--steps {args.steps}: need at least 1 step")
     if args.microbatches < 0:
         raise CheckError(f"--microbatches {args.microbatches}: must be 0 (automatic) or positive")
     if args.timeout <= 0:
         raise CheckError(f"--timeout {args.timeout:g}: must be positive (seconds)")
+    most = max(s.nproc for s in scenarios)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise CheckError("--device cuda: torch.cuda.is_available() is False on this machine")
-        if torch.cuda.device_count() < args.nproc:
-            raise CheckError(f"--device cuda --nproc {args.nproc}: only {torch.cuda.device_count()} GPU(s) visible")
+        if torch.cuda.device_count() < most:
+            raise CheckError(f"--device cuda: {most} ranks need {most} GPUs, {torch.cuda.device_count()} visible")
     if args.backend == "nccl" and args.device != "cuda":
         raise CheckError("--backend nccl needs --device cuda")
     from ppbackward._harness import schedules
@@ -140,18 +179,22 @@ def _validate(args: argparse.Namespace) -> list[str] | None:
         unknown = [s for s in only if s not in known]
         if unknown:
             raise CheckError(_unknown_schedules(unknown, known))
-    cases = schedules.matrix(args.nproc, only, args.microbatches)
-    if all(case.skip for case in cases):  # nothing would run: say why instead of a vacuous pass
-        reasons = "; ".join(f"{case.skip}" for case in cases)
-        raise CheckError(f"nothing to check with --nproc {args.nproc}: {reasons}")
-    return only
+    runnable = []
+    for scenario in scenarios:
+        cases = schedules.matrix(scenario.nproc // scenario.dp, only, args.microbatches)
+        if any(not case.skip for case in cases):
+            runnable.append(scenario)
+        reasons = "; ".join(sorted({c.skip for c in cases if c.skip}))
+    if not runnable:  # nothing would run: say why instead of a vacuous pass
+        raise CheckError(f"nothing to check with {scenarios[-1].layout}: {reasons}")
+    return runnable, only
 
 
-def _run_backward(backward: str, args: argparse.Namespace, out_dir: Path, t0: float) -> Any:
+def _run_backward(backward: str, scenario: Any, args: argparse.Namespace, out_dir: Path, t0: float) -> Any:
     from ppbackward._harness.launch import launch
 
     worker_args = [
-        "--backward", backward, "--models", args.model, "--schedules", args.schedules,
+        "--backward", backward, *scenario.worker_args(), "--schedules", args.schedules,
         "--steps", str(args.steps), "--microbatches", str(args.microbatches),
         "--device", args.device, "--backend", args.backend,
         # a case that fails on one rank leaves the others waiting for it: keep that wait short
@@ -163,227 +206,133 @@ def _run_backward(backward: str, args: argparse.Namespace, out_dir: Path, t0: fl
         seconds = record.get("seconds")
         took = f"{seconds:.1f} s" if isinstance(seconds, (int, float)) else "-"
         print(
-            f"  [{backward:>10}] {record.get('schedule', record.get('id', '?')):<31} {_progress_status(record):<22} "
+            f"  [{backward:>10}] {record.get('id', '?'):<40} {cells.progress_status(record):<22} "
             f"({took}; elapsed {time.perf_counter() - t0:5.1f} s)",
             flush=True,
         )
 
-    print(f"{backward}: launching {args.nproc} ranks ({args.backend}, {args.device}) ...", flush=True)
-    return launch(args.nproc, worker_args, out_dir / backward, args.timeout, on_case=progress)
-
-
-# Which failure messages (``"step N: <kind>: ..."``, see ppbackward._harness.worker) each column reports.
-_KINDS = {"garbage": "garbage:", "gc-only": "lifetime:", "held": "lifetime:", "max|dg|": "numerics:", "hooks": "hooks:"}
-
-
-def _failure_kind(failure: str) -> str:
-    """``"hooks"`` for ``"step 0: hooks: ..."``; ``"raised"`` for an exception record."""
-    if failure.startswith("exception: "):
-        return "raised"
-    text = failure.split(": ", 1)[1] if failure.startswith("step ") and ": " in failure else failure
-    return text.split(":", 1)[0]
-
-
-def _progress_status(record: dict[str, Any]) -> str:
-    """``pass``, ``skip``, or ``FAIL`` with why: ``FAIL raised RuntimeError`` (the case stopped on an
-    exception) or ``FAIL hooks,numerics`` (the checks that failed, on rank 0)."""
-    status = record.get("status", "?")
-    if status in ("pass", "skip"):
-        return status
-    failures = record.get("failures") or []
-    if status == "error" and failures:
-        return "FAIL raised " + failures[0].removeprefix("exception: ").split(":", 1)[0]
-    kinds = dict.fromkeys(_failure_kind(f) for f in failures)
-    return "FAIL " + ",".join(kinds) if kinds else "FAIL"
-
-
-def _step_metrics(step: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "garbage": step["garbage"]["tensors"] + step["garbage"]["nodes"],
-        "gc-only": step["lifetime"]["bytes_freed_only_by_gc"],
-        "held": step["lifetime"]["bytes_held_after_gc"],
-        "max|dg|": step["numerics"]["max_abs_grad_err"],
-        "hooks": abs(step["hooks"]["fired"] - step["hooks"]["expected"]),
-    }
-
-
-def _cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
-    """Aggregate one case's per-rank records into the table's metrics.
-
-    Note [worst cell]: every column shows the worst rank and step for that column (the largest value;
-    for ``hooks``, the rank and step whose count is furthest from expected, shown as fired/expected of
-    that rank and step), and ``worst`` remembers which (rank, step) each column came from, so that the
-    footnote of a failing case quotes the failure behind the first failing cell.
-    """
-    records = {rank: r for rank, r in per_rank.items() if r}
-    failures = [f"rank {rank}, {f}" for rank, r in records.items() for f in r.get("failures", [])]
-    status = {r.get("status") for r in records.values()}
-    steps = [(rank, s) for rank, r in records.items() for s in r.get("steps", [])]
-    if not steps:
-        if status == {"skip"}:
-            return {"status": "skip", "failures": sorted({r.get("reason", "") for r in records.values()})}
-        return {"status": "fail", "failures": failures or ["no verdict"]}
-    worst: dict[str, tuple[int, int]] = {}
-    best: dict[str, Any] = {}
-    for rank, step in steps:
-        for column, value in _step_metrics(step).items():
-            if column not in best or value > best[column]:
-                best[column], worst[column] = value, (rank, step["step"])
-    hooks_rank, hooks_step = worst["hooks"]
-    hooks = next(s["hooks"] for r, s in steps if r == hooks_rank and s["step"] == hooks_step)
-    step_seconds = [sum(s["seconds"] for s in r["steps"]) / len(r["steps"]) for r in records.values() if r.get("steps")]
-    return {
-        "status": "pass" if status == {"pass"} else "fail",
-        "garbage": best["garbage"],
-        "bytes_freed_only_by_gc": best["gc-only"],
-        "bytes_held_after_step": best["held"],
-        "max_abs_grad_err": best["max|dg|"],
-        "hooks_fired": hooks["fired"],
-        "hooks_expected": hooks["expected"],
-        "step_seconds": max(step_seconds),
-        "worst": {column: list(where) for column, where in worst.items()},
-        "failures": failures,
-    }
-
-
-def _cell_ok(values: dict[str, Any]) -> dict[str, bool]:
-    kinds = {_failure_kind(f.split(", ", 1)[-1]) for f in values["failures"]}
-    return {
-        "garbage": values["garbage"] == 0,
-        "gc-only": values["bytes_freed_only_by_gc"] == 0,
-        "held": values["bytes_held_after_step"] == 0,
-        "max|dg|": "numerics" not in kinds,
-        "hooks": values["hooks_fired"] == values["hooks_expected"],
-        "step": True,
-    }
-
-
-def _format_cell(column: str, values: dict[str, Any], ok: bool) -> str:
-    text = {
-        "garbage": lambda v: f"{v['garbage']}",
-        "gc-only": lambda v: f"{v['bytes_freed_only_by_gc']} B",
-        "held": lambda v: f"{v['bytes_held_after_step']} B",
-        "max|dg|": lambda v: f"{v['max_abs_grad_err']:.1e}",
-        "hooks": lambda v: f"{v['hooks_fired']}/{v['hooks_expected']}",
-        "step": lambda v: f"{v['step_seconds'] * 1e3:.0f} ms",
-    }[column](values)
-    return text if column == "step" else f"{text} {'ok' if ok else 'FAIL'}"
-
-
-def _reason(values: dict[str, Any] | None) -> str:
-    """The failure behind the first failing cell of a case (Note [worst cell]), one line:
-    ``rank 1, step 0: hooks: ...``; the first failure when no cell fails (an exception, caches)."""
-    if values is None:
-        return "no verdict"
-    failures = values.get("failures") or ["no measurement"]
-    if "garbage" in values:
-        oks = _cell_ok(values)
-        for column, kind in _KINDS.items():
-            if oks[column]:
-                continue
-            rank, step = values["worst"][column]
-            prefix = f"rank {rank}, step {step}: {kind}"
-            match = next((f for f in failures if f.startswith(prefix)), None)
-            if match is not None:
-                return match.splitlines()[0]
-    return failures[0].replace("exception: ", "", 1).splitlines()[0]
-
-
-def _short_reason(values: dict[str, Any] | None) -> str:
-    if values is not None and values["status"] == "skip":
-        return "skipped: " + (values.get("failures") or [""])[0]
-    first = re.sub(r"^rank \d+, (step \d+: )?", "", _reason(values)).split(" (", 1)[0]
-    return "FAIL: " + (first if len(first) <= 90 else first[:87] + "...")
-
-
-def _table(results: dict[str, dict[str, dict[str, Any]]], schedules: list[str]) -> str:
-    header = ["schedule", "backward", *_COLUMNS]
-    rows: list[list[str]] = []
-    for name in schedules:
-        for backward in BACKWARDS:
-            values = results[backward].get(name)
-            if values is None or "garbage" not in values:
-                rows.append([name, backward, _short_reason(values)])  # spans the metric columns
-                continue
-            oks = _cell_ok(values)
-            rows.append([name, backward, *(_format_cell(c, values, oks[c]) for c in _COLUMNS)])
-    full = [header, *(r for r in rows if len(r) == len(header))]
-    widths = [max(len(r[i]) for r in full) for i in range(len(header))]
-    widths[0] = max([widths[0], *(len(r[0]) for r in rows)])
-
-    def line(r: list[str]) -> str:
-        return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip()
-
-    lines = [line(header), "  ".join("-" * w for w in widths)]
-    lines += [line(r) for r in rows]
-    return "\n".join(lines)
+    return launch(scenario.nproc, worker_args, out_dir / backward, args.timeout, on_case=progress)
 
 
 def _collect(result: Any) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for case_id in result.case_ids():
-        values = _cell_values(result.case(case_id))
-        out[case_id.split("/")[0]] = values
+    return {case_id: cells.cell_values(result.case(case_id)) for case_id in result.case_ids()}
+
+
+def _row_label(case_id: str, scenario: Any) -> str:
+    """The schedule alone where the scenario has one model and one wrapper, else the whole case id."""
+    return case_id.split("/")[0] if len(scenario.models) == 1 and len(scenario.wraps) == 1 else case_id
+
+
+def _memory() -> dict[str, Any]:
+    """Bytes of saved activations held between B and W and bytes W reads, both backwards, in process."""
+    from ppbackward._bench._memory import measure_split
+    from ppbackward._bench._models import build, parse_configs
+
+    (config,) = parse_configs(_MEMORY_CONFIG)
+    stage = build(config)
+    out: dict[str, Any] = {
+        "stage": f"{config.layers} TransformerEncoderLayers, d_model {config.d_model}, seq {config.seq}, "
+        f"batch {config.batch}",
+    }
+    for backward in BACKWARDS:
+        m = measure_split(backward, stage)
+        out[backward] = {k: m[k] for k in ("held_bytes", "floor_bytes", "held_over_floor", "after_w_bytes")}
     return out
+
+
+def _memory_lines(memory: dict[str, Any]) -> list[str]:
+    lines = [f"memory between B and W (one stage: {memory['stage']}; in this process)"]
+    for backward in BACKWARDS:
+        m = memory[backward]
+        ok = m["held_over_floor"] <= 1.0 and m["after_w_bytes"] == 0
+        verdict = "" if backward == "upstream" else (" ok" if ok else " FAIL")
+        lines.append(
+            f"  {backward:>10}: {m['held_bytes']} B held, W reads {m['floor_bytes']} B: "
+            f"{m['held_over_floor']:.2f}x{verdict}"
+        )
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
     """The ``check`` command; returns the process exit code."""
-    only = _validate(args)
+    scenarios, only = _validate(args)
     t0 = time.perf_counter()
     print(
-        f"ppbackward check: torch {torch.__version__}, model {args.model}, {args.nproc} ranks, "
-        f"{args.steps} step(s) per schedule",
+        f"ppbackward check: torch {torch.__version__}; scenarios {', '.join(s.name for s in scenarios)}; "
+        f"{args.steps} step(s) per case",
         flush=True,
     )
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="ppbackward-check-"))
-    launches = {b: _run_backward(b, args, logs, t0) for b in BACKWARDS}
-    results = {b: _collect(r) for b, r in launches.items()}
-    schedules = [s for s in dict.fromkeys([*results["upstream"], *results["ppbackward"]]) if only is None or s in only]
+    runs: list[tuple[Any, dict[str, Any], dict[str, dict[str, dict[str, Any]]]]] = []
+    for scenario in scenarios:
+        print(f"\nscenario {scenario.name} ({scenario.layout}): {scenario.title}", flush=True)
+        launches = {b: _run_backward(b, scenario, args, logs / scenario.name, t0) for b in BACKWARDS}
+        runs.append((scenario, launches, {b: _collect(r) for b, r in launches.items()}))
+    memory = _memory()
+
+    upstream_failing: list[tuple[str, dict[str, Any]]] = []
+    ours_bad: list[str] = []
+    ours_ran = skipped = 0
+    launch_failed: list[str] = []
+    for scenario, launches, results in runs:
+        cases = list(dict.fromkeys([*results["upstream"], *results["ppbackward"]]))
+        cases = [c for c in cases if only is None or c.split("/")[0] in only]
+        print(f"\n{scenario.name} ({scenario.layout}): {scenario.title}")
+        print(cells.table(results, [(c, _row_label(c, scenario)) for c in cases], BACKWARDS))
+        for backward, result in launches.items():
+            problems = result.launch_problems()
+            if problems:
+                launch_failed.append(f"{backward} {scenario.name}: {problems[0].splitlines()[0]}")
+                print(f"{backward}: the launch itself failed:\n{result.format_launch()}\n")
+        ours = results["ppbackward"]
+        ran = [c for c in cases if ours.get(c, {}).get("status") != "skip"]
+        bad = [c for c in cases if ours.get(c, {}).get("status") not in ("pass", "skip")]
+        ours_ran += len(ran)
+        skipped += len(cases) - len(ran)
+        ours_bad += [f"{scenario.name}/{c}" for c in bad]
+        if bad and not launches["ppbackward"].launch_problems():
+            print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
+        for case in cases:
+            values = results["upstream"].get(case, {})
+            if values.get("status") not in ("pass", "skip"):
+                upstream_failing.append((f"{scenario.name} {_row_label(case, scenario)}", values))
     print()
-    print(_table(results, schedules))
-    print()
-    verdicts = [v for r in launches.values() for v in r.verdicts.values() if v]
-    for note in sorted({w for v in verdicts for w in v.get("workarounds", [])}):
-        print(f"note: {note}")  # e.g. ppbackward._harness.gloo_p2p on torch 2.5-2.7
-    problems = {b: r.launch_problems() for b, r in launches.items()}
-    for backward, launch_result in launches.items():
-        if problems[backward]:
-            print(f"{backward}: the launch itself failed:\n{launch_result.format_launch()}\n")
-    ours = results["ppbackward"]
-    ran = [s for s in schedules if ours.get(s, {}).get("status") != "skip"]
-    bad = [s for s in schedules if ours.get(s, {}).get("status") not in ("pass", "skip")]
-    if bad and not problems["ppbackward"]:
-        print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
-    upstream_bad = [s for s in schedules if results["upstream"].get(s, {}).get("status") not in ("pass", "skip")]
-    footnotes = [f"upstream {s}: {_reason(results['upstream'][s])}" for s in upstream_bad]
-    for line in footnotes:
+    for line in _memory_lines(memory):
         print(line)
-    if footnotes:
-        raised = any("garbage" not in results["upstream"][s] for s in upstream_bad)  # raised: no measurement
-        legend = ["each line: the failure behind the case's first failing cell, on the rank and step it names"]
-        if any(" B pinned)" in line for line in footnotes):
-            legend.append('"B pinned": bytes of the tensors found in the cycles')
-        if raised:
-            legend.append(f"full tracebacks: {logs}/upstream/rank<r>.json, cases[].error")
-        print(f"  ({'; '.join(legend)})")
     elapsed = time.perf_counter() - t0
-    passed = not bad and not problems["ppbackward"]
-    if problems["ppbackward"]:
-        outcome = f"FAIL: its launch failed ({problems['ppbackward'][0].splitlines()[0]})"
-    else:
-        outcome = f"PASS on {len(ran)}/{len(ran)} schedules" if passed else f"FAIL on {len(bad)}/{len(ran)} schedules"
-    upstream = (
-        f"torch's own launch failed ({problems['upstream'][0].splitlines()[0]})"
-        if problems["upstream"]
-        else f"torch's own backward failed {len(upstream_bad)}/{len(ran)}"
-    )
-    skipped = [(ours[s].get("failures") or [""])[0] for s in schedules if s not in ran]
-    if skipped:
-        absent = all(" is not in torch " in r for r in skipped)
-        why = f"not in torch {torch.__version__}" if absent else "reasons in the table"
-        upstream += f"; {len(skipped)} skipped ({why})"
+    memory_ok = memory["ppbackward"]["held_over_floor"] <= 1.0 and memory["ppbackward"]["after_w_bytes"] == 0
+    ours_launch = [p for p in launch_failed if p.startswith("ppbackward ")]
+    passed = not ours_bad and not ours_launch and memory_ok
     keep = bool(args.logs) or not passed
+    if upstream_failing:
+        print("\ntorch's own backward failed, by kind (why, and the public report; the rows; one failure as recorded):")
+        footnotes = cells.by_kind(upstream_failing)
+        print("\n".join(footnotes))
+        notes = []
+        if any(" B pinned)" in line for line in footnotes):
+            notes.append('"B pinned": bytes of the tensors found in the cycles')
+        if any("exception: " in line for line in footnotes):
+            where = f"{logs}/<scenario>" if keep else "--logs DIR keeps them in <DIR>/<scenario>"
+            notes.append(f"full tracebacks: {where}/upstream/rank<r>.json, cases[].error")
+        if notes:
+            print(f"  ({'; '.join(notes)})")
+    if ours_launch:
+        outcome = f"FAIL: its launch failed ({ours_launch[0].removeprefix('ppbackward ')})"
+    elif passed:
+        outcome = f"PASS on {ours_ran}/{ours_ran} cases and memory"
+    else:
+        what = [f"{len(ours_bad)}/{ours_ran} cases"] if ours_bad else []
+        what += [] if memory_ok else ["memory"]
+        outcome = f"FAIL on {' and '.join(what)}"
+    upstream_launch = [p for p in launch_failed if p.startswith("upstream ")]
+    upstream = (
+        f"torch's own launch failed ({upstream_launch[0].removeprefix('upstream ')})"
+        if upstream_launch
+        else f"torch's own backward failed {len(upstream_failing)}/{ours_ran}"
+    )
+    upstream += f", held {memory['upstream']['held_over_floor']:.2f}x what W reads"
+    if skipped:
+        upstream += f"; {skipped} skipped (reasons in the tables)"
     if not keep:
         shutil.rmtree(logs, ignore_errors=True)  # a passing run leaves nothing behind; --logs keeps them
     where = f"logs: {logs}" if keep else "logs deleted; --logs DIR keeps them"
@@ -392,13 +341,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         payload = {
             "torch": torch.__version__,
-            "model": args.model,
-            "nproc": args.nproc,
             "backend": args.backend,
             "device": args.device,
             "steps": args.steps,
-            "results": results,
-            "launch_problems": problems,
+            "scenarios": {
+                s.name: {
+                    "title": s.title,
+                    "nproc": s.nproc,
+                    "dp": s.dp,
+                    "models": list(s.models),
+                    "wraps": list(s.wraps),
+                    "results": results,
+                    "launch_problems": {b: r.launch_problems() for b, r in launches.items()},
+                }
+                for s, launches, results in runs
+            },
+            "memory": memory,
             "passed": passed,
             "verdict": verdict,
             "logs": str(logs) if keep else None,

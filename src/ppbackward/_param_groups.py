@@ -21,6 +21,15 @@ from torch.autograd.graph import GradientEdge, Node
 __all__ = ["ParamGroups"]
 
 
+class WeightSet(NamedTuple):
+    """The weights B was given: their ids, how many, and whether any is a DTensor (Note [FSDP2 swaps
+    parameters] in ``ppbackward.backward``)."""
+
+    ids: frozenset[int]
+    count: int
+    sharded: bool
+
+
 class ParamGroup(NamedTuple):
     """One param group ready for W.
 
@@ -54,7 +63,7 @@ class ParamGroups:
     def __init__(
         self,
         groups: list[ParamGroup],
-        weight_ids: frozenset[int],
+        weight_ids: WeightSet,
         owners: tuple[Node, ...] = (),
         pinned: list = (),  # type: ignore[assignment]
     ) -> None:

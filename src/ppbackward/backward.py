@@ -21,6 +21,7 @@ local dicts (see ``ppbackward._graph``).
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -32,7 +33,7 @@ from torch.autograd.graph import GradientEdge
 
 from ppbackward._graph import analyze, gradient_edge
 from ppbackward._node_owner import candidate_owners, owners_needed
-from ppbackward._param_groups import ParamGroup, ParamGroups
+from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
 from ppbackward._saved import pin_saved_inputs, release_pinned, release_saved_tensors
 from ppbackward._tree import flatten_outputs_and_grads
 from ppbackward._weight_edges import accumulate, weight_edge_grads
@@ -189,7 +190,7 @@ def stage_backward_input(
     flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads, consumed=_DETACHED)
     weights = list(weights)
     wanted = _grad_inputs(input_values)
-    weight_ids = frozenset(map(id, weights))
+    weight_ids = WeightSet(frozenset(map(id, weights)), len(weights), any(map(_is_dtensor, weights)))
     if not flat.tensors:
         return tuple(None for _ in input_values), ParamGroups([], weight_ids)
 
@@ -394,15 +395,37 @@ def stage_backward_weight(
     return tuple(w.grad for w in weights)
 
 
-def _check_same_weights(weights: list[torch.Tensor], expected: frozenset[int]) -> None:
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (without importing ``torch.distributed.tensor``: if nothing imported it,
+    no tensor can be one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _check_same_weights(weights: list[torch.Tensor], expected: WeightSet) -> None:
+    """Refuse weights that are not the ones B was given (another stage's, or a subset).
+
+    Note [FSDP2 swaps parameters]: FSDP2 registers a module's sharded parameters (DTensors) between its
+    forward and backward and its unsharded ones (other objects) while they run, so ``module.parameters()``
+    at W time may yield the other form of what B got. Where either side has DTensors, only the number of
+    weights is checked. W accumulates through the ``AccumulateGrad`` nodes B found in the graph (the
+    unsharded parameters FSDP2's backward reads), whatever form W is given.
+    """
+    if expected.sharded or any(map(_is_dtensor, weights)):
+        if len(weights) != expected.count:
+            raise ValueError(
+                f"weights: {len(weights)} parameter(s) given to stage_backward_weight, "
+                f"{expected.count} to stage_backward_input"
+            )
+        return
     ids = [id(w) for w in weights]
     for i, key in enumerate(ids):
-        if key not in expected:
+        if key not in expected.ids:
             raise ValueError(
                 f"weights[{i}]: parameter of shape {tuple(weights[i].shape)} was not among the "
                 "weights given to stage_backward_input for these param_groups (another stage's?)"
             )
-    missing = len(expected - set(ids))
+    missing = len(expected.ids - set(ids))
     if missing:
         raise ValueError(
             f"weights: {missing} parameter(s) given to stage_backward_input are missing from "

@@ -18,7 +18,7 @@ import tempfile
 import pytest
 import torch
 
-from ppbackward import _check
+from ppbackward import _check, _check_cells
 from ppbackward.__main__ import main
 
 
@@ -35,8 +35,14 @@ def _check_main(capsys, *args: str) -> tuple[int, str, str]:
         (["--schedules", "schedulegpipe"], "unknown schedule(s) schedulegpipe (did you mean ScheduleGPipe?); known: "),
         (["--schedules", ","], "--schedules ',': no schedule named"),
         (["--schedules", "ScheduleFlexibleInterleaved1F1B"] if not torch.__version__.startswith("2.5.")
-         else ["--schedules", "ScheduleDualPipeV"], "nothing to check with --nproc 2: Schedule"),
-        (["--nproc", "0"], "--nproc 0: need at least 1 rank"),
+         else ["--schedules", "ScheduleDualPipeV"], "nothing to check with 4 ranks: dp 2 x pp 2: Schedule"),
+        (["--model", "mlp", "--nproc", "0"], "--nproc 0: need at least 1 rank"),
+        (["--model", "mlp", "--nproc", "3", "--dp", "2"], "--nproc 3 is not a multiple of --dp 2"),
+        (["--model", "mlp", "--wrap", "ddp"], "--wrap ddp needs --dp 2 or more"),
+        (["--nproc", "4"], "--nproc applies to --model; a scenario fixes its own ranks and wrappers"),
+        (["--dp", "2"], "--dp applies to --model; the ddp and fsdp scenarios run dp 2"),
+        (["--scenario", "lora", "--model", "mlp"], "give --scenario or --model, not both"),
+        (["--scenario", "lora,nope"], "unknown scenario(s) nope; known: transformer, lora, ddp, fsdp"),
         (["--device", "cuda"], "--device cuda: torch.cuda.is_available() is False"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["--steps", "0"], "--steps 0: need at least 1 step"),
@@ -65,7 +71,8 @@ def test_help_names_each_default_once(capsys):
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in text
-    assert "(default: a temp dir, deleted when ppbackward passes)" in text and "(default: 2)" in text
+    assert "(default: a temp dir, deleted when ppbackward passes)" in text and "(default: 300.0)" in text
+    assert "(default: transformer,lora,ddp; or the one --model names)" in text
 
 
 def test_bare_command_is_a_usage_error_on_stderr_and_help_is_not(capsys):
@@ -107,20 +114,37 @@ def test_every_column_is_the_worst_rank_and_step_and_the_footnote_quotes_that_ce
         1: {"status": "fail", "steps": [_step(0, 16, 16), _step(1, 0, 16, garbage=0)],
             "failures": ["step 1: " + hooks.format(0)]},
     }  # fmt: skip
-    values = _check._cell_values(per_rank)
+    values = _check_cells.cell_values(per_rank)
     assert (values["hooks_fired"], values["hooks_expected"]) == (0, 16)  # rank 1, step 1: not a total
     assert values["worst"]["hooks"] == [1, 1]
-    assert _check._format_cell("hooks", values, _check._cell_ok(values)["hooks"]) == "0/16 FAIL"
-    assert _check._reason(values) == "rank 1, step 1: " + hooks.format(0)
-    assert _check._short_reason(values).startswith("FAIL: hooks: post-accumulate-grad hooks fired 0 times")
+    assert _check_cells.format_cell("hooks", values, _check_cells.cell_ok(values)["hooks"]) == "0/16 FAIL"
+    assert _check_cells.reason(values) == "rank 1, step 1: " + hooks.format(0)
+    assert _check_cells.short_reason(values) == "FAIL: hooks skipped in W"  # the kind, never a bare message
+
+
+def test_footnotes_group_failures_by_kind_with_reason_report_rows_and_one_example():
+    raised = {0: {"status": "error", "failures": ["exception: RuntimeError: Trying to backward through the graph a "
+                                                  "second time (or directly ...)"]}}  # fmt: skip
+    hooks = {1: {"status": "fail", "steps": [_step(0, 0, 8)], "failures": ["step 0: hooks: fired 0 times, expected 8"]}}
+    odd = {0: {"status": "error", "failures": ["exception: ValueError: something nobody has seen"]}}
+    rows = [(name, _check_cells.cell_values(r)) for name, r in (("a S1", raised), ("a S2", hooks), ("b S1", odd))]
+    assert _check_cells.short_reason(rows[0][1]) == "FAIL: shared parameter: W backprops twice"
+    assert _check_cells.short_reason(rows[2][1]) == "FAIL: ValueError: something nobody has seen"
+    lines = _check_cells.by_kind(rows)
+    assert lines[0].startswith("- shared parameter: W backprops twice: a parameter feeds two ops")
+    assert "pytorch/pytorch#180952" in lines[0] and lines[1] == "    in: a S1"
+    assert lines[2].startswith("    e.g. rank 0, exception: RuntimeError: Trying to backward")
+    hooks_at = lines.index(next(line for line in lines if line.startswith("- hooks skipped in W")))
+    assert lines[hooks_at + 1] == "    in: a S2" and lines[hooks_at + 2] == "    e.g. rank 1, step 0: hooks: fired 0 times, expected 8"
+    assert lines[-2:] == ["- ValueError: something nobody has seen", "    in: b S1"]  # unknown kinds last, as recorded
 
 
 def test_progress_says_why_a_case_failed():
-    assert _check._progress_status({"status": "pass"}) == "pass"
+    assert _check_cells.progress_status({"status": "pass"}) == "pass"
     raised = {"status": "error", "failures": ["exception: RuntimeError: Trying to backward ... (caused by X)"]}
-    assert _check._progress_status(raised) == "FAIL raised RuntimeError"
+    assert _check_cells.progress_status(raised) == "FAIL raised RuntimeError"
     checks = {"status": "fail", "failures": ["step 0: hooks: fired 0", "step 0: numerics: x", "step 1: hooks: y"]}
-    assert _check._progress_status(checks) == "FAIL hooks,numerics"
+    assert _check_cells.progress_status(checks) == "FAIL hooks,numerics"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -136,22 +160,29 @@ def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, 
         "--json", str(out),
     )  # fmt: skip
     assert rc == 0, text + err
-    assert "[ppbackward] ScheduleZBVZeroBubble" in text and "elapsed" in text  # progress lines
+    assert "[ppbackward] ScheduleZBVZeroBubble/mlp" in text and "elapsed" in text  # progress lines
     rows = {tuple(line.split()[:2]): line for line in text.splitlines() if line.startswith("Schedule")}
     ours = rows[("ScheduleZBVZeroBubble", "ppbackward")]
     assert "FAIL" not in ours and "32/32 ok" in ours  # one rank, one step: 2 stages x 4 params x 4 microbatches
     # torch's own W bypasses AccumulateGrad: its hook column fails, and that is not fatal.
-    assert "FAIL" in rows[("ScheduleZBVZeroBubble", "upstream")]
-    assert "upstream ScheduleZBVZeroBubble: rank " in text and ": hooks: post-accumulate-grad hooks fired" in text
+    assert "FAIL" in rows[("ScheduleZBVZeroBubble", "upstream")] and "hooks skipped in W" in rows[("ScheduleZBVZeroBubble", "upstream")]
+    assert "- hooks skipped in W: torch's W bypasses AccumulateGrad" in text and "pytorch/pytorch#144530" in text
+    assert "    in: mlp ScheduleZBVZeroBubble" in text and ": hooks: post-accumulate-grad hooks fired 0 times" in text
     assert "B pinned" not in text  # nothing leaked: no legend for it
-    assert "VERDICT: ppbackward PASS on 2/2 schedules; torch's own backward failed 1/2" in text
+    assert "ppbackward: 296960 B held, W reads 296960 B: 1.00x ok" in text  # memory, in process
+    assert "VERDICT: ppbackward PASS on 2/2 cases and memory; torch's own backward failed 1/2, held 1.34x" in text
     assert "logs deleted; --logs DIR keeps them" in text
     assert not [p for p in os.listdir(tmp_path) if p.startswith("ppbackward-check-")]  # nothing left behind
     data = json.loads(out.read_text())
-    assert data["passed"] is True and data["model"] == "mlp" and data["logs"] is None
-    ours = data["results"]["ppbackward"]["ScheduleZBVZeroBubble"]
+    assert data["passed"] is True and data["logs"] is None
+    scenario = data["scenarios"]["mlp"]
+    assert scenario["models"] == ["mlp"] and scenario["nproc"] == 2
+    ours = scenario["results"]["ppbackward"]["ScheduleZBVZeroBubble/mlp"]
     assert ours["garbage"] == 0 and ours["bytes_held_after_step"] == 0
     assert ours["hooks_fired"] == ours["hooks_expected"] == 32
+    theirs = scenario["results"]["upstream"]["ScheduleZBVZeroBubble/mlp"]
+    assert [f["kind"] for f in theirs["findings"]] == ["hooks-skipped"]
+    assert data["memory"]["upstream"]["held_over_floor"] > 1.3 and data["memory"]["ppbackward"]["held_over_floor"] == 1.0
 
 
 @pytest.mark.timeout(900)  # a backstop: the launcher bounds each launch itself
@@ -164,4 +195,4 @@ def test_check_hung_rank_fails_in_bounded_time_with_each_rank_s_stack(tmp_path, 
     assert "the launch itself failed" in text and "no rank made progress for 3s" in text
     assert "rank 1 log tail" in text and " in recv" in text and " in barrier" in text  # each rank's stack
     assert "VERDICT: ppbackward FAIL" in text and f"logs: {tmp_path}" in text
-    assert (tmp_path / "ppbackward" / "rank1.log").exists()  # kept: the run failed
+    assert (tmp_path / "mlp" / "ppbackward" / "rank1.log").exists()  # kept: the run failed

@@ -7,6 +7,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LEAKY = str(HERE / "leaky_backward.py")
+TRAINING_ARGS = ("--models", "training")
+DP_ARGS = ("--models", "mlp,lora", "--dp", "2", "--wraps", "ddp,fsdp,fsdp-keep")
 CONTROL_ARGS = (
     "--schedules", "Schedule1F1B,ScheduleInterleavedZeroBubble", "--models", "mlp", "--metadata", "static"
 )
@@ -27,6 +29,12 @@ LAUNCHES: dict[str, LaunchSpec] = {
     "ws2": LaunchSpec(2, ("--backward", "ppbackward")),
     "ws4": LaunchSpec(4, ("--backward", "ppbackward")),
     "ws2-static": LaunchSpec(2, ("--backward", "ppbackward", "--metadata", "static")),
+    # issue 12's training setups (test_training.py): the training models on one pipeline of 2 ranks, and
+    # pipeline x data parallel on a 2-D mesh of 4 ranks (dp 2 x pp 2), each with torch's backward too
+    "training-ws2": LaunchSpec(2, ("--backward", "ppbackward", *TRAINING_ARGS)),
+    "training-dp": LaunchSpec(4, ("--backward", "ppbackward", *DP_ARGS)),
+    "upstream-training-ws2": LaunchSpec(2, ("--backward", "upstream", *TRAINING_ARGS, "--case-timeout", "6")),
+    "upstream-training-dp": LaunchSpec(4, ("--backward", "upstream", *DP_ARGS, "--case-timeout", "6")),
     # torch's own backward raises on some zero-bubble cases; its peers then wait for the case timeout
     # (6 s, scaled by the launch's measured start-up: Note [timeouts scale with start-up] in the worker)
     "upstream-ws2": LaunchSpec(2, ("--backward", "upstream", "--case-timeout", "6")),

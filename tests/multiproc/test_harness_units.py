@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ppbackward._compat import torch_release
-from ppbackward._harness import models, probes, schedules, worker
+from ppbackward._harness import models, parallel, probes, schedules, worker
 from ppbackward._harness.launch import LaunchResult
 
 # ----------------------------------------------------------------------------------------------------
@@ -66,17 +66,36 @@ def test_model_stack_is_deterministic_and_its_reference_produces_grads(name: str
         for pa, pb in zip(ma.parameters(), mb.parameters()):
             assert torch.equal(pa, pb)
     batch = models.make_batch(spec, 2, seed=1)
-    ref = models.reference_step(a, batch, 2)
+    ref = models.reference_step(a, batch, 2, spec.loss_fn)
     assert len(ref.losses) == 2 and all(torch.isfinite(x) for x in ref.losses)
     trainable = [n for i, m in enumerate(a) for n, p in models.param_names(i, m) if p.requires_grad]
-    assert all(ref.grads[n] is not None for n in trainable)
+    assert trainable and all(ref.grads[n] is not None for n in trainable)
     frozen = [n for i, m in enumerate(a) for n, p in models.param_names(i, m) if not p.requires_grad]
     assert all(ref.grads[n] is None for n in frozen)
-    assert (name == "transformer") == bool(frozen)
+    assert (name in ("transformer", "lora", "lora-last")) == bool(frozen)
     examples = models.stage_examples(a, batch, 2)
     for (_, outs), (ins, _) in zip(examples, examples[1:]):  # boundaries chain
         assert [o.shape for o in outs] == [i.shape for i in ins]
-        assert all(i.requires_grad for i in ins)
+        # a frozen prefix hands on activations that need no grad (the point of the lora models)
+        assert all(i.requires_grad for i in ins) or name in ("lora", "lora-last")
+
+
+def test_lora_models_leave_every_stage_before_the_first_adapter_frozen() -> None:
+    for name, first_trainable in (("lora", 1), ("lora-last", 3)):
+        stages = models.build_stages(models.get_model(name), 4, seed=0)
+        trains = [any(p.requires_grad for p in m.parameters()) for m in stages]
+        assert trains == [i >= first_trainable for i in range(4)], name
+
+
+def test_mean_reference_averages_the_shards_grads_and_keeps_its_own_losses() -> None:
+    spec = models.get_model("mlp")
+    stages = models.build_stages(spec, 2, seed=0)
+    shards = [models.make_batch(spec, 2, seed=s) for s in (1, 2)]
+    each = [models.reference_step(stages, shard, 2) for shard in shards]
+    mean = models.mean_reference(stages, shards, 2, own=1)
+    for name, grad in mean.grads.items():
+        assert torch.equal(grad, (each[0].grads[name] + each[1].grads[name]) / 2)
+    assert [float(x) for x in mean.losses] == [float(x) for x in each[1].losses]
 
 
 def test_transformer_shares_a_parameter_between_two_ops_and_takes_a_non_tensor_kwarg() -> None:
@@ -111,8 +130,8 @@ def _ref_for(grads: dict[str, torch.Tensor | None], losses=None) -> models.Refer
 def test_compare_flags_a_perturbed_grad_a_missing_grad_and_a_wrong_loss() -> None:
     lin = torch.nn.Linear(3, 3)
     lin(torch.randn(2, 3)).sum().backward()
-    named = models.param_names(0, lin)
-    exact = {n: p.grad.clone() for n, p in named}
+    named = [(n, p.grad) for n, p in models.param_names(0, lin)]
+    exact = {n: g.clone() for n, g in named}
     info, failures = worker._compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.0])
     assert failures == [] and info["params_compared"] == 2 and info["max_abs_grad_err"] == 0.0
     off = dict(exact)
@@ -281,3 +300,68 @@ def test_one_rank_skips_multi_stage_schedules_only_where_torch_cannot_hand_over_
         assert (case.skip is None) is local, (case.name, case.skip)
         if not local:
             assert "gloo cannot send to its own rank" in case.skip
+
+
+# ----------------------------------------------------------------------------------------------------
+# scenarios, data-parallel layout, diagnosis
+
+
+def test_scenarios_select_default_all_and_names_and_refuse_unknown_ones() -> None:
+    from ppbackward._harness import scenarios
+
+    assert [s.name for s in scenarios.select("default")] == list(scenarios.DEFAULT)
+    assert len(scenarios.select("all")) == len(scenarios.SCENARIOS)
+    ddp = scenarios.select("ddp")[0]
+    assert ddp.worker_args() == ["--models", "mlp", "--dp", "2", "--wraps", "ddp"] and ddp.layout == "4 ranks: dp 2 x pp 2"
+    with pytest.raises(ValueError, match="unknown scenario.s. nope; known: transformer"):
+        scenarios.select("lora,nope")
+    for scenario in scenarios.SCENARIOS.values():  # every scenario names real models and wrappers
+        assert models.model_names(",".join(scenario.models)) == list(scenario.models)
+        assert set(scenario.wraps) <= set(parallel.WRAPS) and scenario.nproc % scenario.dp == 0
+
+
+def test_layout_puts_each_rank_on_one_dp_x_pp_coordinate() -> None:
+    layout = parallel.Layout(2, 2)
+    assert [layout.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    assert parallel.wrap(frozen, "ddp", parallel.Groups(None, None, None, [])) is frozen  # nothing to reduce
+    with pytest.raises(ValueError, match="--wraps ddp needs --dp 2"):
+        parallel.wrap(torch.nn.Linear(2, 2), "ddp", parallel.Groups(None, None, None, []))
+
+
+@pytest.mark.parametrize(
+    ("failure", "wrap", "kind"),
+    [
+        ("exception: RuntimeError: Trying to backward through the graph a second time (or ...", "none", "shared-parameter"),
+        ("exception: RuntimeError: Can't detach views in-place. Use detach() instead ...", "none", "view-output"),
+        ("exception: RuntimeError: x -- torch's PipelineStage ... (Note [DDP and shape inference])", "ddp", "ddp-shape-inference"),
+        ("exception: RuntimeError: [gloo] Timed out waiting 6000ms for recv operation to complete", "none", "peer-failed"),
+        ("step 0: replicas: the dp replicas' gradients differ (...)", "ddp", "ddp-replicas"),
+        ("step 0: numerics: stage1.w.grad: 4 of 4 elements outside tolerance (...)", "fsdp", "fsdp-swap"),
+        ("step 0: numerics: stage1.w.grad is None in the pipeline but set in the reference", "fsdp-keep", "grads-missing"),
+        ("step 0: numerics: stage1.w.grad: 4 of 4 elements outside tolerance (...)", "none", "grads-wrong"),
+        ("step 1: side effects: stage 3's custom Function backward ran 8 times ...", "none", "side-effects-twice"),
+        ("step 0: hooks: post-accumulate-grad hooks fired 0 times, expected 8 (...)", "none", "hooks-skipped"),
+        ("step 0: garbage: 1 tensors and 1 autograd nodes in reference cycles after the step (...)", "none", "reference-cycle"),
+        ("step 0: lifetime: 2 saved activations (64 B) outlived the step and were freed only by a gc run", "none", "reference-cycle"),
+        ("step 0: lifetime: 2 saved activations (64 B) still alive after clear_runtime_states() ...", "none", "held-activations"),
+        ("step 0: caches: stage 1: fwd_cache holds 2 entries after the step", "none", "stage-caches"),
+        ("exception: ValueError: never seen before", "none", "other"),
+    ],
+)
+def test_every_kind_of_failure_is_named(failure: str, wrap: str, kind: str) -> None:
+    from ppbackward._harness import diagnose
+
+    record = {"failures": [failure], "wrap": wrap}
+    assert diagnose.kind_of(failure, record) == kind
+    (finding,) = diagnose.diagnose(record)
+    assert finding.kind.key == kind
+    assert finding.line == (failure.removeprefix("exception: ") if kind == "other" else f"{finding.kind.label}: {finding.kind.reason}")
+
+
+def test_findings_come_most_telling_first_and_once_per_kind() -> None:
+    from ppbackward._harness import diagnose
+
+    record = {"wrap": "ddp", "failures": ["step 0: hooks: a", "step 0: numerics: x outside", "step 0: replicas: r", "step 1: hooks: b"]}
+    assert [f.kind.key for f in diagnose.diagnose(record)] == ["ddp-replicas", "grads-wrong", "hooks-skipped"]
+    assert diagnose.diagnose({"failures": []}) == []

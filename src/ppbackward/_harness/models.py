@@ -15,8 +15,25 @@ are tiny (d=16) so that a case costs milliseconds; what matters is the *shape* o
   with several outputs (``unbind``); the last stage returns one tensor.
 * ``ckpt`` — the stage's inner MLP runs under non-reentrant activation checkpointing.
 
-The loss is sum-reduced (:func:`sum_squared_error`) and schedules run with ``scale_grads=False``, so the
-reference's grads are the plain sum of the microbatches' grads.
+The training-setup models (:data:`TRAINING_MODELS`; issue 12):
+
+* ``lora`` — a frozen prefix: stage 0 is a frozen linear layer, every later stage a frozen base layer
+  plus a trainable low-rank adapter (LoRA). Stage 0's outputs need no grad, so stage 1 receives
+  activations that need none: its input path is empty and W does all of its work, loss included on the
+  last stage.
+* ``lora-last`` — only the last stage carries an adapter; every earlier stage is frozen.
+* ``compiled`` — each stage's MLP block has its ``forward`` compiled (``torch.compile``, ``aot_eager``,
+  set on the instance, so the zero-bubble schedules' check for ``OptimizedModule`` children accepts it):
+  the compiled region is one custom ``autograd.Function`` node in the graph, next to eager ops.
+* ``bf16`` — each stage runs under ``torch.autocast("cpu", dtype=torch.bfloat16)``, with a scaled loss
+  (``LOSS_SCALE`` times the sum, as a GradScaler would): float32 parameters, bfloat16 activations.
+* ``custom-fn`` — each stage multiplies by a weight through a custom ``autograd.Function`` whose
+  backward has a side effect (a per-stage call counter): it must run once per microbatch. Static stage
+  metadata: torch's shape inference runs one backward of every stage on the first step, which the
+  counter would see too.
+
+The loss is sum-reduced (:func:`sum_squared_error`, scaled for ``bf16``) and schedules run with
+``scale_grads=False``, so the reference's grads are the plain sum of the microbatches' grads.
 """
 
 from __future__ import annotations
@@ -32,7 +49,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
+    "CORE_MODELS",
     "MODELS",
+    "TRAINING_MODELS",
     "AttentionMask",
     "Batch",
     "ModelSpec",
@@ -40,6 +59,8 @@ __all__ = [
     "build_stages",
     "get_model",
     "make_batch",
+    "mean_reference",
+    "model_names",
     "param_names",
     "reference_step",
     "stage_examples",
@@ -47,6 +68,9 @@ __all__ = [
 ]
 
 D = 16  # hidden size
+RANK = 4  # LoRA adapter rank
+LOSS_SCALE = 1024.0  # the bf16 model's loss scale
+COMPILE_BACKEND = "aot_eager"  # the compiled model's torch.compile backend
 SEQ = 4  # sequence length (transformer)
 HEADS = 2
 VOCAB = 32
@@ -158,6 +182,98 @@ class CheckpointStage(nn.Module):
         return h + checkpoint(self.inner, self.ln(h), use_reentrant=False)
 
 
+class LoRAStage(nn.Module):
+    """A frozen base layer; with ``adapter``, plus a trainable low-rank update ``up(down(h))``."""
+
+    def __init__(self, adapter: bool) -> None:
+        super().__init__()
+        self.base = nn.Linear(D, D).requires_grad_(False)
+        self.down = nn.Linear(D, RANK, bias=False) if adapter else None
+        self.up = nn.Linear(RANK, D, bias=False) if adapter else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.base(h)
+        if self.down is not None and self.up is not None:
+            out = out + self.up(self.down(h))
+        return torch.tanh(out)
+
+
+class CompiledStage(nn.Module):
+    """Linear, then an MLP block whose forward is compiled (``COMPILE_BACKEND``) by the spec's ``prepare``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.block = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.inp(h)
+        return h + self.block(h)
+
+
+class BF16Stage(MLPStage):
+    """The MLP stage under ``torch.autocast("cpu", dtype=torch.bfloat16)``: bfloat16 activations."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().forward(h).float()
+
+
+class _CountedScale(torch.autograd.Function):
+    """``h * w`` whose backward counts its calls in ``calls`` (a side effect, like a fused kernel writing
+    ``main_grad``): it must run once per microbatch, whatever the backward is split into."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, calls: list) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(h, w)
+        ctx.calls = calls
+        return h * w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        h, w = ctx.saved_tensors
+        ctx.calls[0] += 1
+        return grad * w, (grad * h).sum(0), None
+
+
+class CustomFnStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.w = nn.Parameter(torch.full((D,), 0.5) + 0.1 * torch.randn(D))
+        self.backward_calls = [0]  # read by the worker's side-effect check
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(_CountedScale.apply(self.fc(h), self.w, self.backward_calls))
+
+
+def _compile_blocks(module: nn.Module) -> nn.Module:
+    """Compile the block's ``forward`` in place (an instance attribute: no ``OptimizedModule`` child,
+    which the zero-bubble schedules refuse; ``nn.Module.compile`` does not compile here on torch 2.13)."""
+    if isinstance(module, CompiledStage):
+        module.block.forward = torch.compile(module.block.forward, backend=COMPILE_BACKEND)
+    return module
+
+
+def scaled_sum_squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``LOSS_SCALE`` times :func:`sum_squared_error`: the loss a GradScaler-style step backpropagates."""
+    return sum_squared_error(output, target) * LOSS_SCALE
+
+
+def _side_effects_custom_fn(stages: dict[int, nn.Module], n_microbatches: int) -> list[str]:
+    """Failures: a stage whose custom Function's backward did not run exactly once per microbatch."""
+    failures = []
+    for index, module in stages.items():
+        calls = module.backward_calls[0]
+        if calls != n_microbatches:
+            failures.append(
+                f"side effects: stage {index}'s custom Function backward ran {calls} times for {n_microbatches} "
+                "microbatches (once each expected)"
+            )
+        module.backward_calls[0] = 0
+    return failures
+
+
 # ----------------------------------------------------------------------------------------------------
 # the zoo
 
@@ -171,14 +287,36 @@ class Batch:
     target: torch.Tensor
 
 
+def _no_side_effects(stages: dict[int, nn.Module], n_microbatches: int) -> list[str]:
+    return []
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
+    """One model of the zoo.
+
+    Attributes:
+        build_stage: ``(stage_index, num_stages) -> module``.
+        make_args: ``(batch, generator) -> stage-0 args``.
+        loss_fn: the schedule's and the reference's loss.
+        prepare: applied to each rank's own stage modules after the reference copied them (compiling).
+        side_effects: ``(this rank's stages by index, n_microbatches) -> failures`` after each step.
+        metadata: ``"static"`` where the model needs static stage metadata (unless asked otherwise).
+        warmup_steps: unmeasured steps before the measured ones (the first call of a compiled region
+            compiles it, which leaves cyclic garbage of its own).
+    """
+
     name: str
     features: str
-    build_stage: Callable[[int, int], nn.Module]  # (stage_index, num_stages) -> module
-    make_args: Callable[[int, torch.Generator], tuple[torch.Tensor, ...]]  # (batch, gen) -> stage-0 args
+    build_stage: Callable[[int, int], nn.Module]
+    make_args: Callable[[int, torch.Generator], tuple[torch.Tensor, ...]]
     make_kwargs: Callable[[], dict[str, Any]]
     target_shape: Callable[[int], tuple[int, ...]]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = sum_squared_error
+    prepare: Callable[[nn.Module], nn.Module] = lambda module: module
+    side_effects: Callable[[dict[int, nn.Module], int], list[str]] = _no_side_effects
+    metadata: str | None = None
+    warmup_steps: int = 0
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -217,8 +355,69 @@ MODELS: dict[str, ModelSpec] = {
             make_kwargs=dict,
             target_shape=lambda b: (b, D),
         ),
+        ModelSpec(
+            name="lora",
+            features="frozen prefix: stage 0 frozen, a LoRA adapter on a frozen base in every later stage",
+            build_stage=lambda i, n: LoRAStage(adapter=i > 0),
+            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
+            make_kwargs=dict,
+            target_shape=lambda b: (b, D),
+        ),
+        ModelSpec(
+            name="lora-last",
+            features="every stage frozen but the last, which carries a LoRA adapter",
+            build_stage=lambda i, n: LoRAStage(adapter=i == n - 1),
+            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
+            make_kwargs=dict,
+            target_shape=lambda b: (b, D),
+        ),
+        ModelSpec(
+            name="compiled",
+            features="an MLP block compiled in place (torch.compile, aot_eager) inside every stage",
+            build_stage=lambda i, n: CompiledStage(),
+            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
+            make_kwargs=dict,
+            target_shape=lambda b: (b, D),
+            prepare=_compile_blocks,
+            warmup_steps=1,
+        ),
+        ModelSpec(
+            name="bf16",
+            features="bfloat16 autocast in every stage, loss scaled by LOSS_SCALE",
+            build_stage=lambda i, n: BF16Stage(),
+            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
+            make_kwargs=dict,
+            target_shape=lambda b: (b, D),
+            loss_fn=scaled_sum_squared_error,
+        ),
+        ModelSpec(
+            name="custom-fn",
+            features="a custom autograd.Function whose backward counts its calls (a side effect) in every stage",
+            build_stage=lambda i, n: CustomFnStage(),
+            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
+            make_kwargs=dict,
+            target_shape=lambda b: (b, D),
+            side_effects=_side_effects_custom_fn,
+            # torch's shape inference (dynamic metadata) runs one extra backward of every stage on the
+            # first step (backward metadata inference): the side effect would count it
+            metadata="static",
+        ),
     )
 }
+
+#: The models ``--models core`` (and ``all`` before issue 12) runs: one graph shape each.
+CORE_MODELS = ("mlp", "transformer", "tuple", "ckpt")
+#: The training-setup models (issue 12).
+TRAINING_MODELS = ("lora", "lora-last", "compiled", "bf16", "custom-fn")
+
+
+def model_names(text: str) -> list[str]:
+    """``all``, ``core``, ``training`` or a comma-separated list, as names (each checked)."""
+    groups = {"all": list(MODELS), "core": list(CORE_MODELS), "training": list(TRAINING_MODELS)}
+    names = groups.get(text) or [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        get_model(name)
+    return names
 
 
 def get_model(name: str) -> ModelSpec:
@@ -285,6 +484,25 @@ def reference_step(
         for name, p in param_names(i, module):
             grads[name] = None if p.grad is None else p.grad.detach().clone()
     return ReferenceResult(losses=losses, grads=grads)
+
+
+def mean_reference(
+    stages: Sequence[nn.Module],
+    shards: Sequence[Batch],
+    n_microbatches: int,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = sum_squared_error,
+    own: int = 0,
+) -> ReferenceResult:
+    """The reference of data-parallel training on ``shards`` (one batch per dp rank): the grads of the mean
+    of the per-shard losses (what DDP's and FSDP2's averaging produce), and the losses of shard ``own``.
+    One shard is :func:`reference_step` itself."""
+    results = [reference_step(stages, shard, n_microbatches, loss_fn) for shard in shards]
+    if len(results) == 1:
+        return results[0]
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, first in results[0].grads.items():
+        grads[name] = None if first is None else sum(r.grads[name] for r in results) / len(results)  # type: ignore[misc]
+    return ReferenceResult(losses=results[own].losses, grads=grads)
 
 
 def stage_examples(

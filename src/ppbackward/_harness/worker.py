@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from ppbackward._harness import gloo_p2p
 from ppbackward._harness import models as zoo
-from ppbackward._harness import probes
+from ppbackward._harness import parallel, probes
 from ppbackward._harness import schedules as sched
 
 __all__ = ["ATOL", "RTOL", "main"]
@@ -130,7 +130,7 @@ def select_backward(mode: str) -> dict[str, str]:
 
 
 def _compare(
-    named: list[tuple[str, torch.nn.Parameter]],
+    grads: list[tuple[str, torch.Tensor | None]],
     ref: zoo.ReferenceResult,
     losses: list[float] | None,
 ) -> tuple[dict[str, Any], list[str]]:
@@ -138,8 +138,8 @@ def _compare(
     max_abs = 0.0
     worst = ""
     compared = 0
-    for name, p in named:
-        want, got = ref.grads[name], p.grad
+    for name, got in grads:
+        want = ref.grads[name]
         if want is None and got is None:
             continue
         compared += 1
@@ -181,26 +181,34 @@ def _compare(
     }, failures
 
 
-def run_step(
-    schedule: Any,
-    pp_stages: list[Any],
-    named: list[tuple[str, torch.nn.Parameter]],
-    hooks: probes.HookCounter,
-    batch_box: list[zoo.Batch],
-    ref: zoo.ReferenceResult,
-    n_microbatches: int,
-) -> dict[str, Any]:
+@dataclasses.dataclass
+class StepContext:
+    """What :func:`run_step` needs besides the schedule: this rank's stages and parameters, the probes'
+    counters and the data-parallel setting of the case."""
+
+    pp_stages: list[Any]
+    modules: dict[int, torch.nn.Module]  # this rank's stage modules by index, unwrapped
+    named: list[tuple[str, torch.nn.Parameter]]  # ``stage{i}.{name}`` -> parameter, after wrapping
+    hooks: probes.HookCounter
+    spec: zoo.ModelSpec
+    n_microbatches: int
+    wrap: str = "none"
+    dp_group: Any = None
+
+
+def run_step(schedule: Any, ctx: StepContext, batch_box: list[zoo.Batch], ref: zoo.ReferenceResult) -> dict[str, Any]:
     """Run one ``schedule.step`` under every probe; return the step's record (see module docstring).
 
     ``batch_box`` holds the only reference to the step's batch; it is emptied so that the batch is freed
     before the lifetime check (stage 0 saves its inputs, which the caller must not keep alive).
     """
     batch = batch_box.pop()
+    pp_stages, n_microbatches = ctx.pp_stages, ctx.n_microbatches
     has_first = any(s.is_first for s in pp_stages)
     has_last = any(s.is_last for s in pp_stages)
-    for _, p in named:
+    for _, p in ctx.named:
         p.grad = None
-    hooks.reset()
+    ctx.hooks.reset()
     step_args = batch.args if has_first else ()
     step_kwargs: dict[str, Any] = dict(batch.kwargs)
     if has_last:
@@ -254,13 +262,18 @@ def run_step(
             "alive after clear_runtime_states(), releasing the receive buffers and a gc run (a live reference "
             f"holds them){example}"
         )
-    numerics, bad = _compare(named, ref, loss_values)
+    grads = parallel.full_grads(ctx.named)  # collective over the dp group with FSDP2
+    numerics, bad = _compare(grads, ref, loss_values)
     failures += bad
-    expected_calls = {name: n_microbatches for name in hooks.calls}
-    wrong = {n: c for n, c in hooks.calls.items() if c != expected_calls[n]}
+    if ctx.wrap == "ddp":
+        numerics["max_replica_diff"], bad = parallel.replica_failures(ctx.named, ctx.dp_group)
+        failures += bad
+    failures += ctx.spec.side_effects(ctx.modules, n_microbatches)
+    hooks = ctx.hooks
+    wrong = {n: c for n, c in hooks.calls.items() if c != n_microbatches}
     hook_record = {
         "fired": sum(hooks.calls.values()),
-        "expected": sum(expected_calls.values()),
+        "expected": n_microbatches * len(hooks.calls),
         "params_wrong": len(wrong),
     }
     if wrong:
@@ -342,6 +355,48 @@ def _first_stage_check_drops_kwargs() -> bool:
     return "len(expected_args)-len(kwargs)" in source.replace(" ", "")
 
 
+def _run_unmeasured(schedule: Any, ctx: StepContext, batch: zoo.Batch) -> None:
+    """One ``schedule.step`` under the activation tracker as the measured steps run (a compiled region
+    compiles for the tracker's torch-function mode too), then the stage state, grads and side-effect
+    counters reset."""
+    kwargs: dict[str, Any] = dict(batch.kwargs)
+    if any(s.is_last for s in ctx.pp_stages):
+        kwargs["target"] = batch.target
+    with probes.ActivationProbe().record():
+        schedule.step(*(batch.args if any(s.is_first for s in ctx.pp_stages) else ()), **kwargs)
+    for stage in ctx.pp_stages:
+        stage.clear_runtime_states()
+    for _, p in ctx.named:
+        p.grad = None
+    ctx.spec.side_effects(ctx.modules, ctx.n_microbatches)
+
+
+def case_id(schedule: str, model: str, wrap: str = "none") -> str:
+    """``Schedule/model``, with ``+wrap`` for a data-parallel wrapper (``ScheduleGPipe/mlp+ddp``)."""
+    return f"{schedule}/{model}" + ("" if wrap == "none" else f"+{wrap}")
+
+
+# Note [DDP and shape inference]: a PipelineStage built without input_args infers its shapes with a forward
+# on its first step; around a DDP module that forward runs outside ``no_sync`` and arms DDP's reducer, and
+# step 2 then fails in DDP's ``_rebuild_buckets`` ("rebuilt parameter indices size is not same as original
+# model parameters size") with torch's backward and with ppbackward alike: torch's stage code, not the
+# backward. Static stage metadata (``input_args``/``output_args``) avoids it, so DDP cases use it unless
+# ``--metadata dynamic`` is asked for explicitly, and the failure is explained when it is.
+_DDP_SHAPE_INFERENCE = "rebuilt parameter indices size is not same as original model parameters size"
+DDP_SHAPE_INFERENCE_HINT = (
+    "torch's PipelineStage shape inference (no input_args) arms DDP's reducer outside no_sync, so DDP fails "
+    "at step 2; give every PipelineStage input_args/output_args (static metadata). torch's stage code, not "
+    "the backward (Note [DDP and shape inference])"
+)
+
+
+def _explain(e: BaseException) -> str:
+    text = _describe(e)
+    if _DDP_SHAPE_INFERENCE in "".join(traceback.format_exception(e)):
+        text += f" -- {DDP_SHAPE_INFERENCE_HINT}"
+    return text
+
+
 def run_case(
     case: sched.ScheduleCase,
     spec: zoo.ModelSpec,
@@ -352,33 +407,49 @@ def run_case(
     metadata: str = "dynamic",
     device: torch.device = torch.device("cpu"),
     backend: str = "gloo",
+    layout: parallel.Layout | None = None,
+    wrap: str = "none",
+    mesh: Any = None,
 ) -> dict[str, Any]:
-    """Build this rank's stages of ``spec`` for ``case``, run ``steps`` measured steps, return the record."""
+    """Build this rank's stages of ``spec`` for ``case``, run ``steps`` measured steps, return the record.
+
+    ``layout`` places this rank in the dp x pp ``mesh`` (Note [dp x pp layout] in
+    ``ppbackward._harness.parallel``; default: one pipeline of every rank, no mesh); ``wrap`` names the
+    data-parallel wrapper of every stage module.
+    """
     from torch.distributed.pipelining import PipelineStage
 
+    layout = layout or parallel.Layout(1, case.world_size)
+    dp_rank, pp_rank = layout.coords(rank)
     record: dict[str, Any] = {
-        "id": f"{case.name}/{spec.name}",
+        "id": case_id(case.name, spec.name, wrap),
         "schedule": case.name,
         "model": spec.name,
-        "world_size": case.world_size,
+        "wrap": wrap,
+        "world_size": layout.dp * layout.pp,
+        "dp": layout.dp,
+        "dp_rank": dp_rank,
     }
     if case.skip:
         return {**record, "status": "skip", "reason": case.skip, "failures": []}
     if case.error:
         return {**record, "status": "fail", "failures": [case.error], "steps": []}
-    stage_ids = case.stage_indices(rank)
-    record.update(stages=stage_ids, num_stages=case.num_stages, n_microbatches=case.n_microbatches, steps=[])
-    group = dist.new_group(backend=backend, timeout=timedelta(seconds=case_timeout))
+    stage_ids = case.stage_indices(pp_rank)
+    record.update(
+        stages=stage_ids, num_stages=case.num_stages, n_microbatches=case.n_microbatches, metadata=metadata, steps=[]
+    )
+    groups = parallel.make_groups(layout, backend, case_timeout, mesh)
     hooks = None
     try:
         modules = zoo.build_stages(spec, case.num_stages, seed)
         reference = copy.deepcopy(modules)
-        local = {i: modules[i].to(device) for i in stage_ids}
+        local = {i: spec.prepare(modules[i].to(device)) for i in stage_ids}
         del modules
-        named = [pair for i in stage_ids for pair in zoo.param_names(i, local[i])]
+        wrapped = {i: parallel.wrap(local[i], wrap, groups) for i in stage_ids}
+        named = [pair for i in stage_ids for pair in zoo.param_names(i, local[i])]  # FSDP2: sharded params
         meta: dict[int, dict[str, Any]] = {i: {} for i in stage_ids}
         if metadata == "static":
-            first_batch = zoo.make_batch(spec, case.n_microbatches, seed=seed * 1000)
+            first_batch = zoo.make_batch(spec, case.n_microbatches, seed=parallel.batch_seed(seed, 0, 0))
             examples = zoo.stage_examples(reference, first_batch, case.n_microbatches)
             meta = {i: {"input_args": examples[i][0], "output_args": examples[i][1]} for i in stage_ids}
             if 0 in meta and first_batch.kwargs and _first_stage_check_drops_kwargs():
@@ -386,34 +457,43 @@ def run_case(
                 meta[0]["input_args"] = (*meta[0]["input_args"], *pad)
             del first_batch, examples
         pp_stages = [
-            PipelineStage(local[i], i, case.num_stages, device, group=group, **meta[i])
-            for i in stage_ids
+            PipelineStage(wrapped[i], i, case.num_stages, device, group=groups.pp, **meta[i]) for i in stage_ids
         ]
-        del meta
-        schedule = case.build(pp_stages, zoo.sum_squared_error)
-        hooks = probes.HookCounter(named)
+        del meta, wrapped
+        schedule = case.build(pp_stages, spec.loss_fn)
+        # FSDP2's autograd runs on unsharded copies of its parameters: hooks on the sharded ones never fire
+        hooks = probes.HookCounter([] if wrap.startswith("fsdp") else named)
+        ctx = StepContext(pp_stages, local, named, hooks, spec, case.n_microbatches, wrap, groups.dp)
         # Note [gc freeze]: everything alive now moves to the permanent generation, so the collections
         # the probes run per step scan only what the step created (~100x faster with torch imported).
         # Semantics are unchanged: a cycle among new objects is found as before, and a new object
         # referenced from a frozen one is reachable, as it is.
+        for step in range(spec.warmup_steps):  # unmeasured (see ModelSpec.warmup_steps)
+            warm = zoo.make_batch(spec, case.n_microbatches, seed=parallel.batch_seed(seed, 99, dp_rank))
+            _run_unmeasured(schedule, ctx, _to_device(warm, device))
+            del warm
         gc.collect()
         gc.freeze()
         for step in range(steps):
-            batch_box = [zoo.make_batch(spec, case.n_microbatches, seed=seed * 1000 + step)]
-            ref = zoo.reference_step(reference, batch_box[0], case.n_microbatches)
-            batch_box[0] = _to_device(batch_box[0], device)
-            result = run_step(schedule, pp_stages, named, hooks, batch_box, ref, case.n_microbatches)
+            shards = [
+                zoo.make_batch(spec, case.n_microbatches, seed=parallel.batch_seed(seed, step, d))
+                for d in range(layout.dp)
+            ]
+            ref = zoo.mean_reference(reference, shards, case.n_microbatches, spec.loss_fn, own=dp_rank)
+            batch_box = [_to_device(shards[dp_rank], device)]
+            del shards
+            result = run_step(schedule, ctx, batch_box, ref)
             record["steps"].append({"step": step, **result})
         failures = [f"step {s['step']}: {f}" for s in record["steps"] for f in s["failures"]]
         record.update(status="fail" if failures else "pass", failures=failures)
     except Exception as e:
-        record.update(status="error", failures=[f"exception: {_describe(e)}"], error=traceback.format_exc())
+        record.update(status="error", failures=[f"exception: {_explain(e)}"], error=traceback.format_exc())
     finally:
         gc.unfreeze()
         if hooks is not None:
             hooks.remove()
     if record["status"] != "error":
-        dist.destroy_process_group(group)  # a group with pending ops after an error is left alone
+        groups.destroy()  # groups with pending ops after an error are left alone
     return record
 
 
@@ -426,15 +506,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="directory for rank<r>.json verdicts and rank<r>.log logs")
     p.add_argument("--backward", default="upstream", help="upstream | ppbackward | leaky:<module or path.py>")
     p.add_argument("--schedules", default="all", help="comma-separated schedule class names, or 'all'")
-    p.add_argument("--models", default="all", help=f"comma-separated models ({','.join(zoo.MODELS)}), or 'all'")
+    p.add_argument(
+        "--models", default="core",
+        help=f"comma-separated models ({','.join(zoo.MODELS)}), or 'core' ({','.join(zoo.CORE_MODELS)}), "
+        f"'training' ({','.join(zoo.TRAINING_MODELS)}) or 'all'",
+    )  # fmt: skip
     p.add_argument(
         "--metadata",
         choices=("static", "dynamic"),
         default=None,
         help="dynamic: torch infers shapes on the first step (its default; needs numpy); "
         "static: every PipelineStage gets example inputs/outputs (default: dynamic, static on torch < 2.6, "
-        "whose PipelineStage requires input_args)",
+        "whose PipelineStage requires input_args, and for DDP: Note [DDP and shape inference])",
     )
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree: the world is dp pipelines of world/dp ranks")
+    p.add_argument(
+        "--wraps", default="none",
+        help=f"comma-separated data-parallel wrappers of every stage module ({', '.join(parallel.WRAPS)}); "
+        "each is a case of its own",
+    )  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r uses cuda:LOCAL_RANK")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process-group backend")
     p.add_argument("--steps", type=int, default=2)
@@ -495,8 +585,13 @@ def _write(path: Path, verdict: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    explicit_metadata = args.metadata
     if args.metadata is None:
         args.metadata = "static" if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6) else "dynamic"
+    wraps = [w.strip() for w in args.wraps.split(",") if w.strip()]
+    unknown_wraps = sorted(set(wraps) - set(parallel.WRAPS))
+    if unknown_wraps or not wraps:
+        raise SystemExit(f"--wraps {args.wraps!r}: known wrappers are {', '.join(parallel.WRAPS)}")
     if not 0 < args.case_timeout < args.pg_timeout:
         raise SystemExit(
             "--case-timeout must be positive and below --pg-timeout (the ranks resynchronise on the world group)"
@@ -505,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--steps must be at least 1")
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
+    if args.dp < 1 or world_size % args.dp:
+        raise SystemExit(f"--dp {args.dp}: the world size {world_size} must be a multiple of it")
+    layout = parallel.Layout(args.dp, world_size // args.dp)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = _redirect_output(out / f"rank{rank}.log")
@@ -524,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         "complete": False,
         "fatal": None,
         "workarounds": [],
+        "dp": args.dp,
         "cases": [],
     }
     t_start = time.perf_counter()
@@ -546,8 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(only or ()) - known)
         if unknown:
             raise ValueError(f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        model_names = list(zoo.MODELS) if args.models == "all" else args.models.split(",")
-        specs = [zoo.get_model(m) for m in model_names]
+        specs = [zoo.get_model(m) for m in zoo.model_names(args.models)]
         verdict["installed"] = select_backward(args.backward)
         say(f"backward={args.backward}: {verdict['installed']['stage_backward']}")
         if args.backend == "gloo" and gloo_p2p.apply():  # Note [dropped P2P works]
@@ -560,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(args.backend, timeout=timedelta(seconds=args.pg_timeout))
         verdict["timeouts"] = _scale_timeouts(args, device)
         say(f"timeouts: {verdict['timeouts']}")
+        mesh = parallel.make_mesh(layout, device.type)
+        if mesh is not None and tuple(mesh.get_coordinate() or ()) != layout.coords(rank):
+            raise RuntimeError(f"rank {rank}: mesh coordinate {mesh.get_coordinate()} != {layout.coords(rank)}")
         _write(verdict_path, verdict)
         if args.hang_rank is not None:
             if rank == args.hang_rank:
@@ -568,20 +669,23 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 say("--hang-rank: waiting in dist.barrier()")
                 dist.barrier()
-        for case in sched.matrix(world_size, only, args.microbatches):
-            for spec in specs:
-                say(f">>> {case.name}/{spec.name}")
-                t0 = time.perf_counter()
-                record = run_case(
-                    case, spec, rank, args.steps, args.seed, args.case_timeout, args.metadata, device, args.backend
-                )
-                record["seconds"] = round(time.perf_counter() - t0, 3)
-                verdict["cases"].append(record)
-                _write(verdict_path, verdict)
-                say(f"{record['id']}: {record['status']} ({record['seconds']:.2f}s)")
-                for failure in record["failures"][:10]:
-                    say(f"    {failure}")  # the traceback of an error is in the JSON verdict
-                dist.barrier()  # resynchronise before the next case (world group, --pg-timeout)
+        for case, spec, wrap in (
+            (c, m, w) for c in sched.matrix(layout.pp, only, args.microbatches) for m in specs for w in wraps
+        ):
+            say(f">>> {case_id(case.name, spec.name, wrap)}")
+            t0 = time.perf_counter()
+            metadata = explicit_metadata or ("static" if wrap == "ddp" else spec.metadata) or args.metadata
+            record = run_case(
+                case, spec, rank, args.steps, args.seed, args.case_timeout, metadata, device, args.backend,
+                layout, wrap, mesh,
+            )  # fmt: skip
+            record["seconds"] = round(time.perf_counter() - t0, 3)
+            verdict["cases"].append(record)
+            _write(verdict_path, verdict)
+            say(f"{record['id']}: {record['status']} ({record['seconds']:.2f}s)")
+            for failure in record["failures"][:10]:
+                say(f"    {failure}")  # the traceback of an error is in the JSON verdict
+            dist.barrier()  # resynchronise before the next case (world group, --pg-timeout)
         verdict["complete"] = True
     except BaseException:
         verdict["fatal"] = traceback.format_exc()

@@ -15,6 +15,7 @@ import gc
 import os
 import tempfile
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,8 @@ from ppbackward.leaks._report import LeakReport, TensorLeakError
 from ppbackward.leaks._storage import _node_saved_tensors, _unique_storage_bytes
 
 __all__ = ["check_tensor_leaks"]
+
+_PROXY_TYPES = (weakref.ProxyType, weakref.CallableProxyType)
 
 # Note [checker clears gc.garbage]
 # With gc.DEBUG_SAVEALL every object the collector finds unreachable is appended to gc.garbage
@@ -126,8 +129,11 @@ class _TensorLeakCheck:
     def _fill(self, caught: list[Any]) -> None:
         """Count and describe ``caught`` into ``self.report``; keeps no reference to any of it."""
         report = self.report
-        tensors = [o for o in caught if isinstance(o, torch.Tensor)]
-        nodes = [o for o in caught if isinstance(o, torch.autograd.graph.Node)]
+        # a weakref proxy answers isinstance() for its referent, and raises once that is gone
+        objects = [o for o in caught if type(o) not in _PROXY_TYPES]
+        tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+        nodes = [o for o in objects if isinstance(o, torch.autograd.graph.Node)]
+        del objects
         report.num_garbage = len(caught)
         types_count: dict[str, int] = {}
         for o in caught:
