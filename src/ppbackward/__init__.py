@@ -5,11 +5,13 @@ Public surface (see ``docs/api.md``):
 * :func:`stage_backward`, :func:`stage_backward_input`, :func:`stage_backward_weight` — drop-in
   replacements of the functions of the same names in ``torch.distributed.pipelining._backward``;
 * :func:`install`, :func:`uninstall`, :func:`is_installed`, :func:`installed` — swap them into torch;
-* :class:`ParamGroups` — the opaque B→W hand-off; :class:`UnsupportedTorchError`;
+* :class:`ParamGroups` — the opaque B→W hand-off; :class:`StageBackwardError` — a bad call (a
+  ``RuntimeError``, and a ``ValueError`` or ``TypeError``); :class:`UnsupportedTorchError`;
 * ``ppbackward.leaks`` — the tensor-leak checker and activation-lifetime tracker.
 """
 
 from ppbackward._compat import SUPPORTED_TORCH, UnsupportedTorchError
+from ppbackward._errors import StageBackwardError
 from ppbackward._param_groups import ParamGroups
 from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
 from ppbackward.install import install, installed, is_installed, uninstall
@@ -19,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SUPPORTED_TORCH",
     "ParamGroups",
+    "StageBackwardError",
     "UnsupportedTorchError",
     "install",
     "installed",

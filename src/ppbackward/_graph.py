@@ -46,8 +46,11 @@ def is_accumulate_grad(node: Optional[Node]) -> bool:
     return type(node) is _ACCUMULATE_GRAD
 
 
-def gradient_edge(t: torch.Tensor) -> GradientEdge:
-    """The edge a gradient for ``t`` flows into: ``(grad_fn, output_nr)`` or ``(AccumulateGrad, 0)``."""
+def gradient_edge(t: torch.Tensor | GradientEdge) -> GradientEdge:
+    """The edge a gradient for ``t`` flows into: ``(grad_fn, output_nr)`` or ``(AccumulateGrad, 0)``;
+    an edge given as an output is its own (Note [GradientEdge outputs] in ``ppbackward._tree``)."""
+    if isinstance(t, GradientEdge):
+        return t
     return torch.autograd.graph.get_gradient_edge(t)
 
 

@@ -96,17 +96,17 @@ def _owner(t: torch.Tensor) -> Node:
         return t.clone().grad_fn
 
 
-def candidate_owners(outputs: list[torch.Tensor]) -> tuple[Node, ...]:
+def candidate_owners(outputs: list[Any]) -> tuple[Node, ...]:
     """Owners for every output that requires grad, taken before B runs anything (so that a failure
     here leaves nothing behind); ``()`` where torch keeps custom nodes alive itself.
 
     Args:
-        outputs: the stage's output tensors.
+        outputs: the stage's outputs (tensors; a ``GradientEdge`` output gets none).
     """
     if not custom_nodes_need_owner():
         return ()
-    with torch.enable_grad():
-        return tuple(_owner(t) for t in outputs if t.requires_grad)
+    with torch.enable_grad():  # a GradientEdge output has no tensor to take a view of
+        return tuple(_owner(t) for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
 def owners_needed(owners: tuple[Node, ...], groups: Any) -> tuple[Node, ...]:

@@ -47,6 +47,23 @@ class ParamGroup(NamedTuple):
     ready: list[tuple[float, GradientEdge, torch.Tensor]]
     params: list[torch.Tensor]
 
+    def __getitem__(self, key):  # type: ignore[override]
+        if isinstance(key, str):  # torch's param groups are dicts: param_group["grads"]
+            raise _not_a_dict(key)
+        return tuple.__getitem__(self, key)
+
+    def __setitem__(self, key, value) -> None:
+        raise _not_a_dict(key)
+
+
+def _not_a_dict(key: object) -> TypeError:
+    return TypeError(
+        f"ParamGroup[{key!r}]: ppbackward's param groups are opaque, not torch's dicts of 'params', "
+        "'intermediates' and 'grads'; W uses the gradients B captured. To change what W accumulates, "
+        "register a tensor hook on the activation or a post-accumulate-grad hook on the parameter "
+        "(docs/api.md, Differences from torch's functions)"
+    )
+
 
 class ParamGroups:
     """What ``stage_backward_input`` hands to ``stage_backward_weight`` for one microbatch.

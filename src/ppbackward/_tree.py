@@ -17,6 +17,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
+from torch.autograd.graph import GradientEdge
+
+from ppbackward._errors import BadType, BadValue, StageBackwardError
 
 __all__: list[str] = []  # private module
 
@@ -25,12 +28,13 @@ class FlatOutputs(NamedTuple):
     """Flat, aligned view of the differentiable outputs of a stage.
 
     Attributes:
-        tensors: output tensors that take part in the backward (``requires_grad`` or ``grad_fn``).
+        tensors: output tensors that take part in the backward (``requires_grad`` or ``grad_fn``),
+            and ``GradientEdge`` outputs (Note [GradientEdge outputs]).
         grads: the gradient for each entry of ``tensors`` (implicit ones already materialised for
             scalar outputs whose gradient was ``None``).
     """
 
-    tensors: list[torch.Tensor]
+    tensors: list[torch.Tensor | GradientEdge]
     grads: list[torch.Tensor]
 
 
@@ -47,26 +51,59 @@ def _check_grad(out: torch.Tensor, grad: Any, path: str, grads_given: bool) -> t
     if grad is None:
         if out.numel() != 1:
             where = "output_grads is None" if not grads_given else "its gradient is None"
-            raise ValueError(
+            hint = (
+                "; in a pipeline, the next stage sent none for it: does the example tensor of its "
+                "PipelineStage output_args/input_args require grad?"
+                if grads_given
+                else ""
+            )
+            raise BadValue(
                 f"{path}: {where} but the output has shape {_shape(out)}; an implicit gradient "
-                "(ones) exists only for outputs with exactly one element"
+                f"(ones) exists only for outputs with exactly one element{hint}"
             )
         return torch.ones_like(out, memory_format=torch.preserve_format)
     if not isinstance(grad, torch.Tensor):
-        raise TypeError(f"{path}: gradient must be a torch.Tensor or None, got {type(grad).__name__}")
+        raise BadType(f"{path}: gradient must be a torch.Tensor or None, got {type(grad).__name__}")
     if grad.shape != out.shape:
-        raise ValueError(f"{path}: grad shape {_shape(grad)} != output shape {_shape(out)}")
+        raise BadValue(f"{path}: grad shape {_shape(grad)} != output shape {_shape(out)}")
     if grad.dtype != out.dtype:
-        raise TypeError(f"{path}: grad dtype {grad.dtype} != output dtype {out.dtype}")
+        raise BadType(f"{path}: grad dtype {grad.dtype} != output dtype {out.dtype}")
     if grad.device != out.device:
-        raise ValueError(f"{path}: grad device {grad.device} != output device {out.device}")
+        raise BadValue(f"{path}: grad device {grad.device} != output device {out.device}")
+    return grad
+
+
+def _check_edge_grad(edge: GradientEdge, grad: Any, path: str, grads_given: bool) -> torch.Tensor:
+    """The gradient for a ``GradientEdge`` output: required, and shaped like what the edge's node takes.
+
+    Note [GradientEdge outputs]: torch's pipelining after 2.14 lets a stage pass
+    ``torch.autograd.graph.get_gradient_edge(out)`` instead of ``out``, so that the stage can drop the output
+    tensor (its activation) before backward. An edge is always differentiable, has no value to make an
+    implicit gradient from, and cannot be detached: its gradient must be given, and checked against the
+    input metadata of the edge's node (shape, dtype, device).
+    """
+    if grad is None:
+        where = "output_grads is None" if not grads_given else "its gradient is None"
+        raise BadValue(
+            f"{path}: a GradientEdge output requires output gradients ({where}); an edge has no value to "
+            "make an implicit gradient from"
+        )
+    if not isinstance(grad, torch.Tensor):
+        raise BadType(f"{path}: gradient must be a torch.Tensor, got {type(grad).__name__}")
+    meta = edge.node._input_metadata[edge.output_nr]
+    if tuple(grad.shape) != tuple(meta.shape):
+        raise BadValue(f"{path}: grad shape {_shape(grad)} != shape {tuple(meta.shape)} of the GradientEdge's input")
+    if grad.dtype != meta.dtype:
+        raise BadType(f"{path}: grad dtype {grad.dtype} != dtype {meta.dtype} of the GradientEdge's input")
+    if grad.device != meta.device:
+        raise BadValue(f"{path}: grad device {grad.device} != device {meta.device} of the GradientEdge's input")
     return grad
 
 
 def _check_opaque_leaf(out: Any, path: str) -> None:
     """Refuse leaves that would silently hide differentiable tensors."""
     if isinstance(out, (set, frozenset, types.GeneratorType, Iterator)):
-        raise TypeError(
+        raise BadType(
             f"{path}: a {type(out).__name__} cannot be matched with gradients (unordered or "
             "one-shot); use a tuple, list or dict"
         )
@@ -74,7 +111,7 @@ def _check_opaque_leaf(out: Any, path: str) -> None:
         for field in dataclasses.fields(out):
             value = getattr(out, field.name, None)
             if isinstance(value, torch.Tensor) and _is_differentiable(value):
-                raise TypeError(
+                raise BadType(
                     f"{path}: dataclass {type(out).__name__} holds a tensor that requires grad "
                     f"({field.name!r}); return a tuple, list or dict so it gets a gradient"
                 )
@@ -91,6 +128,8 @@ def flatten_outputs_and_grads(
     Rules (they mirror torch's ``stage_backward`` tree walk, with errors instead of asserts):
 
     * a tensor output that neither requires grad nor has a ``grad_fn`` is skipped, whatever its grad;
+    * a ``GradientEdge`` output always takes part, with a gradient that must be given
+      (Note [GradientEdge outputs]);
     * a tuple/list output whose grad is ``None`` is skipped entirely; otherwise the grad must be a
       tuple/list of the same length;
     * a dict output whose grad is ``None`` is skipped; otherwise the grad must be a dict with the
@@ -100,7 +139,7 @@ def flatten_outputs_and_grads(
       exactly one element (a loss) and gets a gradient of ones.
 
     Args:
-        outputs: a tensor, or nested tuples/lists/dicts whose leaves may be anything.
+        outputs: a tensor or ``GradientEdge``, or nested tuples/lists/dicts whose leaves may be anything.
         grads: ``None``, or a structure matching ``outputs``.
         root: the name used at the start of every path in error messages.
         consumed: ``id -> tensor`` of outputs an earlier B already detached in place; meeting one
@@ -123,12 +162,15 @@ def flatten_outputs_and_grads(
     stack: list[tuple[Any, Any, str, bool]] = [(outputs, grads, root, grads_given)]
     while stack:
         out, grad, path, given = stack.pop()
-        if isinstance(out, torch.Tensor):
+        if isinstance(out, GradientEdge):  # a tuple too: checked first (Note [GradientEdge outputs])
+            flat.tensors.append(out)
+            flat.grads.append(_check_edge_grad(out, grad, path, given))
+        elif isinstance(out, torch.Tensor):
             if _is_differentiable(out):
                 flat.tensors.append(out)
                 flat.grads.append(_check_grad(out, grad, path, given))
             elif consumed is not None and consumed.get(id(out)) is out:
-                raise RuntimeError(
+                raise StageBackwardError(
                     f"{path}: this output was already backpropagated by stage_backward_input, "
                     "which detached it in place; a microbatch's outputs go through backward once"
                 )
@@ -138,12 +180,12 @@ def flatten_outputs_and_grads(
             elif grad is None:
                 continue
             elif not isinstance(grad, (tuple, list)):
-                raise TypeError(
+                raise BadType(
                     f"{path}: output is a {type(out).__name__} of length {len(out)} but its "
                     f"gradient is a {type(grad).__name__}"
                 )
             elif len(grad) != len(out):
-                raise ValueError(
+                raise BadValue(
                     f"{path}: output has {len(out)} elements but its gradient has {len(grad)}"
                 )
             else:
@@ -155,13 +197,13 @@ def flatten_outputs_and_grads(
             elif grad is None:
                 continue
             elif not isinstance(grad, dict):
-                raise TypeError(
+                raise BadType(
                     f"{path}: output is a dict but its gradient is a {type(grad).__name__}"
                 )
             elif set(grad) != set(out):
                 missing = sorted(map(repr, set(out) - set(grad)))
                 extra = sorted(map(repr, set(grad) - set(out)))
-                raise ValueError(
+                raise BadValue(
                     f"{path}: gradient keys differ from output keys "
                     f"(missing: {', '.join(missing) or '-'}; unexpected: {', '.join(extra) or '-'})"
                 )

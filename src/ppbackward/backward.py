@@ -22,7 +22,6 @@ local dicts (see ``ppbackward._graph``).
 from __future__ import annotations
 
 import sys
-import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any, Optional
@@ -31,6 +30,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
+from ppbackward._errors import BadType, BadValue, StageBackwardError
 from ppbackward._graph import analyze, gradient_edge
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
@@ -94,8 +94,8 @@ def stage_backward(
             devices), ``None`` leaves allowed for one-element outputs; or ``None`` altogether for a
             loss (implicit gradient 1).
         input_values: the stage's flattened inputs (tensors and non-tensors).
-        outputs_with_grads_idxs: deprecated, as upstream; when given, only these top-level outputs
-            (and grads) are used. Emits a ``DeprecationWarning``.
+        outputs_with_grads_idxs: deprecated upstream (its compiler path still passes it) and kept the
+            same way: when given, only these top-level outputs (and grads) are used; no warning.
 
     Returns:
         A tuple aligned with ``input_values``: the gradient of each input, or ``None`` for inputs
@@ -105,13 +105,7 @@ def stage_backward(
         ValueError, TypeError: malformed ``output_grads`` (see ``ppbackward._tree``); nothing has
             been run or accumulated then.
     """
-    if outputs_with_grads_idxs is not None:
-        warnings.warn(
-            "stage_backward(outputs_with_grads_idxs=...) is deprecated upstream and only kept for "
-            "compatibility",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+    if outputs_with_grads_idxs is not None:  # deprecated upstream, used by torch's compiler path: no warning
         stage_output = [stage_output[i] for i in outputs_with_grads_idxs]
         output_grads = [output_grads[i] for i in outputs_with_grads_idxs]
     input_values = list(input_values)
@@ -259,7 +253,7 @@ def _refuse_reentrant_checkpoint(*node_lists) -> None:
     for nodes in node_lists:
         for node in nodes:
             if type(node).__name__ == "CheckpointFunctionBackward":
-                raise RuntimeError(
+                raise StageBackwardError(
                     "stage_backward_input: the stage uses torch.utils.checkpoint with "
                     "use_reentrant=True (node CheckpointFunctionBackward), whose backward cannot run "
                     "inside the input-only engine call of B; use use_reentrant=False, or a full "
@@ -267,7 +261,7 @@ def _refuse_reentrant_checkpoint(*node_lists) -> None:
                 )
 
 
-def _detach_outputs(outputs: list[torch.Tensor], used_nodes: set) -> None:
+def _detach_outputs(outputs: list[Any], used_nodes: set) -> None:
     """Free the output side of the graph after B by detaching outputs in place (as upstream,
     pytorch/pytorch#138119), except where that would break W or the caller.
 
@@ -278,6 +272,8 @@ def _detach_outputs(outputs: list[torch.Tensor], used_nodes: set) -> None:
     use a saved tensor that has been detached in-place" (upstream 2.13 crashes there).
     """
     for t in outputs:
+        if not isinstance(t, torch.Tensor):  # a GradientEdge: nothing to detach
+            continue
         if t.grad_fn is not None and not t._is_view() and t.grad_fn not in used_nodes:
             t.detach_()
             _DETACHED[id(t)] = t
@@ -350,12 +346,12 @@ def stage_backward_weight(
     """
     weights = list(weights)
     if not isinstance(param_groups, ParamGroups):
-        raise TypeError(
+        raise BadType(
             "param_groups: expected the ppbackward.ParamGroups returned by "
             f"ppbackward.stage_backward_input, got {type(param_groups).__name__}"
         )
     if param_groups.consumed:
-        raise RuntimeError(
+        raise StageBackwardError(
             "param_groups: already consumed by an earlier stage_backward_weight call; W runs once "
             "per microbatch"
         )
@@ -413,7 +409,7 @@ def _check_same_weights(weights: list[torch.Tensor], expected: WeightSet) -> Non
     """
     if expected.sharded or any(map(_is_dtensor, weights)):
         if len(weights) != expected.count:
-            raise ValueError(
+            raise BadValue(
                 f"weights: {len(weights)} parameter(s) given to stage_backward_weight, "
                 f"{expected.count} to stage_backward_input"
             )
@@ -421,13 +417,13 @@ def _check_same_weights(weights: list[torch.Tensor], expected: WeightSet) -> Non
     ids = [id(w) for w in weights]
     for i, key in enumerate(ids):
         if key not in expected.ids:
-            raise ValueError(
+            raise BadValue(
                 f"weights[{i}]: parameter of shape {tuple(weights[i].shape)} was not among the "
                 "weights given to stage_backward_input for these param_groups (another stage's?)"
             )
     missing = len(expected.ids - set(ids))
     if missing:
-        raise ValueError(
+        raise BadValue(
             f"weights: {missing} parameter(s) given to stage_backward_input are missing from "
             "the weights given to stage_backward_weight"
         )

@@ -10,7 +10,9 @@ checked without touching this file):
   as-is, fragments and output are fenced ```` ```text ```` or ```` ```bash ````;
 * every ```` ```python ```` block runs as-is in a fresh interpreter (``sys.executable``, an empty
   temporary working directory, a timeout): one test per block, with the id ``file:line`` of its
-  opening fence (the blocks are started side by side, a few at a time);
+  opening fence (the blocks are started side by side, a few at a time). A block right after a
+  ``<!-- torchrun: ARGS | ARGS ... -->`` line is a torchrun script instead: it runs once per ``ARGS``
+  as ``torchrun --standalone ARGS-before-"--" block.py ARGS-after-"--"``, in its own process group;
 * ``docs/make_figures.py`` (the command that drew ``docs/images``) still works, and the committed
   pictures are small.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.parse
@@ -44,12 +47,17 @@ _REF_DEF = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s.*)?$")
 _EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto:, ...
 
 
+_TORCHRUN = re.compile(r"^<!--\s*torchrun:\s*(.*?)\s*-->\s*$")
+TORCHRUN_TIMEOUT_S = 600  # a backstop for a hung launch, not a verdict on speed
+
+
 @dataclass(frozen=True)
 class Block:
     page: Path
     line: int  # 1-based line of the opening fence
     lang: str
     code: str
+    torchrun: tuple[str, ...] = ()  # one entry per launch: "torchrun args -- script args"
 
     @property
     def id(self) -> str:
@@ -62,16 +70,21 @@ def _scan(page: Path) -> tuple[list[Block], list[tuple[int, str]]]:
     prose: list[tuple[int, str]] = []
     fence: tuple[str, int, str] | None = None  # (marker, start line, lang)
     body: list[str] = []
+    launches: tuple[str, ...] = ()
+    previous = ""
     for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
         match = _FENCE.match(line)
         if fence is None:
             if match:
                 fence = (match.group(1), number, match.group(2).lower())
                 body = []
+                spec = _TORCHRUN.match(previous)
+                launches = tuple(a.strip() for a in spec.group(1).split("|")) if spec else ()
             else:
                 prose.append((number, line))
+                previous = line
         elif match and match.group(1)[0] == fence[0][0] and len(match.group(1)) >= len(fence[0]) and not match.group(2):
-            blocks.append(Block(page, fence[1], fence[2], "\n".join(body) + "\n"))
+            blocks.append(Block(page, fence[1], fence[2], "\n".join(body) + "\n", launches))
             fence = None
         else:
             body.append(line)
@@ -190,12 +203,37 @@ def test_every_fence_says_its_language(page):
     assert not untagged, f"fenced blocks without a language (use python, text or bash): {untagged}"
 
 
+def _torchrun(script: Path, launch: str, folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess | str:
+    """``torchrun --standalone <launch before --> script <launch after -->`` in its own process group."""
+    torchrun_args, _, script_args = launch.partition(" -- ")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *torchrun_args.split(),
+               str(script), *script_args.split()]  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return f"torchrun {launch}: still running after {TORCHRUN_TIMEOUT_S} s (process group killed)\n{out}"
+    return subprocess.CompletedProcess(command, proc.returncode, f"$ torchrun {launch}\n{out}", "")
+
+
 def _run_block(block: Block, folder: Path) -> subprocess.CompletedProcess | str:
-    """Run ``block`` as a script in ``folder``; the finished process, or a message if it timed out."""
+    """Run ``block`` as a script in ``folder`` (once per torchrun launch, if it is a torchrun script);
+    the finished process (the first that failed), or a message if it timed out."""
     script = folder / f"{block.page.stem}_{block.line}.py"
     script.write_text(block.code, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     env["OMP_NUM_THREADS"] = "1"
+    if block.torchrun:
+        result: subprocess.CompletedProcess | str = ""
+        for launch in block.torchrun:
+            result = _torchrun(script, launch, folder, env)
+            if isinstance(result, str) or result.returncode != 0:
+                return result
+        return result
     try:
         return subprocess.run(
             [sys.executable, str(script)], cwd=folder, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S

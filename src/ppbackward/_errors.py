@@ -1,0 +1,29 @@
+"""The errors ppbackward's stage backward raises for a bad call, before anything runs.
+
+Public name (re-exported by ``ppbackward``): :class:`StageBackwardError`.
+
+Note [errors are RuntimeErrors]: torch's ``stage_backward*`` functions wrap every failure in a
+``RuntimeError("Failed to run stage backward ...")``, so a caller written for torch catches
+``RuntimeError``. ppbackward names the bad argument and its path instead (``stage_output[1]['h']:
+grad shape (3, 4) != output shape (3, 5)``) and raises it before running anything; the error is a
+:class:`StageBackwardError`, which is a ``RuntimeError`` (so that such a caller still catches it) and
+also a ``ValueError`` or ``TypeError`` as the mistake is one of value or of type.
+"""
+
+from __future__ import annotations
+
+__all__ = ["StageBackwardError"]
+
+
+class StageBackwardError(RuntimeError):
+    """A bad call of ``stage_backward``, ``stage_backward_input`` or ``stage_backward_weight``: raised
+    before anything runs; the message names what is wrong and where. Also a ``ValueError`` or
+    ``TypeError`` where the mistake is one of value or type (Note [errors are RuntimeErrors])."""
+
+
+class BadValue(StageBackwardError, ValueError):
+    """A value that does not fit: a shape, a structure, a missing gradient, other weights."""
+
+
+class BadType(StageBackwardError, TypeError):
+    """An argument of the wrong type: a gradient that is not a tensor, a dtype, ``param_groups``."""

@@ -1,0 +1,114 @@
+"""``GradientEdge`` stage outputs (Note [GradientEdge outputs] in ``ppbackward._tree``): torch's pipelining
+after 2.14 lets a stage pass ``get_gradient_edge(out)`` and drop the output tensor before backward.
+Full backward and B + W, with grads given per edge, against plain autograd."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+import ppbackward as pb
+from stages import Scale
+
+
+def _pair(seed: int = 0):
+    torch.manual_seed(seed)
+    mod = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 6))
+    return mod, copy.deepcopy(mod)
+
+
+def _assert_same_grads(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_full_backward_from_an_edge_after_the_output_is_gone():
+    mod, ref = _pair()
+    x = torch.randn(4, 6, requires_grad=True)
+    rx = x.detach().clone().requires_grad_()
+    g = torch.randn(4, 6)
+    out = mod(x)
+    edge, released = get_gradient_edge(out), weakref.ref(out)
+    del out
+    assert released() is None  # the edge does not keep the activation
+    (dx,) = pb.stage_backward((edge,), (g,), [x])
+    ref(rx).backward(g)
+    torch.testing.assert_close(dx, rx.grad)
+    _assert_same_grads(mod, ref)
+
+
+def test_edges_tensors_and_non_grad_outputs_together():
+    torch.manual_seed(1)
+    a, b = nn.Linear(6, 6), nn.Linear(6, 6)
+    ra, rb = copy.deepcopy(a), copy.deepcopy(b)
+    x = torch.randn(4, 6, requires_grad=True)
+    rx = x.detach().clone().requires_grad_()
+    grads = (torch.randn(4, 6), torch.randn(4, 6), None)
+    first, second, constant = a(x), b(x), torch.ones(1)
+    edge = get_gradient_edge(first)
+    del first
+    (dx,) = pb.stage_backward((edge, second, constant), grads, [x])
+    torch.autograd.backward((ra(rx), rb(rx)), grads[:2])
+    torch.testing.assert_close(dx, rx.grad)
+    _assert_same_grads(a, ra)
+    _assert_same_grads(b, rb)
+
+
+def test_an_edge_into_a_custom_function_keeps_its_graph():
+    class Triple(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 3
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 3
+
+    x = torch.randn(4, 6, requires_grad=True)
+    g = torch.randn(4, 6)
+    out = Triple.apply(x)
+    edge = get_gradient_edge(out)
+    del out
+    (dx,) = pb.stage_backward((edge,), (g,), [x])
+    torch.testing.assert_close(dx, g * 3)
+
+
+@pytest.mark.parametrize("order", ["BW", "BBWW"])
+def test_split_backward_from_edges_equals_plain_autograd(order):
+    mod, ref = _pair(2)
+    w = nn.Parameter(torch.randn(6))
+    rw = nn.Parameter(w.detach().clone())
+    pending = []
+    for k in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(k), requires_grad=True)
+        rx = x.detach().clone().requires_grad_()
+        g = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 + k))
+        edge = get_gradient_edge(Scale.apply(mod(x), w))  # a custom Function intermediate too
+        (dx,), groups = pb.stage_backward_input([edge], [g], [x], [*mod.parameters(), w])
+        torch.autograd.backward(Scale.apply(ref(rx), rw), g)
+        torch.testing.assert_close(dx, rx.grad)
+        pending.append(groups)
+        if order == "BW":
+            pb.stage_backward_weight([*mod.parameters(), w], pending.pop())
+    for groups in pending:
+        pb.stage_backward_weight([*mod.parameters(), w], groups)
+    _assert_same_grads(mod, ref)
+    torch.testing.assert_close(w.grad, rw.grad)
+
+
+def test_an_edge_needs_its_gradient_and_one_that_fits():
+    mod, _ = _pair()
+    x = torch.randn(4, 6, requires_grad=True)
+    edge = get_gradient_edge(mod(x))
+    with pytest.raises(pb.StageBackwardError, match=r"stage_output\[0\]: a GradientEdge output requires output gradients"):
+        pb.stage_backward_input([edge], None, [x], mod.parameters())
+    with pytest.raises(ValueError, match=r"stage_output\[0\]: grad shape \(4, 5\) != shape \(4, 6\) of the GradientEdge's input"):
+        pb.stage_backward([edge], [torch.ones(4, 5)], [x])
+    with pytest.raises(TypeError, match=r"stage_output\[0\]: grad dtype torch.float64 != dtype torch.float32"):
+        pb.stage_backward([edge], [torch.ones(4, 6, dtype=torch.float64)], [x])
+    assert all(p.grad is None for p in mod.parameters())  # nothing ran

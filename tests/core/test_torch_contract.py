@@ -1,0 +1,243 @@
+"""torch 2.13's observable contract of the stage backward: the points ppbackward keeps, and its differences.
+
+Kept (run on torch's functions *and* on ppbackward's, so each point is shown to be torch's own): what B,
+W and the full backward return and how it is aligned, which grads are ``None``, where grads accumulate,
+that B touches no parameter and detaches its plain outputs in place. A future change that breaks a
+caller relying on one of them fails here first.
+
+Differences (docs/api.md, "Differences from torch's functions"): one test per entry, showing torch's
+behaviour and ppbackward's side by side. The torch side is pinned for torch 2.13-2.14, whose
+``_backward.py`` are identical; on other releases only ppbackward's side runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.distributed.pipelining import _backward as upstream
+
+import ppbackward as pb
+from ppbackward._compat import torch_release
+
+TORCH_2_13 = (2, 13) <= torch_release()[:2] <= (2, 14)
+IMPLS = [pytest.param(pb, id="ppbackward"), pytest.param(upstream, id="torch", marks=pytest.mark.skipif(
+    not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.14"))]  # fmt: skip
+torch_2_13_only = pytest.mark.skipif(not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.14")
+
+
+def _stage(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4))
+
+
+def _inputs():
+    x = torch.randn(3, 4, requires_grad=True)
+    return [x, "not a tensor", torch.randn(3, 4), 7]  # a tensor without grad, two non-tensors
+
+
+# -- kept: torch's contract ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_b_returns_input_grads_aligned_with_the_inputs_and_param_groups(impl):
+    mod = _stage()
+    inputs = _inputs()
+    out = mod(inputs[0]) + inputs[2]
+    grads, groups = impl.stage_backward_input((out,), (torch.ones(3, 4),), inputs, mod.parameters())
+    assert isinstance(grads, tuple) and len(grads) == 4
+    assert grads[0] is not None and grads[0].shape == (3, 4)
+    assert grads[1] is None and grads[2] is None and grads[3] is None  # non-tensor, no grad, non-tensor
+    assert all(p.grad is None for p in mod.parameters())  # B touches no parameter
+    assert out.grad_fn is None  # a plain output is detached in place after B
+    result = impl.stage_backward_weight(mod.parameters(), groups)
+    assert isinstance(result, tuple) and len(result) == len(list(mod.parameters()))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_b_then_w_equals_plain_autograd_and_w_accumulates_over_microbatches(impl):
+    mod, ref = _stage(), _stage()
+    for k in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(k), requires_grad=True)
+        rx = x.detach().clone().requires_grad_()
+        loss = mod(x).pow(2).sum()
+        (dx,), groups = impl.stage_backward_input((loss,), None, [x], mod.parameters())
+        impl.stage_backward_weight(mod.parameters(), groups)
+        ref(rx).pow(2).sum().backward()
+        torch.testing.assert_close(dx, rx.grad)
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)  # the sum of both microbatches
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_full_backward_returns_aligned_input_grads_and_accumulates_parameters(impl):
+    mod, ref = _stage(), _stage()
+    inputs = _inputs()
+    rx = inputs[0].detach().clone().requires_grad_()
+    grads = impl.stage_backward(mod(inputs[0]), torch.ones(3, 4), inputs)
+    ref(rx).backward(torch.ones(3, 4))
+    assert isinstance(grads, tuple) and len(grads) == 4
+    torch.testing.assert_close(grads[0], rx.grad)
+    assert grads[1:] == (None, None, None)
+    assert inputs[0].grad is None  # the caller's input keeps no gradient
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_outputs_that_need_no_grad_are_skipped(impl):
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    out = mod(x)
+    extra = torch.ones(2)  # needs no grad: skipped whatever its gradient
+    grads = impl.stage_backward((out, extra), (torch.ones(3, 4), None), [x])
+    assert grads[0] is not None and all(p.grad is not None for p in mod.parameters())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deprecated_outputs_with_grads_idxs_selects_outputs_silently(impl, recwarn):
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    out = mod(x)
+    grads = impl.stage_backward([out, out * 2], [torch.ones(3, 4), None], [x], outputs_with_grads_idxs=[0])
+    assert grads[0] is not None
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+# -- differences (docs/api.md, "Differences from torch's functions") -----------------------------
+
+
+def _b(impl, x, mod):
+    return impl.stage_backward_input((mod(x).sum(),), None, [x], mod.parameters())
+
+
+def test_difference_b_leaves_the_inputs_grad_alone():
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    (dx,), _ = _b(pb, x, mod)
+    assert x.grad is None and dx is not None  # the returned tuple carries the input gradient
+    if TORCH_2_13:
+        y = x.detach().clone().requires_grad_()
+        (dy,), _ = _b(upstream, y, _stage())
+        assert y.grad is dy  # torch's B also writes it into .grad (held until clear_runtime_states)
+
+
+def test_difference_param_groups_are_opaque():
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    _, groups = _b(pb, x, mod)
+    group = next(iter(groups))
+    with pytest.raises(TypeError, match=r"ParamGroup\['grads'\]: ppbackward's param groups are opaque"):
+        group["grads"] = []
+    with pytest.raises(TypeError, match="opaque"):
+        group["params"]
+    assert group[2] is group.params  # read-only inspection still works
+    if TORCH_2_13:
+        _, theirs = _b(upstream, x.detach().clone().requires_grad_(), _stage())
+        assert isinstance(theirs, list) and {"params", "intermediates"} <= set(theirs[0])
+
+
+def test_difference_a_bad_call_names_the_path_and_is_still_a_runtime_error():
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(pb.StageBackwardError, match=r"stage_output\[0\]: grad shape \(3, 5\) != output shape \(3, 4\)") as e:
+        pb.stage_backward((mod(x),), (torch.ones(3, 5),), [x])
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value, ValueError)
+    assert all(p.grad is None for p in mod.parameters())  # raised before anything ran
+    with pytest.raises(TypeError, match=r"stage_output\[0\]: gradient must be a torch.Tensor or None, got str"):
+        pb.stage_backward((mod(x),), ("no",), [x])
+    if TORCH_2_13:
+        with pytest.raises(RuntimeError, match="Failed to run stage backward"):  # torch wraps the autograd error
+            upstream.stage_backward((mod(x),), (torch.ones(3, 5),), [x])
+
+
+def test_difference_an_error_raised_inside_the_backward_is_not_wrapped():
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    out = mod(x)
+    out.register_hook(lambda g: (_ for _ in ()).throw(KeyError("from a user hook")))
+    with pytest.raises(KeyError, match="from a user hook"):
+        pb.stage_backward_input((out,), (torch.ones(3, 4),), [x], mod.parameters())
+
+
+def test_difference_full_backward_restores_the_inputs_previous_grad():
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    previous = torch.full((3, 4), 5.0)
+    x.grad = previous
+    (dx,) = pb.stage_backward(mod(x), torch.ones(3, 4), [x])
+    assert x.grad is previous and dx is not previous
+    if TORCH_2_13:
+        y = x.detach().clone().requires_grad_()
+        y.grad = previous.clone()
+        upstream.stage_backward(_stage()(y), torch.ones(3, 4), [y])
+        assert y.grad is None  # torch clears it (pytorch/pytorch#164329), the previous value with it
+
+
+def test_difference_w_returns_the_grads_after_accumulation():
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    _, groups = _b(pb, x, mod)
+    returned = pb.stage_backward_weight(mod.parameters(), groups)
+    assert all(r is p.grad and r is not None for r, p in zip(returned, mod.parameters()))
+    if TORCH_2_13:
+        theirs = _stage()
+        _, groups = _b(upstream, x.detach().clone().requires_grad_(), theirs)
+        assert upstream.stage_backward_weight(theirs.parameters(), groups) == (None,) * 4  # the values before W
+
+
+def test_difference_a_view_output_is_left_attached():
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    out = mod(x).view(12)
+    pb.stage_backward_input((out,), (torch.ones(12),), [x], mod.parameters())
+    assert out.grad_fn is not None  # a view cannot be detached in place: left as it is
+    if TORCH_2_13:
+        with pytest.raises(RuntimeError, match="Failed to run stage backward input"):
+            upstream.stage_backward_input((mod(x).view(12),), (torch.ones(12),), [x], mod.parameters())
+
+
+def test_difference_gradient_edge_outputs_are_accepted():
+    mod, ref = _stage(), _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    rx = x.detach().clone().requires_grad_()
+    edge = get_gradient_edge(mod(x))  # the output tensor itself is gone
+    (dx,), groups = pb.stage_backward_input([edge], [torch.ones(3, 4)], [x], mod.parameters())
+    pb.stage_backward_weight(mod.parameters(), groups)
+    ref(rx).backward(torch.ones(3, 4))
+    torch.testing.assert_close(dx, rx.grad)
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    if TORCH_2_13:  # torch's main branch accepts them too; 2.13's B reads .requires_grad of each output
+        with pytest.raises(AttributeError, match="'GradientEdge' object has no attribute 'requires_grad'"):
+            upstream.stage_backward_input([get_gradient_edge(mod(x))], [torch.ones(3, 4)], [x], mod.parameters())
+
+
+def test_difference_w_with_dtensor_weights_checks_only_their_number():
+    """Note [FSDP2 swaps parameters]: with DTensors on either side, W accepts other parameter objects of
+    the same number (FSDP2 swaps sharded and unsharded parameters between B and W), and refuses another
+    number; with plain tensors it still refuses another stage's weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        mod = _stage()
+        sharded = [nn.Parameter(DTensor.from_local(p.detach(), mesh, [Replicate()])) for p in mod.parameters()]
+        x = torch.randn(3, 4, requires_grad=True)
+        _, groups = _b(pb, x, mod)
+        pb.stage_backward_weight(sharded, groups)  # the other form of the same four parameters
+        assert all(p.grad is not None for p in mod.parameters())  # accumulated where B found them
+        _, groups = _b(pb, x, mod)
+        with pytest.raises(pb.StageBackwardError, match=r"weights: 3 parameter\(s\) given to stage_backward_weight, 4"):
+            pb.stage_backward_weight(sharded[:3], groups)
+        with pytest.raises(pb.StageBackwardError, match="was not among the weights given to stage_backward_input"):
+            pb.stage_backward_weight(_stage(1).parameters(), groups)
+    finally:
+        if owned:
+            dist.destroy_process_group()
