@@ -106,6 +106,80 @@ class Analysis(NamedTuple):
     b_only: list[Node]
     w_only: list[Node]
     output_consumers: list[Node]
+    structure: _Structure
+
+
+class _Structure(NamedTuple):
+    """What :func:`eager_work` needs of the analysis: the numbered nodes, their edges and parents, the
+    intermediates and W-only nodes (leaves included) by number, and the union-find of the groups."""
+
+    nodes: list[Node]
+    index: dict[Node, int]
+    nexts: list[tuple]
+    parents: list[list[int]]
+    inter: set[int]
+    w_only: set[int]
+    union: dict[int, int]
+    groups: dict[int, GroupSpec]
+
+
+class EagerWork(NamedTuple):
+    """The W work B does itself (Note [hooked saved tensors run once] in ``ppbackward._saved``).
+
+    Attributes:
+        nodes: intermediates and W-only nodes that B runs entirely (W never calls them again).
+        frontier: ``(group, edge, sequence_nr)`` for every edge from those nodes into the rest of W's
+            work (W-only nodes, weight leaves): B's engine call returns the gradient at each, complete
+            (every producer of that slot is among ``nodes``), and W starts from it.
+    """
+
+    nodes: set[Node]
+    frontier: list[tuple[GroupSpec, GradientEdge, int]]
+
+
+def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
+    """The smallest set of W's nodes containing ``seeds`` that B can run entirely (``None``: all of them).
+
+    Closed upwards (whatever feeds a node B runs must run in B too) and over every slot it feeds: each
+    edge leaving the set lands on a slot all of whose producers are in the set, so that the gradient
+    B's engine call returns there is complete. Linear in the nodes and edges visited.
+    """
+    st = analysis.structure
+    run_by_w = (st.inter | st.w_only) - {i for i in st.w_only if type(st.nodes[i]) is _ACCUMULATE_GRAD}
+    chosen: set[int] = set()
+    todo = list(run_by_w) if seeds is None else [st.index[n] for n in seeds if st.index.get(n) in run_by_w]
+    while todo:
+        i = todo.pop()
+        if i in chosen:
+            continue
+        chosen.add(i)
+        todo += [p for p in st.parents[i] if p in run_by_w and p not in chosen]  # its producers
+        for kid, nr in _w_edges(st, i):
+            k = st.index[kid]
+            if k in chosen:
+                continue
+            for p in st.parents[k]:  # every producer of the slot this edge feeds
+                if p not in chosen and p in run_by_w and any(
+                    kk is kid and n == nr for kk, n in st.nexts[p] if kk is not None
+                ):
+                    todo.append(p)
+    frontier: dict[GradientEdge, tuple[GroupSpec, int]] = {}
+    for i in sorted(chosen):
+        seq = st.nodes[i]._sequence_nr()
+        for kid, nr in _w_edges(st, i):
+            k = st.index[kid]
+            if k not in chosen:
+                edge = GradientEdge(kid, nr)
+                group = _group(st.groups, st.union, k)
+                frontier[edge] = (group, max(seq, frontier.get(edge, (group, -1))[1]))
+    return EagerWork(
+        {st.nodes[i] for i in chosen}, [(group, edge, seq) for edge, (group, seq) in frontier.items()]
+    )
+
+
+def _w_edges(st: _Structure, i: int) -> list[tuple[Node, int]]:
+    """``(next node, input slot)`` of node ``i``'s edges into W-only nodes and weight leaves."""
+    return [(kid, nr) for kid, nr in st.nexts[i] if kid is not None and st.index[kid] in st.w_only]
 
 
 def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analysis:
@@ -196,7 +270,8 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         for p in parents[index[edge.node]]:
             if p in inter or p in w_only:
                 consumers[p] = None
-    return Analysis(list(groups.values()), used, b_only, w_nodes, [nodes[i] for i in consumers])
+    structure = _Structure(nodes, index, nexts, parents, inter, w_only, parent, groups)
+    return Analysis(list(groups.values()), used, b_only, w_nodes, [nodes[i] for i in consumers], structure)
 
 
 def _group(groups: dict[int, GroupSpec], parent: dict[int, int], i: int) -> GroupSpec:

@@ -1,4 +1,5 @@
-"""What B does to saved tensors: release those W will never read, pin those a caller may detach.
+"""What B does to saved tensors: release those W will never read, pin those a caller may detach, and
+tell which carry saved-tensor hooks.
 
 Private module. Between B and W a stage keeps the autograd graph of every microbatch in flight. W
 only runs the intermediates and the weight-only subgraphs (Note [W computes only weight edges] in
@@ -19,9 +20,35 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.graph import Node
 
 __all__: list[str] = []  # private module
+
+# Note [hooked saved tensors run once]: a saved tensor with hooks (activation checkpointing, a
+# ``saved_tensors_hooks`` pair such as ``save_on_cpu``, offloading, a user's own) is unpacked by its
+# unpack hook each time its node runs, and holds what its pack hook returned until the engine releases
+# the node. A full backward runs every node once, in one engine call, with ``retain_graph=False``. The
+# split runs B's nodes in B and calls the intermediates again in W, so, left alone, a hooked
+# intermediate would be unpacked twice: a non-reentrant checkpoint recomputes its region once per
+# engine call (and a selective one refuses the second time: "backward an extra time"), and other hooks
+# run twice. And B must retain the graph for W, so nothing it runs is released: hooked tensors W never
+# reads stay packed until the graph dies, and a pack hook that returns the tensor itself makes a node
+# that saved its own output hold itself (node -> packed tensor -> grad_fn -> node), a cycle inside C++
+# that the gc cannot see and nothing ever breaks (Python cannot release a node's saved tensors).
+#
+# So B does W's work itself wherever hooks are (``ppbackward._graph.eager_work``): every node of W's
+# that has a checkpoint's saved tensors (:func:`hook_kinds`: ``"recompute"``), with whatever feeds it,
+# runs entirely in B, in the engine call that recomputed the region; and where any node B runs holds a
+# tensor through another hook (``"held"``), all of W's nodes run in B, so that nothing is left for W
+# to call and B's engine call can release every node it runs (``retain_graph=False``). Each hooked
+# tensor is then unpacked once, as in a full backward; W accumulates what B computed. Hooks that only
+# observe (``ppbackward.leaks.track_activations``'s own, marked ``_ppbackward_transparent``) count as no
+# hooks. On a torch whose ``SavedTensor`` does not expose its hooks (before 2.13) nothing can be told
+# apart: hooked tensors are treated as before (unpacked twice, kept until the graph dies).
+
+_CHECKPOINT_HOLDER = getattr(torch.utils.checkpoint, "_Holder", None)
+HOOKS_VISIBLE = hasattr(torch._C._autograd.SavedTensor, "unpack_hook")
 
 _ATTRS: dict[type, tuple[str, ...]] = {}  # node type -> its ``_raw_saved_*`` attribute names
 
@@ -44,6 +71,35 @@ def _refuse(_packed):
         "it is not needed by stage_backward_weight (W). Running it again (e.g. a second backward "
         "through the same graph) is not supported; see Note [release unread saved tensors]."
     )
+
+
+def _kind(raw: object) -> str | None:
+    unpack = getattr(raw, "unpack_hook", None)
+    if unpack is None or getattr(unpack, "_ppbackward_transparent", False):
+        return None
+    if _CHECKPOINT_HOLDER is not None and isinstance(raw.data, _CHECKPOINT_HOLDER):  # type: ignore[attr-defined]
+        return "recompute"
+    return "held"
+
+
+def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
+    """The nodes with hooked saved tensors (Note [hooked saved tensors run once]): ``"held"`` where any
+    of them is held through a hook other than a checkpoint's, else ``"recompute"``. ``{}`` on a torch
+    that does not expose the hooks (``HOOKS_VISIBLE``)."""
+    if not HOOKS_VISIBLE:
+        return {}
+    kinds: dict[Node, str] = {}
+    for node in nodes:
+        for attr in _saved_attrs(node):
+            try:
+                saved = getattr(node, attr)
+            except RuntimeError:  # already freed
+                continue
+            for item in saved if isinstance(saved, (list, tuple)) else (saved,):
+                kind = _kind(item)
+                if kind == "held" or (kind and node not in kinds):
+                    kinds[node] = kind
+    return kinds
 
 
 def release_saved_tensors(nodes: Iterable[Node]) -> int:

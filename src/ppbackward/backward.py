@@ -31,16 +31,17 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
 from ppbackward._errors import BadType, BadValue, StageBackwardError
-from ppbackward._graph import analyze, gradient_edge
+from ppbackward._graph import EagerWork, analyze, eager_work, gradient_edge
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
-from ppbackward._saved import pin_saved_inputs, release_pinned, release_saved_tensors
+from ppbackward._saved import hook_kinds, pin_saved_inputs, release_pinned, release_saved_tensors
 from ppbackward._tree import flatten_outputs_and_grads
 from ppbackward._weight_edges import accumulate, weight_edge_grads
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
 _ROOT_SEQ = float("inf")  # the outputs' gradients come first (Note [accumulation order])
+_NO_EAGER_WORK = EagerWork(set(), [])
 # Outputs B detached in place, by id (weak): meeting one again is an error, not a silent no-op.
 _DETACHED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -191,10 +192,13 @@ def stage_backward_input(
     grad_inputs = _unique(t for _, t in wanted)
     input_nodes = {gradient_edge(t).node for t in grad_inputs}
     root_edges = [gradient_edge(t) for t in flat.tensors]
-    specs, used_nodes, b_only, w_only, consumers = analyze(root_edges, input_nodes)
+    analysis = analyze(root_edges, input_nodes)
+    specs, used_nodes, b_only, w_only, consumers = analysis[:5]
     inter = [node for spec in specs for node, _ in spec.intermediates]
     _refuse_reentrant_checkpoint(b_only, inter)
     owners = candidate_owners(flat.tensors)  # Note [custom Function nodes need an owner]; () on torch 2.13+
+    eager = _eager_work(analysis, b_only, inter, w_only)  # Note [hooked saved tensors run once]
+    deferred = [node for node in inter if node not in eager.nodes]
 
     # Note [capturing intermediates]: a C++ intermediate gets a pre-hook recording the gradients
     # flowing into it, after the tensor hooks on that activation ran (exactly what the node
@@ -202,42 +206,65 @@ def stage_backward_input(
     # again. A custom ``autograd.Function`` computes all its outputs whatever the engine needs (and
     # may have side effects), so it must run once: a post-hook records its outputs in B, and W only
     # routes the weight edges among them (no re-run). torch.compile'd regions are such Functions.
-    boxes: list[list] = [[] for _ in inter]
+    # The intermediates B runs entirely (``eager``) need no capture: the engine call returns what they
+    # send to W's nodes, at the frontier edges.
+    boxes: list[list] = [[] for _ in deferred]
     handles = []
     found: dict[int, Optional[torch.Tensor]] = {}
+    frontier: list = []
+    # B must keep the graph for the C++ intermediates W calls again; otherwise it releases every node
+    # it runs, as a full backward does (Note [hooked saved tensors run once])
+    retain = any(not isinstance(n, BackwardCFunction) for n in deferred)
     try:
-        for node, box in zip(inter, boxes):
+        for node, box in zip(deferred, boxes):
             if isinstance(node, BackwardCFunction):
                 handles.append(node.register_hook(_capture_outputs_hook(box)))
             else:
                 handles.append(node.register_prehook(_capture_hook(box)))
-        if grad_inputs:
+        if grad_inputs or eager.frontier:
             results = torch.autograd.grad(
                 flat.tensors,
-                grad_inputs,
+                [*grad_inputs, *(edge for _, edge, _ in eager.frontier)],
                 grad_outputs=flat.grads,
-                retain_graph=any(not isinstance(n, BackwardCFunction) for n in inter),
+                retain_graph=retain,
                 allow_unused=True,
             )
             found = {id(t): g for t, g in zip(grad_inputs, results)}
+            frontier = list(zip(eager.frontier, results[len(grad_inputs) :]))
     finally:
         for handle in handles:
             handle.remove()
     captured = [box[0] if box else None for box in boxes]
 
-    groups = _build_groups(specs, captured, flat.grads, root_edges)
+    groups = _build_groups(specs, dict(zip(deferred, captured)), flat.grads, root_edges, frontier, eager.nodes)
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
-        release_saved_tensors([*b_only, *(n for n in inter if isinstance(n, BackwardCFunction))])
+        if retain:  # else B's engine call released every node it ran
+            release_saved_tensors([*b_only, *(n for n in deferred if isinstance(n, BackwardCFunction)), *eager.nodes])
         # Note [outputs detached after B]: given a loss, B cannot tell the stage outputs from the rest
         at_risk = consumers if output_grads is not None else [*inter, *w_only]
-        pinned = pin_saved_inputs(n for n in at_risk if not isinstance(n, BackwardCFunction))
+        pinned = pin_saved_inputs(
+            n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in eager.nodes
+        )
     owners = owners_needed(owners, groups)
     _detach_outputs(flat.tensors, used_nodes)
     result: list[Optional[torch.Tensor]] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_ids, owners, pinned)
+
+
+def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> EagerWork:
+    """The W work B does itself because of saved-tensor hooks (Note [hooked saved tensors run once]):
+    all of it where a node B runs holds a tensor through a hook, else the checkpointed nodes of W's
+    (and what feeds them); none without hooks."""
+    kinds = hook_kinds([*b_only, *inter, *w_only])
+    if not kinds:
+        return _NO_EAGER_WORK
+    if any(kinds.get(node) == "held" for node in (*b_only, *inter)):
+        return eager_work(analysis, None)
+    recompute = [node for node in (*inter, *w_only) if kinds.get(node) == "recompute"]
+    return eager_work(analysis, recompute) if recompute else _NO_EAGER_WORK
 
 
 def _capture_outputs_hook(box: list):
@@ -279,21 +306,37 @@ def _detach_outputs(outputs: list[Any], used_nodes: set) -> None:
             _DETACHED[id(t)] = t
 
 
-def _build_groups(specs, captured, output_grads, root_edges) -> list[ParamGroup]:
-    """Turn what B captured (one entry per intermediate, in ``specs`` order) into W's work.
+def _build_groups(specs, captured: dict, output_grads, root_edges, frontier, eager_nodes) -> list[ParamGroup]:
+    """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls)
+    and the frontier gradients of B's own W work (``frontier``: ``((group, edge, seq), grad)``) into
+    W's work.
 
-    C++ intermediates become deferred calls; a custom Function's captured outputs and the outputs
-    that lead straight into weight-only nodes become ready contributions, each tagged with the
-    sequence number that orders it (Note [accumulation order]).
+    C++ intermediates become deferred calls; a custom Function's captured outputs, the outputs that
+    lead straight into weight-only nodes and the frontier gradients become ready contributions, each
+    tagged with the sequence number that orders it (Note [accumulation order]). Intermediates B ran
+    entirely are not in ``captured``: W does nothing for them, nor for an output whose gradient B's
+    engine call already sent on (into a node B ran, or into a frontier slot, whose gradient includes it).
     """
+    extra: dict[int, list] = {}
+    done = set()  # what B's engine call already sent on: the frontier slots, and the nodes B ran
+    for (group, edge, seq), grad in frontier:
+        done.add(edge)
+        done.add(edge.node)
+        if grad is not None:
+            extra.setdefault(id(group), []).append((seq, edge, grad))
     groups: list[ParamGroup] = []
-    pos = 0
     for spec in specs:
         deferred = []
-        ready = [(_ROOT_SEQ, root_edges[i], output_grads[i]) for i in spec.root_edges]
+        ready = [
+            (_ROOT_SEQ, root_edges[i], output_grads[i])
+            for i in spec.root_edges
+            if root_edges[i] not in done and root_edges[i].node not in eager_nodes
+        ]
+        ready += extra.get(id(spec), [])
         for node, w_edges in spec.intermediates:
-            grads = captured[pos]
-            pos += 1
+            if node not in captured:
+                continue
+            grads = captured[node]
             if grads is None or all(g is None for g in grads):
                 continue
             if isinstance(node, BackwardCFunction):  # outputs, computed once in B

@@ -249,7 +249,7 @@ def test_format_and_to_dict():
     rep = tracker.report()
     text = rep.format()
     assert "1 saved activation(s) recorded" in text
-    assert f"still alive after gc (held by a live reference): 1, {HIDDEN_BYTES} bytes" in text
+    assert f"still alive after gc (held by a live reference, or a cycle inside C++): 1, {HIDDEN_BYTES} bytes" in text
     assert f"#0 TanhBackward0 saved float32[2, 16] on cpu, {HIDDEN_BYTES} bytes" in text
     data = json.loads(json.dumps(rep.to_dict()))
     assert data["held_after_gc"] == [0] and data["bytes_held_after_gc"] == HIDDEN_BYTES
@@ -266,3 +266,48 @@ def test_format_and_to_dict():
         }
     ]
     assert OUT_BYTES == 64  # sizes used across these tests
+
+
+# -- leaks the gc cannot see (Note [leaks the gc cannot see] in ppbackward/leaks/_life.py) -----------
+
+
+def _identity_hooks():
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+@pytest.mark.parametrize("retain_graph", [True, False], ids=["negative-control-retained", "released"])
+def test_a_node_holding_itself_through_a_pack_hook_is_caught_where_the_gc_sees_nothing(retain_graph):
+    """``tanh`` saves its own output; a pack hook returning that tensor closes node -> tensor -> node in
+    C++. Only a backward without retain_graph releases the node: with it retained, the node, its graph and
+    the packed tensor live for ever, and gc.garbage stays empty."""
+    from ppbackward.leaks import check_tensor_leaks
+
+    with check_tensor_leaks(strict=False) as garbage:
+        with _identity_hooks(), track_activations() as tracker:
+            x = torch.randn(4, requires_grad=True)
+            y = torch.tanh(x * 2)
+        torch.autograd.grad(y.sum(), x, retain_graph=retain_graph)
+        del y
+    assert garbage.ok and garbage.num_garbage == 0  # the gc sees no cycle either way
+    rep = tracker.report()
+    assert rep.nodes == 2 and rep.packed == 1 and rep.nodes_freed_only_by_gc == 0
+    if retain_graph:
+        assert rep.nodes_held_after_gc == ["MulBackward0", "TanhBackward0"]
+        assert rep.packed_held_after_gc == ["float32[4]"] and rep.bytes_packed_held_after_gc == 16
+        text = rep.format()
+        assert "autograd nodes created in the block: 2; freed only by the cycle collector: 0; still alive after gc: 2" in text
+        assert "tensors returned by saved-tensor pack hooks: 1" in text
+    else:
+        assert rep.nodes_held_after_gc == [] and rep.packed_held_after_gc == []
+    json.dumps(rep.to_dict())
+
+
+def test_nodes_freed_by_a_python_cycle_are_told_apart():
+    with track_activations() as tracker:
+        x = torch.randn(4, requires_grad=True)
+        y = x * 3
+        box: dict = {"y": y}
+        box["self"] = box
+        del y, box
+    rep = tracker.report()  # its collection frees the cycle, and the node with it
+    assert rep.nodes == 1 and rep.nodes_freed_only_by_gc == 1 and rep.nodes_held_after_gc == []

@@ -74,6 +74,9 @@ class SavedRecorder:
             self.unpacked.setdefault(self.phase, set()).add(_key(a))
         return a
 
+    # only observes: the split treats the tensors as unhooked (Note [hooked saved tensors run once])
+    unpack._ppbackward_transparent = True  # type: ignore[attr-defined]
+
     def hooks(self) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 

@@ -91,6 +91,15 @@ class ActivationReport:
         bytes_freed_only_by_gc: bytes of the unique storages of ``freed_only_by_gc``.
         bytes_held_after_gc: bytes of the unique storages of ``held_after_gc``.
         collected: whether the report ran ``gc.collect()`` first.
+        nodes: autograd nodes created in the block (Note [leaks the gc cannot see] in ``_life.py``).
+        nodes_freed_only_by_gc: of those, how many a gc run freed (a reference cycle held them).
+        nodes_held_after_gc: the names of those still alive (after the report's collection, with
+            ``collect=True``): held by a live reference or by a cycle inside C++ that the gc cannot
+            see, such as a node holding itself through a pack hook that returned the tensor.
+        packed: tensors that the user's saved-tensor pack hooks returned in the block.
+        packed_freed_only_by_gc: of those, how many a gc run freed.
+        packed_held_after_gc: ``dtype[shape]`` of those still alive.
+        bytes_packed_held_after_gc: bytes of their storages.
     """
 
     saved: list[SavedActivation] = field(default_factory=list)
@@ -102,6 +111,13 @@ class ActivationReport:
     bytes_freed_only_by_gc: int = 0
     bytes_held_after_gc: int = 0
     collected: bool = True
+    nodes: int = 0
+    nodes_freed_only_by_gc: int = 0
+    nodes_held_after_gc: list[str] = field(default_factory=list)
+    packed: int = 0
+    packed_freed_only_by_gc: int = 0
+    packed_held_after_gc: list[str] = field(default_factory=list)
+    bytes_packed_held_after_gc: int = 0
 
     def format(self) -> str:
         """A multi-line human-readable summary with the alive activations listed."""
@@ -111,9 +127,21 @@ class ActivationReport:
             f"  freed by reference counting: {len(self.freed_by_refcount)}",
             f"  freed only by the cycle collector (held by a reference cycle): {len(self.freed_only_by_gc)}, "
             f"{_format_bytes(self.bytes_freed_only_by_gc)}",
-            f"  still alive after gc (held by a live reference): {len(self.held_after_gc)}, "
+            f"  still alive after gc (held by a live reference, or a cycle inside C++): {len(self.held_after_gc)}, "
             f"{_format_bytes(self.bytes_held_after_gc)}",
         ]
+        if self.nodes:
+            lines.append(
+                f"  autograd nodes created in the block: {self.nodes}; freed only by the cycle collector: "
+                f"{self.nodes_freed_only_by_gc}; still alive after gc: {len(self.nodes_held_after_gc)}"
+                + (f" ({', '.join(self.nodes_held_after_gc[:_LISTED])})" if self.nodes_held_after_gc else "")
+            )
+        if self.packed:
+            lines.append(
+                f"  tensors returned by saved-tensor pack hooks: {self.packed}; freed only by the cycle "
+                f"collector: {self.packed_freed_only_by_gc}; still alive after gc: "
+                f"{len(self.packed_held_after_gc)}, {_format_bytes(self.bytes_packed_held_after_gc)}"
+            )
         for title, items in (("held after gc", self.held_after_gc), ("freed only by gc", self.freed_only_by_gc)):
             if items:
                 lines.append(f"{title}:")
@@ -134,4 +162,11 @@ class ActivationReport:
             "bytes_freed_only_by_gc": self.bytes_freed_only_by_gc,
             "bytes_held_after_gc": self.bytes_held_after_gc,
             "collected": self.collected,
+            "nodes": self.nodes,
+            "nodes_freed_only_by_gc": self.nodes_freed_only_by_gc,
+            "nodes_held_after_gc": list(self.nodes_held_after_gc),
+            "packed": self.packed,
+            "packed_freed_only_by_gc": self.packed_freed_only_by_gc,
+            "packed_held_after_gc": list(self.packed_held_after_gc),
+            "bytes_packed_held_after_gc": self.bytes_packed_held_after_gc,
         }

@@ -44,6 +44,7 @@ from ppbackward.leaks._activations import (
     ActivationReport,
     SavedActivation,
 )
+from ppbackward.leaks._life import _LifeWatches
 from ppbackward.leaks._saved_hooks import _hooks_enabled, _OpMode, _peek_sequence_nr, _top_hooks, _unpack
 from ppbackward.leaks._storage import _storage_key, _tensor_storages
 from ppbackward.leaks._watch import _StorageWatch, _WatchMap
@@ -88,6 +89,10 @@ class ActivationTracker:
         self._names: dict[int, str] = {}
         self._pending: dict[int, list[_Record]] = {}
         self._frames: list[list[tuple[_Record, list[Any]]]] = []  # pending leaves per running op
+        # Note [leaks the gc cannot see] in _life.py: the nodes created in the block, and what user pack
+        # hooks returned
+        self._nodes = _LifeWatches(f"ppbackward.leaks.track_activations:{id(self)}")
+        self._packed = _LifeWatches("")
         self._seq_start: int | None = None
         self._stack: contextlib.ExitStack | None = None
         self._thread: int | None = None
@@ -144,7 +149,9 @@ class ActivationTracker:
 
         def composed_pack(t: torch.Tensor) -> Any:
             self._observe(t)
-            return user_pack(t)
+            packed = user_pack(t)
+            self._packed.watch_packed(packed)  # Note [leaks the gc cannot see]
+            return packed
 
         composed_pack._ppbackward_trackers = _trackers_of(user_pack) | {id(self)}  # type: ignore[attr-defined]
         return composed_pack, user_unpack
@@ -244,6 +251,7 @@ class ActivationTracker:
                 continue
             name = node.name()
             self._names[seq] = name
+            self._nodes.watch_node(node, name)  # Note [leaks the gc cannot see]
             for record in self._pending.pop(seq, ()):
                 record.name = name
             stack.extend(nxt for nxt, _ in node.next_functions)
@@ -280,6 +288,7 @@ class ActivationTracker:
         alive = sorted(held + by_gc, key=lambda a: a.index)
         bytes_held = sum(watches[ALIVE].values())
         bytes_gc = sum(watches[FREED_BY_GC].values())
+        nodes, packed = self._nodes.states(), self._packed.states()
         return ActivationReport(
             saved=saved,
             alive=alive,
@@ -290,6 +299,13 @@ class ActivationTracker:
             bytes_freed_only_by_gc=bytes_gc,
             bytes_held_after_gc=bytes_held,
             collected=collect,
+            nodes=len(nodes),
+            nodes_freed_only_by_gc=sum(w.state == FREED_BY_GC for w in nodes),
+            nodes_held_after_gc=[w.label for w in nodes if w.state == ALIVE],
+            packed=len(packed),
+            packed_freed_only_by_gc=sum(w.state == FREED_BY_GC for w in packed),
+            packed_held_after_gc=[w.label for w in packed if w.state == ALIVE],
+            bytes_packed_held_after_gc=sum(w.nbytes for w in packed if w.state == ALIVE),
         )
 
     def _snapshot(self, record: _Record) -> SavedActivation:
@@ -326,6 +342,8 @@ class ActivationTracker:
         self._names.clear()
         self._watches.clear()
         self._produced.clear()
+        self._nodes.clear()
+        self._packed.clear()
         if self._stack is None:
             self._seq_start = None
 

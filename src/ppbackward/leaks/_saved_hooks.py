@@ -63,6 +63,12 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     return data
 
 
+# The tracker's hooks only observe what autograd saves (it keeps the same storage, detached): the stage
+# backward treats tensors saved through them as unhooked (Note [hooked saved tensors run once] in
+# ppbackward._saved), so that tracking does not change what it tracks.
+_unpack._ppbackward_transparent = True  # type: ignore[attr-defined]
+
+
 class _OpMode(TorchFunctionMode):
     """Sees every torch call in the block: names the nodes it creates, decides the leaves it saved, and
     wraps saved-tensor hooks the user entered inside the block (Note [tracker composes with
