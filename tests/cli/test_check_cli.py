@@ -42,7 +42,7 @@ def _check_main(capsys, *args: str) -> tuple[int, str, str]:
         (["--nproc", "4"], "--nproc applies to --model; a scenario fixes its own ranks and wrappers"),
         (["--dp", "2"], "--dp applies to --model; the ddp and fsdp scenarios run dp 2"),
         (["--scenario", "lora", "--model", "mlp"], "give --scenario or --model, not both"),
-        (["--scenario", "lora,nope"], "unknown scenario(s) nope; known: transformer, lora, ddp, fsdp"),
+        (["--scenario", "lora,nope"], "unknown scenario(s) nope; known: transformer, lora, ddp, fsdp, ac"),
         (["--device", "cuda"], "--device cuda: torch.cuda.is_available() is False"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["--steps", "0"], "--steps 0: need at least 1 step"),
@@ -72,7 +72,7 @@ def test_help_names_each_default_once(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in text
     assert "(default: a temp dir, deleted when ppbackward passes)" in text and "(default: 300.0)" in text
-    assert "(default: transformer,lora,ddp; or the one --model names)" in text
+    assert "(default: transformer,lora,ddp,ac; or the one --model names)" in text
 
 
 def test_bare_command_is_a_usage_error_on_stderr_and_help_is_not(capsys):

@@ -14,6 +14,11 @@ variable ``PPBACKWARD_LEAK_KIND``:
 * ``live`` -- a module-level list keeps the stage's tensor inputs (``input_values``) alive. The stage's
   first op saved each of them for backward, so every call keeps **1 saved activation** alive past
   the step through a live reference (per model input; 1 for the ``mlp`` model). Nothing is cyclic.
+* ``cxx-cycle`` -- the kind of Note [leaks the gc cannot see] (``ppbackward.leaks``): under a pack hook
+  that returns the tensor itself, a ``tanh`` of the stage's first output saves its own output, and is
+  backpropagated with ``retain_graph=True``. The node then holds itself through C++ (node -> packed
+  tensor -> grad_fn -> node): every call leaves **1 autograd node and 1 packed tensor** alive for
+  ever, and nothing in ``gc.garbage``.
 
 Nothing here is imported by ``ppbackward``.
 """
@@ -51,6 +56,11 @@ def _leak(stage_output: Any, input_values: Any) -> None:
         return
     out = _first_tensor(stage_output)
     if out is None or out.grad_fn is None:
+        return
+    if kind == "cxx-cycle":
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            looped = torch.tanh(out.detach().requires_grad_())  # TanhBackward0 saves ``looped`` itself
+        torch.autograd.grad(looped.sum(), looped.grad_fn.next_functions[0][0].variable, retain_graph=True)
         return
     held = [out, out.grad_fn]
 

@@ -45,6 +45,9 @@ LAUNCHES: dict[str, LaunchSpec] = {
     "leaky-live": LaunchSpec(
         2, ("--backward", f"leaky:{LEAKY}", *CONTROL_ARGS), env=(("PPBACKWARD_LEAK_KIND", "live"),)
     ),
+    "leaky-cxx-cycle": LaunchSpec(
+        2, ("--backward", f"leaky:{LEAKY}", *CONTROL_ARGS), env=(("PPBACKWARD_LEAK_KIND", "cxx-cycle"),)
+    ),
 }
 
 # The backstop of any test that launches: the launcher bounds start-up (300 s) and every stretch without

@@ -47,3 +47,19 @@ def test_live_reference_leak_is_reported_as_lifetime_with_exact_counts(launches)
             assert step["lifetime"]["freed_only_by_gc"] == 0
         assert f"lifetime: {leaks} saved activations" in result.format_case(case_id)
         assert "still alive after clear_runtime_states()" in result.format_case(case_id)
+
+
+@pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
+def test_a_node_held_by_a_cycle_the_gc_cannot_see_is_reported_as_lifetime_with_exact_counts(launches) -> None:
+    """Note [leaks the gc cannot see]: nothing reaches gc.garbage, the activation tracker's weak watches
+    on the step's nodes and packed tensors see every one."""
+    result = launches("leaky-cxx-cycle")
+    assert not result.ok
+    for case_id, rank, record, leaks in _cases(result):
+        assert record["status"] == "fail", (case_id, rank)
+        for step in record["steps"]:
+            assert step["garbage"]["ok"], step["garbage"]  # no tensor, no node in gc.garbage
+            lifetime = step["lifetime"]
+            assert (lifetime["nodes_held_after_gc"], lifetime["packed_held_after_gc"]) == (leaks, leaks), lifetime
+            assert lifetime["node_examples"] == ["TanhBackward0"] * min(leaks, 5)
+        assert f"lifetime: {leaks} autograd nodes and {leaks} packed saved tensors" in result.format_case(case_id)

@@ -15,6 +15,9 @@ Why each kind happens (one line each, with the public report, in ``diagnose.KIND
   torch's B finds no intermediate and its W computes nothing; under ``ScheduleDualPipeV``, which runs
   some microbatches as full backwards, the grads are partial instead (``grads-wrong``);
 * ``side-effects-twice`` (``custom-fn``): torch's W runs the custom Function's backward again;
+* ``sac-second-backward`` (``sac``): torch's W recomputes the selectively checkpointed region in a second
+  engine call, which selective checkpointing refuses; the case stops there (a rank waiting for the one
+  that raised times out: ``peer-failed``, a consequence, not a kind of torch's, and not counted);
 * ``ddp-replicas`` + ``grads-wrong`` (DDP): DDP's reducer never runs for W's grads, the replicas diverge;
 * ``fsdp-swap`` (FSDP2 with ``reshard_after_forward``): FSDP2 swaps parameter objects between B and W;
   with ``reshard_after_forward=False`` only the frozen-prefix kind remains.
@@ -46,6 +49,8 @@ def expected_kinds(case: str) -> frozenset[str]:
         return frozenset()
     frozen = model in ("lora", "lora-last")
     lost = "grads-wrong" if schedule == "ScheduleDualPipeV" else "grads-missing"
+    if model == "sac":
+        return frozenset({"sac-second-backward"})
     if wrap == "fsdp":
         return frozenset({"fsdp-swap"})
     if wrap == "fsdp-keep":
@@ -76,6 +81,7 @@ def test_torch_backward_fails_exactly_the_stated_kinds(launch: str, case: str, l
     if result.case_status(case) == "skip":
         pytest.skip(next(r["reason"] for r in records.values() if r))
     found = {finding.kind.key for record in records.values() if record for finding in diagnose(record)}
+    found.discard("peer-failed")  # a rank waiting for the one that raised: a consequence
     expected = expected_kinds(case)
     reasons = "\n".join(f"  {k.key}: {k.reason}" for k in KINDS if k.key in expected | found)
     assert found == expected, f"{case}: torch's backward failed with {sorted(found)}, stated {sorted(expected)}\n{reasons}\n" + (

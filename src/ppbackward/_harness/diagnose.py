@@ -62,6 +62,13 @@ KINDS: tuple[Kind, ...] = (
         _exception("donated buffers"),
     ),
     Kind(
+        "sac-second-backward", "selective AC: W recomputes",
+        "selective activation checkpointing allows one backward per region: torch's W recomputes the region "
+        "in a second engine call, which it refuses ('backward an extra time'; zero bubble with activation "
+        "checkpointing: pytorch/pytorch#136766, pytorch/torchtitan#773)",
+        _exception("backward an extra time"),
+    ),
+    Kind(
         "detached-output", "W reads a detached output",
         "a node W runs saved a stage output that was detached in place after B ('detached in-place')",
         _exception("detached in-place"),
@@ -89,6 +96,12 @@ KINDS: tuple[Kind, ...] = (
         "a stage whose input needs no grad (a frozen prefix, LoRA): torch's B finds no input path, so no "
         "intermediate, and its W computes no weight grad",
         _check("numerics:", "is None in the pipeline"),
+    ),
+    Kind(
+        "recompute-more", "checkpoint recomputed again",
+        "torch's W recomputes a checkpointed region once more per engine call (zero bubble with activation "
+        "checkpointing: pytorch/pytorch#136766, pytorch/torchtitan#773)",
+        _check("side effects:", "checkpointed function ran"),
     ),
     Kind(
         "side-effects-twice", "custom Function runs twice",

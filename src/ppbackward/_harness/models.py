@@ -27,6 +27,9 @@ The training-setup models (:data:`TRAINING_MODELS`; issue 12):
   the compiled region is one custom ``autograd.Function`` node in the graph, next to eager ops.
 * ``bf16`` — each stage runs under ``torch.autocast("cpu", dtype=torch.bfloat16)``, with a scaled loss
   (``LOSS_SCALE`` times the sum, as a GradScaler would): float32 parameters, bfloat16 activations.
+* ``sac`` — selective activation checkpointing, its policy by stage (save the matmuls, nothing,
+  everything, or a plain checkpoint around a selective one); each stage counts the runs of its
+  checkpointed function, which must equal a full backward's (the forward and one recomputation).
 * ``custom-fn`` — each stage multiplies by a weight through a custom ``autograd.Function`` whose
   backward has a side effect (a per-stage call counter): it must run once per microbatch. Static stage
   metadata: torch's shape inference runs one backward of every stage on the first step, which the
@@ -39,6 +42,7 @@ The loss is sum-reduced (:func:`sum_squared_error`, scaled for ``bf16``) and sch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -247,6 +251,66 @@ class CustomFnStage(nn.Module):
         return torch.tanh(_CountedScale.apply(self.fc(h), self.w, self.backward_calls))
 
 
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def _sac_policy(save: str) -> Callable[..., Any]:
+    """A selective-checkpoint context function saving the matmuls, nothing, or everything."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if save == "all" or (save == "matmuls" and op in _MATMULS):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+class SACStage(nn.Module):
+    """Linear, then an MLP under selective activation checkpointing, its policy by stage: save the
+    matmuls, save nothing, save everything, or a plain checkpoint around a selective one (nested). Counts
+    the runs of its checkpointed functions (the forward and each recomputation) in ``runs``."""
+
+    POLICIES = ("matmuls", "nothing", "all", "nested")
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.inner = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+        self.how = self.POLICIES[index % len(self.POLICIES)]
+        self.runs = [0]  # read by the worker's side-effect check
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        self.runs[0] += 1
+        return self.inner(h)
+
+    def _nested(self, h: torch.Tensor) -> torch.Tensor:
+        return h + checkpoint(self._mlp, h, use_reentrant=False, context_fn=_sac_policy("matmuls"))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.inp(h)
+        if self.how == "nested":
+            return h + checkpoint(self._nested, h, use_reentrant=False)
+        return h + checkpoint(self._mlp, h, use_reentrant=False, context_fn=_sac_policy(self.how))
+
+
+def _side_effects_recompute(stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int) -> list[str]:
+    """Failures: a stage that recomputed its checkpointed region more often than a full backward of the
+    same microbatches (the reference's count)."""
+    failures = []
+    for index, module in stages.items():
+        runs, want = module.runs[0], reference[index].runs[0]
+        if runs != want:
+            failures.append(
+                f"side effects: stage {index}'s checkpointed function ran {runs} times for {n_microbatches} "
+                f"microbatches; a full backward runs it {want} times (forward and recomputation)"
+            )
+        module.runs[0] = 0
+    for module in reference:
+        module.runs[0] = 0
+    return failures
+
+
 def _compile_blocks(module: nn.Module) -> nn.Module:
     """Compile the block's ``forward`` in place (an instance attribute: no ``OptimizedModule`` child,
     which the zero-bubble schedules refuse; ``nn.Module.compile`` does not compile here on torch 2.13)."""
@@ -260,7 +324,7 @@ def scaled_sum_squared_error(output: torch.Tensor, target: torch.Tensor) -> torc
     return sum_squared_error(output, target) * LOSS_SCALE
 
 
-def _side_effects_custom_fn(stages: dict[int, nn.Module], n_microbatches: int) -> list[str]:
+def _side_effects_custom_fn(stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int) -> list[str]:
     """Failures: a stage whose custom Function's backward did not run exactly once per microbatch."""
     failures = []
     for index, module in stages.items():
@@ -287,7 +351,7 @@ class Batch:
     target: torch.Tensor
 
 
-def _no_side_effects(stages: dict[int, nn.Module], n_microbatches: int) -> list[str]:
+def _no_side_effects(stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int) -> list[str]:
     return []
 
 
@@ -300,7 +364,8 @@ class ModelSpec:
         make_args: ``(batch, generator) -> stage-0 args``.
         loss_fn: the schedule's and the reference's loss.
         prepare: applied to each rank's own stage modules after the reference copied them (compiling).
-        side_effects: ``(this rank's stages by index, n_microbatches) -> failures`` after each step.
+        side_effects: ``(this rank's stages by index, the reference's stages, n_microbatches) -> failures``
+            after each step (the reference has just run the same microbatches with a full backward).
         metadata: ``"static"`` where the model needs static stage metadata (unless asked otherwise).
         warmup_steps: unmeasured steps before the measured ones (the first call of a compiled region
             compiles it, which leaves cyclic garbage of its own).
@@ -314,7 +379,7 @@ class ModelSpec:
     target_shape: Callable[[int], tuple[int, ...]]
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = sum_squared_error
     prepare: Callable[[nn.Module], nn.Module] = lambda module: module
-    side_effects: Callable[[dict[int, nn.Module], int], list[str]] = _no_side_effects
+    side_effects: Callable[[dict[int, nn.Module], Sequence[nn.Module], int], list[str]] = _no_side_effects
     metadata: str | None = None
     warmup_steps: int = 0
 
@@ -402,13 +467,23 @@ MODELS: dict[str, ModelSpec] = {
             # first step (backward metadata inference): the side effect would count it
             metadata="static",
         ),
+        ModelSpec(
+            name="sac",
+            features="selective activation checkpointing (save matmuls / nothing / everything / nested) by stage",
+            build_stage=lambda i, n: SACStage(i),
+            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
+            make_kwargs=dict,
+            target_shape=lambda b: (b, D),
+            side_effects=_side_effects_recompute,
+            metadata="static",  # as for custom-fn: shape inference would recompute once more
+        ),
     )
 }
 
 #: The models ``--models core`` (and ``all`` before issue 12) runs: one graph shape each.
 CORE_MODELS = ("mlp", "transformer", "tuple", "ckpt")
 #: The training-setup models (issue 12).
-TRAINING_MODELS = ("lora", "lora-last", "compiled", "bf16", "custom-fn")
+TRAINING_MODELS = ("lora", "lora-last", "compiled", "bf16", "custom-fn", "sac")
 
 
 def model_names(text: str) -> list[str]:

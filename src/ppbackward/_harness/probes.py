@@ -179,6 +179,12 @@ class ActivationProbe:
             "bytes_freed_only_by_gc": final.bytes_freed_only_by_gc,
             "held_after_gc": len(final.held_after_gc),
             "bytes_held_after_gc": final.bytes_held_after_gc,
+            # Note [leaks the gc cannot see] (ppbackward.leaks): nodes and packed tensors of the step
+            "nodes": final.nodes,
+            "nodes_held_after_gc": len(final.nodes_held_after_gc),
+            "node_examples": final.nodes_held_after_gc[:5],
+            "packed_held_after_gc": len(final.packed_held_after_gc),
+            "bytes_packed_held_after_gc": final.bytes_packed_held_after_gc,
             "examples": [a.describe() for a in (final.held_after_gc + final.freed_only_by_gc)[:5]],
         }
 

@@ -4,9 +4,9 @@ A :class:`Scenario` is one torchrun launch per backward: a set of models at a wo
 pipeline × data parallel (``dp``, ``wraps``; Note [dp x pp layout] in ``ppbackward._harness.parallel``),
 over every schedule of the installed torch. :data:`DEFAULT` is what ``ppbackward check`` runs without
 ``--scenario``: on torch 2.13 it shows, side by side with torch's own backward, a shared parameter
-crashing torch's W (``transformer``), the frozen-prefix grads torch leaves ``None`` (``lora``) and the DDP
-replicas it leaves apart (``ddp``), in about two minutes on 2 CPU cores; the bytes held between B and W are
-measured in process (``ppbackward._check``).
+crashing torch's W (``transformer``), the frozen-prefix grads torch leaves ``None`` (``lora``), the DDP
+replicas it leaves apart (``ddp``) and selective activation checkpointing it refuses (``ac``), in about
+two minutes on 2 CPU cores; the bytes held between B and W are measured in process (``ppbackward._check``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ SCENARIOS: dict[str, Scenario] = {
             "fsdp", "pipeline x FSDP2 (fully_shard) on a 2-D mesh, with and without reshard_after_forward",
             4, ("mlp",), dp=2, wraps=("fsdp", "fsdp-keep"),
         ),
+        Scenario(
+            "ac", "activation checkpointing: selective (several policies, nested) and plain, recomputations counted",
+            2, ("sac", "ckpt"),
+        ),
         Scenario("compiled", "a torch.compile'd block (aot_eager) inside every stage", 2, ("compiled",)),
         Scenario("bf16", "bfloat16 autocast stages with a scaled loss", 2, ("bf16",)),
         Scenario("custom-fn", "a custom autograd.Function whose backward has a side effect", 2, ("custom-fn",)),
@@ -62,7 +66,7 @@ SCENARIOS: dict[str, Scenario] = {
 }  # fmt: skip
 
 #: What ``ppbackward check`` runs by default.
-DEFAULT: tuple[str, ...] = ("transformer", "lora", "ddp")
+DEFAULT: tuple[str, ...] = ("transformer", "lora", "ddp", "ac")
 
 
 def select(text: str) -> list[Scenario]:

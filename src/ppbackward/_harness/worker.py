@@ -194,6 +194,7 @@ class StepContext:
     n_microbatches: int
     wrap: str = "none"
     dp_group: Any = None
+    reference: list = dataclasses.field(default_factory=list)  # the reference's stage modules
 
 
 def run_step(schedule: Any, ctx: StepContext, batch_box: list[zoo.Batch], ref: zoo.ReferenceResult) -> dict[str, Any]:
@@ -262,13 +263,20 @@ def run_step(schedule: Any, ctx: StepContext, batch_box: list[zoo.Batch], ref: z
             "alive after clear_runtime_states(), releasing the receive buffers and a gc run (a live reference "
             f"holds them){example}"
         )
+    if lifetime["nodes_held_after_gc"] or lifetime["packed_held_after_gc"]:
+        failures.append(
+            f"lifetime: {lifetime['nodes_held_after_gc']} autograd nodes and {lifetime['packed_held_after_gc']} "
+            f"packed saved tensors ({lifetime['bytes_packed_held_after_gc']} B) of the step still alive after it, "
+            "the stage's state cleared and a gc run (a live reference, or a cycle inside C++ the gc cannot see); "
+            f"e.g. {', '.join(lifetime['node_examples'])}"
+        )
     grads = parallel.full_grads(ctx.named)  # collective over the dp group with FSDP2
     numerics, bad = _compare(grads, ref, loss_values)
     failures += bad
     if ctx.wrap == "ddp":
         numerics["max_replica_diff"], bad = parallel.replica_failures(ctx.named, ctx.dp_group)
         failures += bad
-    failures += ctx.spec.side_effects(ctx.modules, n_microbatches)
+    failures += ctx.spec.side_effects(ctx.modules, ctx.reference, n_microbatches)
     hooks = ctx.hooks
     wrong = {n: c for n, c in hooks.calls.items() if c != n_microbatches}
     hook_record = {
@@ -368,7 +376,7 @@ def _run_unmeasured(schedule: Any, ctx: StepContext, batch: zoo.Batch) -> None:
         stage.clear_runtime_states()
     for _, p in ctx.named:
         p.grad = None
-    ctx.spec.side_effects(ctx.modules, ctx.n_microbatches)
+    ctx.spec.side_effects(ctx.modules, ctx.reference, ctx.n_microbatches)
 
 
 def case_id(schedule: str, model: str, wrap: str = "none") -> str:
@@ -463,7 +471,7 @@ def run_case(
         schedule = case.build(pp_stages, spec.loss_fn)
         # FSDP2's autograd runs on unsharded copies of its parameters: hooks on the sharded ones never fire
         hooks = probes.HookCounter([] if wrap.startswith("fsdp") else named)
-        ctx = StepContext(pp_stages, local, named, hooks, spec, case.n_microbatches, wrap, groups.dp)
+        ctx = StepContext(pp_stages, local, named, hooks, spec, case.n_microbatches, wrap, groups.dp, reference)
         # Note [gc freeze]: everything alive now moves to the permanent generation, so the collections
         # the probes run per step scan only what the step created (~100x faster with torch imported).
         # Semantics are unchanged: a cycle among new objects is found as before, and a new object
@@ -472,6 +480,7 @@ def run_case(
             warm = zoo.make_batch(spec, case.n_microbatches, seed=parallel.batch_seed(seed, 99, dp_rank))
             _run_unmeasured(schedule, ctx, _to_device(warm, device))
             del warm
+        spec.side_effects(local, reference, case.n_microbatches)  # counts start now (not the metadata forward)
         gc.collect()
         gc.freeze()
         for step in range(steps):
