@@ -179,14 +179,15 @@ def _validate(args: argparse.Namespace) -> tuple[list[Any], list[str] | None]:
         unknown = [s for s in only if s not in known]
         if unknown:
             raise CheckError(_unknown_schedules(unknown, known))
-    runnable = []
+    runnable, reasons = [], set()
     for scenario in scenarios:
         cases = schedules.matrix(scenario.nproc // scenario.dp, only, args.microbatches)
         if any(not case.skip for case in cases):
             runnable.append(scenario)
-        reasons = "; ".join(sorted({c.skip for c in cases if c.skip}))
+        reasons |= {f"{c.skip} ({scenario.layout})" if args.model else c.skip for c in cases if c.skip}
     if not runnable:  # nothing would run: say why instead of a vacuous pass
-        raise CheckError(f"nothing to check with {scenarios[-1].layout}: {reasons}")
+        names = ", ".join(s.name for s in scenarios)
+        raise CheckError(f"nothing to check in {names}: {'; '.join(sorted(reasons))}")
     return runnable, only
 
 

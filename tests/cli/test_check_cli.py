@@ -35,7 +35,7 @@ def _check_main(capsys, *args: str) -> tuple[int, str, str]:
         (["--schedules", "schedulegpipe"], "unknown schedule(s) schedulegpipe (did you mean ScheduleGPipe?); known: "),
         (["--schedules", ","], "--schedules ',': no schedule named"),
         (["--schedules", "ScheduleFlexibleInterleaved1F1B"] if not torch.__version__.startswith("2.5.")
-         else ["--schedules", "ScheduleDualPipeV"], "nothing to check with 4 ranks: dp 2 x pp 2: Schedule"),
+         else ["--schedules", "ScheduleDualPipeV"], "nothing to check in transformer, lora, ddp, ac: Schedule"),
         (["--model", "mlp", "--nproc", "0"], "--nproc 0: need at least 1 rank"),
         (["--model", "mlp", "--nproc", "3", "--dp", "2"], "--nproc 3 is not a multiple of --dp 2"),
         (["--model", "mlp", "--wrap", "ddp"], "--wrap ddp needs --dp 2 or more"),
