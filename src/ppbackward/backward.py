@@ -410,23 +410,22 @@ def stage_backward_weight(
                     if outs[i] is not None:
                         nxt, nr = nf[i][:2]
                         contributions.append((seq, GradientEdge(nxt, nr), outs[i]))
-            if not retain_graph:
-                # W called these nodes itself, outside an engine call that would free them: drop
-                # what they saved now, not when the last output referencing the graph dies (an
-                # output B could not detach, e.g. a view, may live until the next step).
-                release_saved_tensors(node for node, _, _ in calls)
         if contributions:
             # Note [accumulation order]: a full backward adds the gradients reaching one node in
             # the order their producers run: the outputs' first, then by decreasing sequence
             # number. Feeding them as separate roots in that order (the engine adds roots in list
             # order) keeps W bit-identical to a full backward where a weight gets several.
             contributions.sort(key=lambda c: c[0], reverse=True)
-            accumulate(
-                [GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions],
-                [grad for _, _, grad in contributions],
-                [p for group in groups for p in group.params],
-                retain_graph,
-            )
+            roots = [GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions]
+            grads = [grad for _, _, grad in contributions]
+            del contributions
+            accumulate(roots, grads, [p for group in groups for p in group.params], retain_graph)
+            del roots, grads
+        if calls and not retain_graph:
+            # W called these nodes itself, outside an engine call that would free them: drop
+            # what they saved now, not when the last output referencing the graph dies (an
+            # output B could not detach, e.g. a view, may live until the next step).
+            release_saved_tensors(node for node, _, _ in calls)
     finally:
         if not retain_graph:
             release_pinned(param_groups._pinned)  # Note [outputs detached after B]
