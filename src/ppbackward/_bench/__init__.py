@@ -3,9 +3,10 @@
 Private package; its one entry point is :func:`main` (``ppbackward bench``,
 ``python -m ppbackward._bench`` and ``benchmarks/bench_backward.py`` all call it). Modules:
 ``_models`` (configurations), ``_impls`` (the variants timed), ``_timing`` (interleaved min-of-N),
-``_memory`` (saved activations held between B and W against what W reads), ``_scaling`` (graph
-analysis time against graph size), ``_profile`` (where the time of B and W goes), ``_schedule`` and
-``_schedule_worker`` (one zero-bubble schedule step under torchrun), ``_report`` (targets, tables,
+``_memory`` (saved activations held between B and W against what W reads), ``_loop`` (one stage
+pair's microbatch loop in a zero-bubble schedule's order), ``_alloc`` (the allocator's work),
+``_scaling`` (graph analysis time against graph size), ``_profile`` (where the time of B and W goes),
+``_schedule`` and ``_schedule_worker`` (schedule steps under torchrun), ``_report`` (targets, tables,
 JSON). Method and results: ``docs/performance.md``.
 """
 
@@ -41,7 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=20.0, help="seconds of timed repeats per config: N is lowered (not below 3) to fit (default 20)")
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
     p.add_argument("--quick", action="store_true", help="only 4x64x16, few repeats, small scaling sweep, no profile (smoke test, CI)")
-    p.add_argument("--schedule", action="store_true", help="also time one ScheduleInterleavedZeroBubble step under torchrun (2 ranks, gloo)")
+    p.add_argument(
+        "--schedule", action="store_true",
+        help="also time the schedule step under torchrun (2 ranks, gloo): Interleaved1F1B, InterleavedZeroBubble "
+        "and ZBVZeroBubble with torch's backward and ppbackward's, with peak memory per rank",
+    )  # fmt: skip
+    p.add_argument("--schedule-repeats", type=int, default=8, help="timed steps per schedule variant (default 8)")
     p.add_argument("--schedule-timeout", type=float, default=300.0, help="seconds before the torchrun process group is killed (default 300)")
     p.add_argument("--no-scaling", action="store_true", help="skip the graph-analysis scaling sweep")
     p.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes profile")
@@ -109,9 +115,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
 
+    # torch.profiler (allocator counts, profile) logs every start and stop to stderr unless told not to
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     import torch
 
-    from ppbackward._bench import _impls, _memory, _models, _report, _scaling, _timing
+    from ppbackward._bench import _alloc, _impls, _loop, _memory, _models, _report, _scaling, _timing
 
     try:
         configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(args.configs)
@@ -119,8 +127,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         _parser().error(str(e))
     repeats = args.repeats if args.repeats is not None else (20 if args.quick else 100)
-    if repeats < 1:
-        _parser().error("--repeats must be >= 1")
+    if repeats < 1 or args.schedule_repeats < 1:
+        _parser().error("--repeats and --schedule-repeats must be >= 1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -138,14 +146,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 _impls.run_w(impl, stage, g)
                 del g, out
             _models.reset_grads(stage)
-            secs, n, paired = _timing.time_config(cfg, repeats, None if args.quick else args.budget, stage)
-            ms = {k: v * 1e3 for k, v in secs.items()}
+            budget = None if args.quick else args.budget
+            secs, n, paired = _timing.time_config(cfg, repeats, budget, stage)
+            ms = {regime: {k: v * 1e3 for k, v in t.items()} for regime, t in secs.items()}
+            _log(f"bench: {cfg.name} microbatch loop ...")
+            loop = _loop.time_loop(cfg, repeats, None if budget is None else budget / 2)
+            allocations = _alloc.measure(stage)
             report["configs"].append({
                 "name": cfg.name, "label": cfg.label, "layers": cfg.layers, "d_model": cfg.d_model,
                 "seq": cfg.seq, "batch": cfg.batch, "nhead": cfg.nhead, "dim_feedforward": 4 * cfg.d_model,
                 "repeats": n, "time_ms": ms,
-                "ratio_to_plain": {k: v / ms["plain"] for k, v in ms.items()},
-                "paired_ratio_median": paired,
+                "ratio_to_plain": {regime: {k: v / t["plain"] for k, v in t.items()} for regime, t in ms.items()},
+                "paired_ratio_median": paired, "loop": loop, "allocations": allocations,
                 "param_groups": groups, "grads_match": exact, "memory": memory,
             })  # fmt: skip
         if not args.no_scaling:
@@ -164,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             _log("bench: schedule step under torchrun ...")
             try:
                 report["schedule"] = _schedule.run_schedule(
-                    repeats=3 if args.quick else 10, timeout_s=args.schedule_timeout
+                    repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout
                 )
                 failed = not report["schedule"]["grads_match"]
             except _schedule.ScheduleBenchError as e:

@@ -1,4 +1,4 @@
-"""Targets of issue 6, the printed tables and the JSON report of the benchmark.
+"""Targets of issues 6 and 13, the printed tables and the JSON report of the benchmark.
 
 Private module. Each target yields one row per configuration it applies to, ``PASS`` or ``MISS``
 with the measured ratio and the limit; nothing here is asserted by tests (timings are noisy).
@@ -11,6 +11,8 @@ from typing import Any, Optional
 __all__: list[str] = []  # private module
 
 MiB = float(2**20)
+REGIMES = ("first", "accumulating")  # _timing.REGIMES, without importing torch
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def _target(name: str, where: str, value: float, limit: float, median: Optional[float] = None) -> dict[str, Any]:
@@ -26,24 +28,37 @@ def _target(name: str, where: str, value: float, limit: float, median: Optional[
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets (and the benchmark's own linearity check), evaluated on ``report``."""
+    """The targets of issues 6 and 13 (and the benchmark's own linearity check), evaluated on ``report``."""
     rows = []
+    for regime in REGIMES:
+        for c in report["configs"]:
+            r, pm = c["ratio_to_plain"][regime], c["paired_ratio_median"][regime]
+            where = f"{c['label']}, {regime}"
+            if c["layers"] == 16 and c["d_model"] == 256:
+                rows.append(_target("ppbackward B+W <= 1.15x plain (16 layers, d 256)", where, r["ppbackward_bw"], 1.15, pm["ppbackward_bw/plain"]))
+            if c["layers"] == 16 and c["d_model"] == 64:
+                rows.append(_target("ppbackward B+W <= 2.0x plain (16 layers, d 64)", where, r["ppbackward_bw"], 2.0, pm["ppbackward_bw/plain"]))
+    for regime in REGIMES:
+        for c in report["configs"]:
+            t, pm = c["time_ms"][regime], c["paired_ratio_median"][regime]
+            rows.append(_target("ppbackward B+W never slower than upstream B+W", f"{c['label']}, {regime}", t["ppbackward_bw"] / t["upstream_bw"], 1.0, pm["ppbackward_bw/upstream_bw"]))
     for c in report["configs"]:
-        r, where, pm = c["ratio_to_plain"], c["label"], c["paired_ratio_median"]
-        if c["layers"] == 16 and c["d_model"] == 256:
-            rows.append(_target("ppbackward B+W <= 1.15x plain (16 layers, d 256)", where, r["ppbackward_bw"], 1.15, pm["ppbackward_bw/plain"]))
-        if c["layers"] == 16 and c["d_model"] == 64:
-            rows.append(_target("ppbackward B+W <= 2.0x plain (16 layers, d 64)", where, r["ppbackward_bw"], 2.0, pm["ppbackward_bw/plain"]))
-    for c in report["configs"]:
-        t, pm = c["time_ms"], c["paired_ratio_median"]
-        rows.append(_target("ppbackward B+W never slower than upstream B+W", c["label"], t["ppbackward_bw"] / t["upstream_bw"], 1.0, pm["ppbackward_bw/upstream_bw"]))
+        t = c["loop"]["time_ms"]
+        rows.append(_target("ppbackward microbatch loop never slower than upstream's", c["label"], t["ppbackward"] / t["upstream"], 1.0))
     sched = report.get("schedule")
-    if sched and "ratio" in sched:
-        rows.append(_target("ppbackward schedule step never slower than upstream", "torchrun 2 ranks", sched["ratio"], 1.0))
+    if sched and "step_ms" in sched:
+        ms, mem = sched["step_ms"], sched["memory"]
+        for zb in ZERO_BUBBLE:
+            pp, up = f"{zb}/ppbackward", f"{zb}/upstream"
+            where = f"{zb}, torchrun {sched['ranks']} ranks"
+            rows.append(_target("zero-bubble step (ppbackward) <= 1.0x Interleaved1F1B step (torch)", where, sched["ratio_to_1f1b"][pp], 1.0))
+            rows.append(_target("zero-bubble step: ppbackward <= 0.9x torch's", where, ms[pp] / ms[up], 0.9))
+            rows.append(_target("zero-bubble peak live saved bytes: ppbackward <= torch's", where, mem[pp]["saved_peak_bytes"] / mem[up]["saved_peak_bytes"], 1.0))
+    for regime in REGIMES:
+        for c in report["configs"]:
+            rows.append(_target("full stage_backward within 5% of plain", f"{c['label']}, {regime}", c["ratio_to_plain"][regime]["full"], 1.05, c["paired_ratio_median"][regime]["full/plain"]))
     for c in report["configs"]:
-        rows.append(_target("full stage_backward within 5% of plain", c["label"], c["ratio_to_plain"]["full"], 1.05, c["paired_ratio_median"]["full/plain"]))
-    for c in report["configs"]:
-        rows.append(_target("bytes held between B and W <= 1.05x bytes W reads", c["label"], c["memory"]["ppbackward"]["held_over_floor"], 1.05))
+        rows.append(_target("bytes held between B and W = bytes W reads (1.00x)", c["label"], c["memory"]["ppbackward"]["held_over_floor"], 1.0))
     fit = (report.get("analysis_scaling") or {}).get("fit") or {}
     if "per_unit_growth" in fit:
         rows.append(_target("[bench check] analysis linear: us/(node+edge) largest/smallest <= 1.5", "1..32 layers" if len(report["analysis_scaling"]["points"]) > 3 else "quick", fit["per_unit_growth"], 1.5))
@@ -66,6 +81,10 @@ def _x(v: float) -> str:
     return f"{v:.2f}x"
 
 
+def _mib(nbytes: Optional[int], digits: int = 1) -> str:
+    return "-" if nbytes is None else f"{nbytes / MiB:.{digits}f}"
+
+
 def format_text(report: dict[str, Any]) -> str:
     """All tables of ``report`` as plain text (also valid inside a Markdown code block)."""
     m = report["meta"]
@@ -80,22 +99,51 @@ def format_text(report: dict[str, Any]) -> str:
         )
     rows = []
     for c in report["configs"]:
-        t, r = c["time_ms"], c["ratio_to_plain"]
-        rows.append([
-            c["label"], str(c["repeats"]), f"{t['plain']:.2f}",
-            f"{t['upstream_b']:.2f}", f"{t['upstream_w']:.2f}", f"{t['upstream_bw']:.2f}", _x(r["upstream_bw"]),
-            f"{t['ppbackward_b']:.2f}", f"{t['ppbackward_w']:.2f}", f"{t['ppbackward_bw']:.2f}", _x(r["ppbackward_bw"]),
-            f"{t['full']:.2f}", _x(r["full"]), f"{t['ppbackward_bw'] / t['upstream_bw']:.2f}",
-            f"{c['param_groups']['upstream']}/{c['param_groups']['ppbackward']}",
-            "yes" if all(c["grads_match"].values()) else "NO",
-        ])  # fmt: skip
+        for regime in REGIMES:
+            t, r = c["time_ms"][regime], c["ratio_to_plain"][regime]
+            rows.append([
+                c["label"], regime, str(c["repeats"]), f"{t['plain']:.2f}",
+                f"{t['upstream_b']:.2f}", f"{t['upstream_w']:.2f}", f"{t['upstream_bw']:.2f}", _x(r["upstream_bw"]),
+                f"{t['ppbackward_b']:.2f}", f"{t['ppbackward_w']:.2f}", f"{t['ppbackward_bw']:.2f}", _x(r["ppbackward_bw"]),
+                f"{t['full']:.2f}", _x(r["full"]), f"{t['ppbackward_bw'] / t['upstream_bw']:.2f}",
+                f"{c['param_groups']['upstream']}/{c['param_groups']['ppbackward']}",
+                "yes" if all(c["grads_match"].values()) else "NO",
+            ])  # fmt: skip
     parts.append(
-        "\nTime: backward only, ms, min of N interleaved repeats; (x) = ratio to plain autograd.backward\n"
+        "\nTime: backward only, ms, min of N interleaved repeats; (x) = ratio to plain autograd.backward;"
+        " regime first: every .grad None, accumulating: grads kept\n"
         + _table(
-            ["config", "N", "plain", "up B", "up W", "up B+W", "(x)", "pp B", "pp W", "pp B+W", "(x)",
+            ["config", "regime", "N", "plain", "up B", "up W", "up B+W", "(x)", "pp B", "pp W", "pp B+W", "(x)",
              "pp full", "(x)", "pp/up", "groups up/pp", "exact"],
-            rows,
+            rows, left=2,
         )  # fmt: skip
+    )
+    rows = []
+    for c in report["configs"]:
+        lp = c["loop"]
+        t, r = lp["time_ms"], lp["ratio_to_plain"]
+        rows.append([
+            c["label"], str(lp["repeats"]), f"{t['plain']:.1f}", f"{t['upstream']:.1f}", _x(r["upstream"]),
+            f"{t['ppbackward']:.1f}", _x(r["ppbackward"]), f"{t['ppbackward'] / t['upstream']:.2f}",
+        ])  # fmt: skip
+    if rows:
+        lp = report["configs"][0]["loop"]
+        parts.append(
+            f"\nMicrobatch loop: one rank's F, B, W of 2 stages (half the layers each) x {lp['microbatches']} "
+            "microbatches in ScheduleInterleavedZeroBubble's order, grads accumulating, forwards included; "
+            "ms, min of N; plain = full backward at B, nothing at W\n"
+            + _table(["config", "N", "plain", "upstream", "(x)", "ppbackward", "(x)", "pp/up"], rows)
+        )
+    rows = []
+    for c in report["configs"]:
+        for regime in REGIMES:
+            a = c["allocations"][regime]
+            rows.append([c["label"], regime] + [
+                f"{a[v]['allocations']} / {a[v]['bytes'] / MiB:.2f}" for v in ("plain", "upstream", "ppbackward", "full")
+            ])  # fmt: skip
+    parts.append(
+        "\nAllocator: allocations / MiB allocated during one backward (torch.profiler, profile_memory)\n"
+        + _table(["config", "regime", "plain", "upstream B+W", "ppbackward B+W", "ppbackward full"], rows, left=2)
     )
     rows = []
     for c in report["configs"]:
@@ -166,12 +214,26 @@ def format_text(report: dict[str, Any]) -> str:
         if "error" in sched:
             parts.append(f"\nSchedule step: ERROR\n{sched['error']}")
         else:
+            rows = []
+            for name in sched["variants"]:
+                m = sched["memory"][name]
+                schedule, backward = name.split("/")
+                other = f"{schedule}/{'upstream' if backward == 'ppbackward' else 'ppbackward'}"
+                rows.append([
+                    schedule, backward, f"{sched['step_ms'][name]:.1f}", _x(sched["ratio_to_1f1b"][name]),
+                    f"{sched['step_ms'][name] / sched['step_ms'][other]:.2f}" if backward == "ppbackward" else "",
+                    _mib(m["rss_peak_bytes"]), _mib(m["rss_growth_bytes"]), _mib(m["saved_peak_bytes"], 2),
+                ])  # fmt: skip
             parts.append(
-                f"\nSchedule step ({sched['schedule']}, torchrun {sched['ranks']} ranks gloo, {sched['stages']} stages x "
+                f"\nSchedule step (torchrun {sched['ranks']} ranks gloo, 1 thread each; {sched['stages']} stages x "
                 f"{sched['layers_per_stage']} layers d {sched['d_model']} s {sched['seq']}, {sched['microbatches']} "
-                f"microbatches of {sched['microbatch_size']}; min of {sched['repeats']}): upstream "
-                f"{sched['upstream_ms']:.1f} ms, ppbackward {sched['ppbackward_ms']:.1f} ms, ratio {sched['ratio']:.2f}, "
-                f"grads match: {'yes' if sched['grads_match'] else 'NO'}"
+                f"microbatches of {sched['microbatch_size']}, static stage metadata; step ms = slowest rank, min of "
+                f"{sched['repeats']}, variants alternated; memory: max over ranks, MiB; grads match 1F1B/torch: "
+                f"{'yes' if sched['grads_match'] else 'NO'})\n"
+                + _table(
+                    ["schedule", "backward", "step ms", "vs 1F1B", "pp/up", "peak RSS", "RSS growth", "saved peak"],
+                    rows, left=2,
+                )  # fmt: skip
             )
     rows = [
         [t["status"], t["target"], t["where"], f"{t['value']:.2f}",

@@ -33,7 +33,7 @@ def _tail(text: str, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def run_schedule(repeats: int = 10, timeout_s: float = 300.0, nproc: int = 2) -> dict[str, Any]:
+def run_schedule(repeats: int = 8, timeout_s: float = 300.0, nproc: int = 2) -> dict[str, Any]:
     """Run the worker under torchrun and return rank 0's JSON result.
 
     Raises:

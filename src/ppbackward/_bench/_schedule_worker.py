@@ -1,45 +1,187 @@
-"""One rank of the schedule benchmark: a zero-bubble schedule step, upstream vs ppbackward.
+"""One rank of the schedule benchmark: the step time and peak memory of three schedules, two backwards.
 
-Private module, launched by :mod:`ppbackward._bench._schedule` under torchrun (gloo, CPU). Each rank
-holds two stages of ``ScheduleInterleavedZeroBubble`` (stages ``rank`` and ``rank + world``), each a
-stack of encoder layers. Steps alternate between torch's backward functions
-(``ppbackward.uninstall()``) and ppbackward's (``ppbackward.install()``), after one warm-up step of
-each; a step's time is the slowest rank's, the figure is the minimum over repeats. Rank 0 writes the
-result as JSON to ``--out``. Every rank compares the gradients of the last step of each
-implementation; the verdict is reduced over ranks.
+Private module, launched by :mod:`ppbackward._bench._schedule` under torchrun (gloo, CPU, one thread
+per rank). Note [schedule benchmark]: the model is ``2 * world`` stages, each a stack of encoder
+layers (stage ``i`` built from seed ``100 + i``, so every schedule trains the same weights), fed
+``microbatches`` microbatches per step. Every stage gets static metadata (``input_args`` /
+``output_args``): no shape-inference forward, as a production run configures it. The variants are
+
+* ``ScheduleInterleaved1F1B`` (full backward, the schedule zero-bubble exists to beat), with torch's
+  ``stage_backward`` and with ppbackward's;
+* ``ScheduleInterleavedZeroBubble`` (loop placement: this rank holds stages ``rank`` and
+  ``rank + world``) and ``ScheduleZBVZeroBubble`` (V placement: ``rank`` and ``2 * world - 1 -
+  rank``), each with torch's B/W (``ppbackward.uninstall()``) and with ppbackward's
+  (``ppbackward.install()``).
+
+After one warm-up step each, every repeat runs every variant once, in an order rotated by one per
+repeat; a step's time is the slowest rank's; the figure is the minimum over repeats. Then one
+untimed step per variant measures memory: the RSS high-water mark (``/proc/self/status`` ``VmHWM``,
+reset by writing ``5`` to ``/proc/self/clear_refs`` after ``malloc_trim`` returned freed heap to the
+system, so each variant starts from the same floor) and the peak bytes of live saved activations
+(after each stage forward, weak references to the storages the new graph saved, parameters
+excluded; saved tensors are only created by forwards here, so the largest sum seen right after a
+forward is the peak). No saved-tensor hook is installed (it would change what ppbackward's B does:
+Note [hooked saved tensors run once]). Every variant's gradients of its last step are compared with
+``ScheduleInterleaved1F1B``'s under torch's backward; the verdict is reduced over ranks. Rank 0
+writes the result as JSON to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+from torch.distributed.pipelining import schedules as _schedules
 
 import ppbackward
 from ppbackward._bench._models import build_stack
+from ppbackward._memory import alive_bytes, saved_storages
 
 __all__: list[str] = []  # private module
+
+# (schedule class name, stage placement, backward); 1F1B with torch's backward is the reference.
+VARIANTS = (
+    ("ScheduleInterleaved1F1B", "loop", "upstream"),
+    ("ScheduleInterleaved1F1B", "loop", "ppbackward"),
+    ("ScheduleInterleavedZeroBubble", "loop", "upstream"),
+    ("ScheduleInterleavedZeroBubble", "loop", "ppbackward"),
+    ("ScheduleZBVZeroBubble", "v", "upstream"),
+    ("ScheduleZBVZeroBubble", "v", "ppbackward"),
+)
+
+
+def variant_name(schedule: str, backward: str) -> str:
+    return f"{schedule.removeprefix('Schedule')}/{backward}"
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).mean()
 
 
+def _stage_ids(placement: str, rank: int, world: int) -> list[int]:
+    return [rank, rank + world] if placement == "loop" else [rank, 2 * world - 1 - rank]
+
+
+def _proc_status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_rss_peak() -> bool:
+    """Return freed heap to the system, then reset ``VmHWM`` to the current RSS; False where unsupported."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _SavedPeak:
+    """Forward hooks that track the peak bytes of live saved activations (module docstring)."""
+
+    def __init__(self, modules: list[nn.Module], params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.storages: dict[int, Any] = {}
+        self.peak = 0
+        self.handles = [m.register_forward_hook(self._after_forward) for m in modules]
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        roots = [t.grad_fn for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)]
+        self.storages = {k: v for k, v in self.storages.items() if v[0]() is not None}
+        self.storages.update(saved_storages(roots, exclude=self.params))
+        self.peak = max(self.peak, alive_bytes(self.storages))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.storages.clear()
+
+
+class _Variant:
+    """One schedule over this rank's stages, with the backward it runs under."""
+
+    def __init__(self, schedule: str, stage_ids: list[int], backward: str, modules: dict[int, nn.Module], args) -> None:
+        world = dist.get_world_size()
+        shape = (args.microbatch_size, args.seq, args.d_model)
+        # a receive buffer requires grad only when its example does: every stage input but stage 0's
+        stages = [
+            PipelineStage(
+                modules[i], i, 2 * world, torch.device("cpu"),
+                input_args=(torch.zeros(shape, requires_grad=i > 0),),
+                output_args=(torch.zeros(shape, requires_grad=True),),
+            )
+            for i in stage_ids
+        ]  # fmt: skip
+        self.name = variant_name(schedule, backward)
+        self.backward = backward
+        self.modules = [modules[i] for i in stage_ids]
+        self.params = [q for m in self.modules for q in m.parameters()]
+        self.schedule = getattr(_schedules, schedule)(
+            stages, n_microbatches=args.microbatches, loss_fn=_loss, scale_grads=False
+        )
+
+    def step(self, x: torch.Tensor, target: torch.Tensor) -> float:
+        (ppbackward.install if self.backward == "ppbackward" else ppbackward.uninstall)()
+        for q in self.params:
+            q.grad = None
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.schedule.step(x, target=target, losses=[])
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed.item())
+
+    def memory(self, x: torch.Tensor, target: torch.Tensor) -> dict[str, Optional[int]]:
+        """One untimed step: peak RSS (bytes), its growth over the step's start, peak live saved bytes."""
+        tracker = _SavedPeak(self.modules, self.params)
+        try:
+            ok = _reset_rss_peak()
+            before = _proc_status_kib("VmRSS")
+            self.step(x, target)
+            peak = _proc_status_kib("VmHWM") if ok else None
+        finally:
+            tracker.remove()
+        return {
+            "rss_peak_bytes": None if peak is None else peak * 1024,
+            "rss_growth_bytes": None if peak is None or before is None else (peak - before) * 1024,
+            "saved_peak_bytes": tracker.peak,
+        }
+
+
+def _reduce_max(values: dict[str, Optional[int]]) -> dict[str, Optional[int]]:
+    keys = sorted(values)
+    t = torch.tensor([-1 if values[k] is None else values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {k: None if v < 0 else int(v) for k, v in zip(keys, t.tolist())}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--layers-per-stage", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--microbatch-size", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=8)
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -53,60 +195,49 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    n_stages = 2 * world
-    ids = [rank, rank + world]
-    mods = [build_stack(args.layers_per_stage, args.d_model, seed=100 + i) for i in ids]
-    stages = [PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(mods, ids)]
-    sched = ScheduleInterleavedZeroBubble(
-        stages, n_microbatches=args.microbatches, loss_fn=_loss, scale_grads=False
-    )
+    ids = sorted({i for _, placement, _ in VARIANTS for i in _stage_ids(placement, rank, world)})
+    modules = {i: build_stack(args.layers_per_stage, args.d_model, seed=100 + i) for i in ids}
+    variants = [_Variant(s, _stage_ids(pl, rank, world), b, modules, args) for s, pl, b in VARIANTS]
     gen = torch.Generator().manual_seed(7)
     batch = args.microbatches * args.microbatch_size
     x = torch.randn(batch, args.seq, args.d_model, generator=gen)
     target = torch.randn(batch, args.seq, args.d_model, generator=gen)
-    params = [q for m in mods for q in m.parameters()]
 
-    def step(impl: str) -> float:
-        (ppbackward.install if impl == "ppbackward" else ppbackward.uninstall)()
-        for q in params:
-            q.grad = None
-        dist.barrier()
-        t0 = time.perf_counter()
-        sched.step(x, target=target, losses=[])
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed.item())
-
-    impls = ("upstream", "ppbackward")
-    for impl in impls:  # warm-up
-        step(impl)
-    best = {impl: float("inf") for impl in impls}
-    last: dict[str, Any] = {}
-    for r in range(args.repeats):
-        for impl in impls if r % 2 == 0 else impls[::-1]:
-            best[impl] = min(best[impl], step(impl))
-            last[impl] = [q.grad.clone() if q.grad is not None else None for q in params]
-    match = all(
-        (a is None and b is None)
-        or (a is not None and b is not None and torch.allclose(a, b, rtol=1e-4, atol=1e-5))
-        for a, b in zip(last["upstream"], last["ppbackward"])
-    )
+    # Exactness first: every variant's grads against 1F1B with torch's backward, stage by stage.
+    reference: dict[int, dict[str, torch.Tensor]] = {}
+    match = True
+    for v in variants:
+        v.step(x, target)  # also the warm-up
+        for m in v.modules:
+            got = {n: q.grad for n, q in m.named_parameters()}
+            ref = reference.setdefault(id(m), {n: g.clone() for n, g in got.items() if g is not None})
+            match = match and set(ref) == {n for n, g in got.items() if g is not None} and all(
+                torch.allclose(got[n], g, rtol=1e-4, atol=1e-5) for n, g in ref.items()
+            )
     verdict = torch.tensor([1 if match else 0])
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+
+    best = {v.name: float("inf") for v in variants}
+    for r in range(args.repeats):
+        k = r % len(variants)
+        for v in variants[k:] + variants[:k]:
+            best[v.name] = min(best[v.name], v.step(x, target))
+    memory = {v.name: _reduce_max(v.memory(x, target)) for v in variants}
+    base = best[variant_name("ScheduleInterleaved1F1B", "upstream")]
     if rank == 0:
         result = {
-            "schedule": type(sched).__name__,
             "ranks": world,
-            "stages": n_stages,
+            "stages": 2 * world,
             "layers_per_stage": args.layers_per_stage,
             "d_model": args.d_model,
             "seq": args.seq,
             "microbatches": args.microbatches,
             "microbatch_size": args.microbatch_size,
             "repeats": args.repeats,
-            "upstream_ms": best["upstream"] * 1e3,
-            "ppbackward_ms": best["ppbackward"] * 1e3,
-            "ratio": best["ppbackward"] / best["upstream"],
+            "variants": [variant_name(s, b) for s, _, b in VARIANTS],
+            "step_ms": {k: t * 1e3 for k, t in best.items()},
+            "ratio_to_1f1b": {k: t / base for k, t in best.items()},
+            "memory": memory,
             "grads_match": bool(verdict.item()),
         }
         with open(args.out, "w") as f:

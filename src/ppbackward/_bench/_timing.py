@@ -6,6 +6,13 @@ order rotated by one from the previous repeat, and each figure is the minimum ov
 run least disturbed by the machine. Ratios are taken between minima of the same run. The forward
 is re-run before every timed backward and is not timed; the gc is run before each repeat and
 disabled during it (a ``gc.collect()`` costs tens of ms in a process that imported torch).
+
+Note [regimes]: a stage's first microbatch of a step finds every parameter's ``.grad`` ``None``; the
+others accumulate into existing grads, which is a different path in ``AccumulateGrad`` (an add into
+the held grad, or a fresh tensor) and a different allocation pattern. Each repeat runs one round in
+each regime: ``first`` (every ``.grad`` set to ``None`` before each variant) and ``accumulating``
+(grads kept, so each variant adds into what the previous one left). The stage input's ``.grad`` is
+reset before every variant in both: a pipeline stage gets fresh inputs per microbatch.
 """
 
 from __future__ import annotations
@@ -24,13 +31,25 @@ __all__: list[str] = []  # private module
 KEYS = ("plain", "upstream_b", "upstream_w", "upstream_bw", "ppbackward_b", "ppbackward_w", "ppbackward_bw", "full")
 
 
-def _one_round(stage: Stage, order: tuple[str, ...]) -> dict[str, float]:
+REGIMES = ("first", "accumulating")
+
+
+def prepare_regime(stage: Stage, regime: str) -> None:
+    if regime == "first" or any(p.grad is None for p in stage.params):
+        reset_grads(stage)
+        if regime == "accumulating":  # grads to accumulate into
+            out = stage.model(stage.x)
+            out.backward(stage.grad)
+    stage.x.grad = None
+
+
+def _one_round(stage: Stage, order: tuple[str, ...], regime: str) -> dict[str, float]:
     got: dict[str, float] = {}
     gc.collect()
     gc.disable()
     try:
         for name in order:
-            reset_grads(stage)
+            prepare_regime(stage, regime)
             t = run_variant(name, stage)
             if name in ("plain", "full"):
                 got[name] = t["total"]
@@ -43,26 +62,31 @@ def _one_round(stage: Stage, order: tuple[str, ...]) -> dict[str, float]:
 
 def time_config(
     cfg: Config, repeats: int, budget_s: Optional[float] = None, stage: Optional[Stage] = None
-) -> tuple[dict[str, float], int, dict[str, float]]:
-    """Min-of-N seconds for every key of :data:`KEYS`, the N used, and :func:`paired_medians`.
+) -> tuple[dict[str, dict[str, float]], int, dict[str, dict[str, float]]]:
+    """Per regime (Note [regimes]): min-of-N seconds for every key of :data:`KEYS`; the N used; and
+    per regime :func:`paired_medians`.
 
-    Two warm-up rounds run first (not counted); the second sizes N. With ``budget_s``, N is lowered (never below 3,
+    Two warm-up repeats run first (not counted); the second sizes N. With ``budget_s``, N is lowered (never below 3,
     nor above ``repeats``) so that the repeats take about that long: big configurations get fewer.
     """
     stage = stage or build(cfg)
-    _one_round(stage, VARIANTS)  # warm-up (first-time allocations)
+    for regime in REGIMES:  # warm-up (first-time allocations)
+        _one_round(stage, VARIANTS, regime)
     t0 = time.perf_counter()
-    _one_round(stage, VARIANTS)  # not counted either; sizes N
-    per_round = time.perf_counter() - t0
+    for regime in REGIMES:  # not counted either; sizes N
+        _one_round(stage, VARIANTS, regime)
+    per_repeat = time.perf_counter() - t0
     n = repeats
-    if budget_s is not None and per_round > 0:
-        n = max(min(repeats, 3), min(repeats, int(budget_s / per_round)))
-    rounds = []
+    if budget_s is not None and per_repeat > 0:
+        n = max(min(repeats, 3), min(repeats, int(budget_s / per_repeat)))
+    rounds: dict[str, list[dict[str, float]]] = {regime: [] for regime in REGIMES}
     for r in range(n):
         k = r % len(VARIANTS)
-        rounds.append(_one_round(stage, VARIANTS[k:] + VARIANTS[:k]))
+        for regime in REGIMES:
+            rounds[regime].append(_one_round(stage, VARIANTS[k:] + VARIANTS[:k], regime))
     reset_grads(stage)
-    return {key: min(got[key] for got in rounds) for key in KEYS}, n, paired_medians(rounds)
+    mins = {regime: {key: min(got[key] for got in rs) for key in KEYS} for regime, rs in rounds.items()}
+    return mins, n, {regime: paired_medians(rs) for regime, rs in rounds.items()}
 
 
 # (numerator, denominator) of the ratios whose per-repeat median is reported.

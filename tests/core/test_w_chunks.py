@@ -1,0 +1,64 @@
+"""Note [W in chunks]: W split into chunks of param groups stays exact and fires every hook once.
+
+The zoo stages are far below W's 8 MiB chunk, so each is one chunk by default; these tests lower the
+limit to 1 byte (every param group its own chunk, the most engine calls W can make) and rerun the
+exactness, hook and property tests under it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ppbackward.backward as backward
+import test_exactness
+import test_hooks
+import test_random_stages
+from stages import ZOO
+
+
+@pytest.fixture
+def one_group_per_chunk(monkeypatch):
+    chunks = []
+    real = backward._weight_chunk
+
+    def spy(groups, retain_graph):
+        chunks.append(len(groups))
+        return real(groups, retain_graph)
+
+    monkeypatch.setattr(backward, "_W_CHUNK_BYTES", 1)
+    monkeypatch.setattr(backward, "_weight_chunk", spy)
+    return chunks
+
+
+def test_chunks_partition_the_groups_in_order_by_parameter_bytes():
+    def group(*numels):
+        return backward.ParamGroup([], [], [torch.zeros(n) for n in numels])  # float32: 4 bytes each
+
+    groups = [group(1), group(2), group(5), group(1), group(1)]
+    assert [len(c) for c in backward._chunks(groups, 12)] == [2, 1, 2]  # 12 B, 20 B, 8 B (last, smaller)
+    assert [g for c in backward._chunks(groups, 12) for g in c] == groups
+    assert [len(c) for c in backward._chunks(groups, 1)] == [1] * 5
+    assert [len(c) for c in backward._chunks(groups, 10**9)] == [5]
+    assert list(backward._chunks([], 1)) == []
+
+
+@pytest.mark.parametrize("order", ["BWBW", "BBWW-reversed"])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_split_matches_plain_autograd_one_group_per_chunk(one_group_per_chunk, name, order):
+    test_exactness.test_split_matches_plain_autograd(name, order)
+    assert all(n == 1 for n in one_group_per_chunk)
+
+
+def test_a_stage_of_several_groups_is_split(one_group_per_chunk):
+    test_exactness.test_split_matches_plain_autograd("transformer", "BWBW")
+    assert len(one_group_per_chunk) > 2 * 2, "two microbatches, more than two chunks each"
+
+
+@pytest.mark.parametrize("name", ["mlp", "shared_late", "multi_output_nodes", "weight_only_paths", "transformer"])
+def test_hooks_fire_once_one_group_per_chunk(one_group_per_chunk, name):
+    test_hooks.test_hooks_fire_once_per_param_per_microbatch_in_w_never_in_b(name)
+
+
+def test_random_stages_one_group_per_chunk(one_group_per_chunk):
+    test_random_stages.test_random_stage_split_full_plain_agree()
