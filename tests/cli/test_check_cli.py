@@ -151,6 +151,7 @@ def test_progress_says_why_a_case_failed():
 # real launches
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # a backstop: the launcher bounds each launch itself
 def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the default logs folder goes
@@ -185,6 +186,7 @@ def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, 
     assert data["memory"]["upstream"]["held_over_floor"] > 1.3 and data["memory"]["ppbackward"]["held_over_floor"] == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # a backstop: the launcher bounds each launch itself
 def test_check_hung_rank_fails_in_bounded_time_with_each_rank_s_stack(tmp_path, capsys):
     rc, text, err = _check_main(

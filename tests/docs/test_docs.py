@@ -243,17 +243,25 @@ def _run_block(block: Block, folder: Path) -> subprocess.CompletedProcess | str:
 
 
 @pytest.fixture(scope="module")
-def block_runs(tmp_path_factory):
-    """Every python block, started at once on a few worker threads (each in its own interpreter and
-    temporary folder): the tests below each wait for their own. Most of a block's time is importing
-    torch, so running them side by side keeps this file well under a minute."""
-    blocks = _python_blocks()
+def block_runs(request, tmp_path_factory):
+    """Every selected python block, started at once on a few worker threads (each in its own interpreter
+    and temporary folder): the tests below each wait for their own. Most of a block's time is importing
+    torch, so running them side by side keeps this file well under a minute. Blocks whose test was
+    deselected (``-m "not slow"`` leaves out the torchrun scripts) are not run."""
+    selected = {
+        item.callspec.params["block"].id
+        for item in request.session.items
+        if getattr(item, "originalname", "") == "test_python_block_runs"
+    }
+    blocks = [b for b in _python_blocks() if b.id in selected]
     workers = max(2, min(len(blocks), os.cpu_count() or 2))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         yield {b.id: pool.submit(_run_block, b, tmp_path_factory.mktemp("block")) for b in blocks}
 
 
-@pytest.mark.parametrize("block", _python_blocks(), ids=lambda b: b.id)
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, id=b.id, marks=(pytest.mark.slow,) if b.torchrun else ()) for b in _python_blocks()]
+)
 def test_python_block_runs(block, block_runs):
     proc = block_runs[block.id].result()
     if isinstance(proc, str):

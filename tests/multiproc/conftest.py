@@ -1,26 +1,31 @@
 """``tests/multiproc``: every pipeline schedule under torchrun (gloo, CPU), leak-free, lifetime-checked and exact.
 
-Layers, cheapest first (wall times measured on 2 CPU cores, torch 2.13.0; the whole directory takes
-about 2.5 minutes):
+Layers, cheapest first (torch 2.13.0, 2 CPU cores). Launches marked ``slow`` in ``multiproc_specs.py``
+are left out by ``pytest -m "not slow"``, which keeps one launch of each kind (``ws2``, ``training-ws2``,
+``leaky-cycle``); CI runs everything.
 
-1. ``test_harness_units.py`` — no process group, no subprocess (~5 s): the schedule matrix covers
+1. ``test_harness_units.py`` — no process group, no subprocess (seconds): the schedule matrix covers
    every ``Schedule*`` class of the installed torch with a placement rule; placements put every stage
    on exactly one rank; the model zoo and its reference are deterministic; each probe and the failure
    formatter catch what they must (perturbed grads, left-over caches, missing verdicts).
 2. ``test_matrix.py`` — the matrix: every schedule × model (``mlp``, ``transformer``, ``tuple``,
    ``ckpt``) with ``ppbackward.install()`` active, 2 measured steps each, in **one torchrun launch per
-   configuration**: world size 2 (~20 s) and 4 (~35 s) with torch's dynamic shape inference, and world
-   size 2 with static stage metadata (~12 s). One pytest test per (configuration, case) reads the
-   per-rank JSON verdicts of that launch; the launch runs once, in the first test that needs it.
-3. ``test_upstream.py`` — the same worker with torch's own backward, world size 2 (~40 s): every rank
+   configuration**: world size 2 and 4 (slow) with torch's dynamic shape inference, and world size 2
+   with static stage metadata (slow). One pytest test per (configuration, case) reads the per-rank JSON
+   verdicts of that launch; the launch runs once, in the background from collection on (Note
+   [launches prefetched]).
+3. ``test_training.py`` — the training models (LoRA, compiled, bf16, custom Function, selective AC) on 2
+   ranks, and pipeline × DDP / FSDP2 on 4 ranks (slow); ``test_training_upstream.py`` (slow) pins which
+   cells torch's own backward fails there, and why.
+4. ``test_upstream.py`` (slow) — the same worker with torch's own backward, world size 2: every rank
    reports every case (what ``ppbackward check`` relies on); full-backward schedules pass, so the
    harness agrees with torch itself; torch's zero-bubble failures are reported, not asserted.
-4. ``test_negative_controls.py`` — ``leaky_backward.py`` swapped in (2 launches, ~5 s each): the
-   suite reports a reference-cycle leak as *garbage* with its exact count of tensors and autograd
-   nodes, and a live-reference leak as *lifetime* with its exact count of saved activations.
-5. ``test_hang.py`` — a rank blocked in ``dist.recv`` (~21 s): the launcher kills every process of the
-   launch at its 20 s timeout and the failure shows each rank's log with the stack it hung in.
-6. ``test_gloo_p2p.py`` — two bare gloo launches (~12 s): the worker's workaround for torch 2.5-2.7
+5. ``test_negative_controls.py`` — ``leaky_backward.py`` swapped in: the suite reports a
+   reference-cycle leak as *garbage* with its exact count of tensors and autograd nodes, and (slow) a
+   live-reference leak and a node held by a C++ cycle as *lifetime* with exact counts.
+6. ``test_hang.py`` (slow) — a rank blocked in ``dist.recv``: the launcher dumps every rank's stack and
+   kills the launch once it makes no progress for its timeout; the failure shows each rank's log.
+7. ``test_gloo_p2p.py`` — two bare gloo launches (slow): the worker's workaround for torch 2.5-2.7
    schedules dropping P2P works delivers a whole batch, and the dropped-work shape hangs (negative
    control).
 
@@ -43,32 +48,119 @@ the schedule's losses and pending receives empty), numerics (each loss and every
 within ``|x - ref| <= 1e-6 + 1e-5 |ref|`` of a single-process float32 reference, sum-reduced loss,
 ``scale_grads=False``), hooks (post-accumulate-grad hooks once per trainable parameter per microbatch).
 
-Bounded time: process-group timeouts in the workers (world 60 s, per case 30 s), the launcher's
-timeout (kills torchrun's and every worker's process group), ``@pytest.mark.timeout`` as a backstop.
+Bounded time without depending on the machine's speed: the launcher's hang clock starts once every rank
+has started and measures time without progress (Note [hang clock] in ``ppbackward._harness.launch``);
+the workers' gloo timeouts scale with the launch's measured start-up (Note [timeouts scale with
+start-up] in the worker); ``@pytest.mark.timeout`` is a backstop only.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
-from multiproc_specs import LAUNCHES
+from multiproc_specs import LAUNCHES, launches_of
 
 from ppbackward._harness.launch import LaunchResult, launch
+
+# Note [launches prefetched]: the launches the selected tests read start at collection time, one at a
+# time, in a background thread, in the order the tests will need them; a test waits for its launch's
+# result, and starts it itself (in its own thread) if the background thread has not reached it yet.
+# Most of the suite's other tests are single-threaded Python and torch's zero-bubble failures in the
+# ``upstream-*`` launches leave their ranks waiting out per-case timeouts: overlapping the two uses the
+# second core and the waits (about a minute off the suite on 2 idle cores). Running concurrently with
+# other work is safe by design: the launcher's hang clock measures progress, not wall-clock time, and
+# the workers' gloo timeouts scale with the start-up they measure (Note [hang clock] in
+# ``ppbackward._harness.launch``, Note [timeouts scale with start-up] in the worker).
+
+
+class _Launches:
+    """Each launch runs once, by whichever asks first: the background thread or a test."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.lock = threading.Lock()
+        self.results: dict[str, Future] = {}
+        self.queue: list[str] = []
+        self.stopped = False
+        self.thread: threading.Thread | None = None
+
+    def _claim(self, name: str) -> Future | None:
+        """The future to fill when the caller must run ``name`` itself; None if someone else does."""
+        with self.lock:
+            if name in self.results:
+                return None
+            self.results[name] = future = Future()
+            return future
+
+    def _run(self, name: str, future: Future) -> None:
+        spec = LAUNCHES[name]
+        try:
+            result = launch(  # on_case: record progress (LaunchResult.progress) as the launch runs
+                spec.nproc, list(spec.args), self.root / name, timeout=spec.timeout, env=dict(spec.env),
+                on_case=lambda r: None,
+            )  # fmt: skip
+        except BaseException as e:  # the test that reads it reports the error
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+    def prefetch(self, names: list[str]) -> None:
+        self.queue = list(names)
+        self.thread = threading.Thread(target=self._background, name="multiproc-prefetch", daemon=True)
+        self.thread.start()
+
+    def _background(self) -> None:
+        for name in self.queue:
+            if self.stopped:
+                return
+            future = self._claim(name)
+            if future is not None:
+                self._run(name, future)
+
+    def get(self, name: str) -> LaunchResult:
+        future = self._claim(name)
+        if future is not None:
+            self._run(name, future)
+        return self.results[name].result()
+
+    def stop(self) -> None:
+        """Start no further launch, and wait for the one running (its own timeouts bound it), so that no
+        torchrun outlives the session."""
+        self.stopped = True
+        if self.thread is not None:
+            self.thread.join()
+
+
+_LAUNCHES: _Launches | None = None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    global _LAUNCHES
+    needed: list[str] = []
+    for item in session.items:
+        for name in launches_of(item):
+            if name not in needed:
+                needed.append(name)
+    if not needed or session.config.option.collectonly:
+        return
+    _LAUNCHES = _Launches(session.config._tmp_path_factory.mktemp("multiproc"))
+    _LAUNCHES.prefetch(needed)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _LAUNCHES is not None:
+        _LAUNCHES.stop()
 
 
 @pytest.fixture(scope="session")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], LaunchResult]:
-    """``launches(name)``: the :class:`LaunchResult` of launch ``name`` of :data:`LAUNCHES`, run once."""
-    cache: dict[str, LaunchResult] = {}
-
-    def get(name: str) -> LaunchResult:
-        if name not in cache:
-            spec = LAUNCHES[name]
-            out = tmp_path_factory.mktemp(f"multiproc-{name}")
-            cache[name] = launch(  # on_case: record progress (LaunchResult.progress) as the launch runs
-                spec.nproc, list(spec.args), out, timeout=spec.timeout, env=dict(spec.env), on_case=lambda r: None
-            )
-        return cache[name]
-
-    return get
+    """``launches(name)``: the :class:`LaunchResult` of launch ``name`` of :data:`LAUNCHES`, run once
+    (Note [launches prefetched])."""
+    global _LAUNCHES
+    if _LAUNCHES is None:  # nothing was prefetched (e.g. a test reads a launch it did not declare)
+        _LAUNCHES = _Launches(tmp_path_factory.mktemp("multiproc"))
+    return _LAUNCHES.get

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 LEAKY = str(HERE / "leaky_backward.py")
 TRAINING_ARGS = ("--models", "training")
@@ -23,15 +25,18 @@ class LaunchSpec:
     args: tuple[str, ...]
     timeout: float = 120.0
     env: tuple[tuple[str, str], ...] = ()
+    slow: bool = True  # its tests are marked ``slow`` (``pytest -m "not slow"`` skips the launch)
 
 
 LAUNCHES: dict[str, LaunchSpec] = {
-    "ws2": LaunchSpec(2, ("--backward", "ppbackward")),
+    # the quick suite (``-m "not slow"``) keeps one launch of each kind: the matrix at world size 2, the
+    # training models, and one negative control
+    "ws2": LaunchSpec(2, ("--backward", "ppbackward"), slow=False),
     "ws4": LaunchSpec(4, ("--backward", "ppbackward")),
     "ws2-static": LaunchSpec(2, ("--backward", "ppbackward", "--metadata", "static")),
     # issue 12's training setups (test_training.py): the training models on one pipeline of 2 ranks, and
     # pipeline x data parallel on a 2-D mesh of 4 ranks (dp 2 x pp 2), each with torch's backward too
-    "training-ws2": LaunchSpec(2, ("--backward", "ppbackward", *TRAINING_ARGS)),
+    "training-ws2": LaunchSpec(2, ("--backward", "ppbackward", *TRAINING_ARGS), slow=False),
     "training-dp": LaunchSpec(4, ("--backward", "ppbackward", *DP_ARGS)),
     "upstream-training-ws2": LaunchSpec(2, ("--backward", "upstream", *TRAINING_ARGS, "--case-timeout", "6")),
     "upstream-training-dp": LaunchSpec(4, ("--backward", "upstream", *DP_ARGS, "--case-timeout", "6")),
@@ -40,7 +45,7 @@ LAUNCHES: dict[str, LaunchSpec] = {
     "upstream-ws2": LaunchSpec(2, ("--backward", "upstream", "--case-timeout", "6")),
     # static metadata: no shape-inference forward on step 0, so every count is exactly one per call
     "leaky-cycle": LaunchSpec(
-        2, ("--backward", f"leaky:{LEAKY}", *CONTROL_ARGS), env=(("PPBACKWARD_LEAK_KIND", "cycle"),)
+        2, ("--backward", f"leaky:{LEAKY}", *CONTROL_ARGS), env=(("PPBACKWARD_LEAK_KIND", "cycle"),), slow=False
     ),
     "leaky-live": LaunchSpec(
         2, ("--backward", f"leaky:{LEAKY}", *CONTROL_ARGS), env=(("PPBACKWARD_LEAK_KIND", "live"),)
@@ -53,3 +58,32 @@ LAUNCHES: dict[str, LaunchSpec] = {
 # The backstop of any test that launches: the launcher bounds start-up (300 s) and every stretch without
 # progress itself; this only catches a launcher bug, and is far beyond what a busy machine needs.
 LAUNCH_TEST_TIMEOUT = 1800
+
+
+def slow_params(values: list) -> list:
+    """``pytest.param`` per value, marked ``slow`` when the launch it reads (its first item, or the value
+    itself) is a slow one."""
+    out = []
+    for value in values:
+        name = value[0] if isinstance(value, tuple) else value
+        marks = (pytest.mark.slow,) if LAUNCHES[name].slow else ()
+        out.append(pytest.param(*(value if isinstance(value, tuple) else (value,)), marks=marks))
+    return out
+
+
+def uses_launch(name: str):
+    """Decorator for a test that reads launch ``name`` without a parameter naming it: records the name
+    (for the prefetch in ``conftest.py``) and marks the test ``slow`` when the launch is slow."""
+
+    def decorate(test):
+        test.launch_names = (*getattr(test, "launch_names", ()), name)
+        return pytest.mark.slow(test) if LAUNCHES[name].slow else test
+
+    return decorate
+
+
+def launches_of(item: pytest.Item) -> list[str]:
+    """The launches a collected test reads: parameters naming one, and ``uses_launch`` names."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    names = [v for v in params.values() if isinstance(v, str) and v in LAUNCHES]
+    return names + list(getattr(getattr(item, "function", None), "launch_names", ()))

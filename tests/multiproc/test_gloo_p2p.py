@@ -44,6 +44,7 @@ def _run(mode: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(command, proc.returncode, out)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1000)
 def test_keeping_every_work_delivers_the_whole_batch() -> None:
     result = _run("keep")
@@ -52,6 +53,7 @@ def test_keeping_every_work_delivers_the_whole_batch() -> None:
     assert "rank 0 done" in result.stdout and "rank 1 done" in result.stdout, result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1000)
 def test_negative_control_keeping_only_the_last_work_hangs_on_gloo() -> None:
     result = _run("pop")

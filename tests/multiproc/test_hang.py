@@ -16,6 +16,7 @@ from ppbackward._harness.launch import alive, launch
 HANG_TIMEOUT = 3.0  # seconds without progress once every rank has started
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # a backstop only: the launcher itself bounds the launch
 def test_rank_hung_in_a_collective_is_killed_and_every_rank_s_stack_is_shown(tmp_path) -> None:
     result = launch(2, ["--backward", "upstream", "--hang-rank", "1"], tmp_path, timeout=HANG_TIMEOUT)

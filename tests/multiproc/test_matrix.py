@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from multiproc_specs import LAUNCH_TEST_TIMEOUT, LAUNCHES
+from multiproc_specs import LAUNCH_TEST_TIMEOUT, LAUNCHES, slow_params
 from ppbackward._harness import models, schedules
 
 MATRIX = ("ws2", "ws4", "ws2-static")
@@ -35,7 +35,7 @@ def assert_measured(record: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
-@pytest.mark.parametrize("name", MATRIX)
+@pytest.mark.parametrize("name", slow_params(list(MATRIX)))
 def test_launch_reports_every_case_on_every_rank(name: str, launches) -> None:
     result = launches(name)
     assert result.complete, result.format_launch()
@@ -46,7 +46,8 @@ def test_launch_reports_every_case_on_every_rank(name: str, launches) -> None:
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
 @pytest.mark.parametrize(
-    ("name", "case_id"), [(name, case_id) for name in MATRIX for case_id in expected_cases(LAUNCHES[name].nproc)]
+    ("name", "case_id"),
+    slow_params([(name, case_id) for name in MATRIX for case_id in expected_cases(LAUNCHES[name].nproc)]),
 )
 def test_case(name: str, case_id: str, launches) -> None:
     result = launches(name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from multiproc_specs import LAUNCH_TEST_TIMEOUT
+from multiproc_specs import LAUNCH_TEST_TIMEOUT, uses_launch
 
 
 def _cases(result):
@@ -19,6 +19,7 @@ def _cases(result):
             yield case_id, rank, record, record["n_microbatches"] * len(record["stages"])
 
 
+@uses_launch("leaky-cycle")
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
 def test_reference_cycle_leak_is_reported_as_garbage_with_exact_counts(launches) -> None:
     result = launches("leaky-cycle")
@@ -34,6 +35,7 @@ def test_reference_cycle_leak_is_reported_as_garbage_with_exact_counts(launches)
         assert "leaky_backward.py" in text  # the chain names the closure that closes the cycle
 
 
+@uses_launch("leaky-live")
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
 def test_live_reference_leak_is_reported_as_lifetime_with_exact_counts(launches) -> None:
     result = launches("leaky-live")
@@ -49,6 +51,7 @@ def test_live_reference_leak_is_reported_as_lifetime_with_exact_counts(launches)
         assert "still alive after clear_runtime_states()" in result.format_case(case_id)
 
 
+@uses_launch("leaky-cxx-cycle")
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
 def test_a_node_held_by_a_cycle_the_gc_cannot_see_is_reported_as_lifetime_with_exact_counts(launches) -> None:
     """Note [leaks the gc cannot see]: nothing reaches gc.garbage, the activation tracker's weak watches

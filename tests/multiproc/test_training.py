@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from multiproc_specs import LAUNCH_TEST_TIMEOUT
+from multiproc_specs import LAUNCH_TEST_TIMEOUT, slow_params
 from ppbackward._harness import models, parallel, schedules
 from ppbackward._harness.worker import case_id
 
@@ -53,7 +53,7 @@ def assert_measured(record: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
-@pytest.mark.parametrize("name", ["training-ws2", "training-dp"])
+@pytest.mark.parametrize("name", slow_params(["training-ws2", "training-dp"]))
 def test_launch_reports_every_case_on_every_rank(name: str, launches) -> None:
     result = launches(name)
     assert result.complete, result.format_launch()
@@ -63,7 +63,7 @@ def test_launch_reports_every_case_on_every_rank(name: str, launches) -> None:
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
 @pytest.mark.parametrize(
-    ("name", "case"), [(n, c) for n in ("training-ws2", "training-dp") for c in expected_cases(n)]
+    ("name", "case"), slow_params([(n, c) for n in ("training-ws2", "training-dp") for c in expected_cases(n)])
 )
 def test_case(name: str, case: str, launches) -> None:
     result = launches(name)

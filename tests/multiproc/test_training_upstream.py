@@ -35,10 +35,13 @@ from test_training import expected_cases
 
 SPLIT = {name for name, rule in schedules.RULES.items() if rule.split_backward}
 
-pytestmark = pytest.mark.skipif(
-    not (2, 13) <= torch_release()[:2] <= (2, 14),
-    reason="the kinds below are pinned for torch 2.13-2.14's _backward.py (identical in both)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (2, 13) <= torch_release()[:2] <= (2, 14),
+        reason="the kinds below are pinned for torch 2.13-2.14's _backward.py (identical in both)",
+    ),
+]
 
 
 def expected_kinds(case: str) -> frozenset[str]:

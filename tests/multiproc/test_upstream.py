@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import pytest
 
-from multiproc_specs import LAUNCH_TEST_TIMEOUT
+from multiproc_specs import LAUNCH_TEST_TIMEOUT, uses_launch
 from ppbackward._compat import torch_release
 from ppbackward._harness import schedules
 
 FULL_BACKWARD = [name for name, rule in schedules.RULES.items() if not rule.split_backward]
 
 
+@uses_launch("upstream-ws2")
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
 def test_upstream_mode_reports_every_case_and_full_backward_schedules_pass(launches) -> None:
     result = launches("upstream-ws2")
