@@ -145,6 +145,8 @@ class _TensorLeakCheck:
         saved_by_nodes = [t for n in nodes for t in _node_saved_tensors(n)]
         report.num_storages, report.tensor_bytes = _unique_storage_bytes(tensors + saved_by_nodes)
         del saved_by_nodes
+        # chains for the tensors that hold a graph first (what keeps activations alive), in gc order
+        tensors.sort(key=lambda t: t.grad_fn is None)
         leaked = (tensors + nodes)[: self._max_chains]
         if not leaked:
             return
@@ -194,7 +196,8 @@ def check_tensor_leaks(
             (the report is then attached to that exception as a note on Python >= 3.11).
         warmup: optional callable run once before arming, so one-time lazy imports, caches and
             first-call initialisation are not reported.
-        max_chains: how many leaked objects (tensors first, then nodes) get a chain and a graph file.
+        max_chains: how many leaked objects (tensors first, those with a ``grad_fn`` before the others,
+            then nodes) get a chain and a graph file.
         max_depth: longest back-reference chain searched, in references.
         output_dir: folder for the graph files; default: a fresh ``tempfile.mkdtemp()`` folder,
             created only when something leaked. Never the working directory.
