@@ -17,7 +17,8 @@ left alone: its owner manages its memory. Nodes are never otherwise mutated (no 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -82,6 +83,17 @@ def _kind(raw: object) -> str | None:
     return "held"
 
 
+def _saved_items(node: Node) -> Iterator[Any]:
+    """Each ``SavedTensor`` (or ``None``) of ``node``'s ``_raw_saved_*`` attributes, lists flattened;
+    nothing from an attribute already freed."""
+    for attr in _saved_attrs(node):
+        try:
+            saved = getattr(node, attr)
+        except RuntimeError:  # already freed
+            continue
+        yield from saved if isinstance(saved, (list, tuple)) else (saved,)
+
+
 def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
     """The nodes with hooked saved tensors (Note [hooked saved tensors run once]): ``"held"`` where any
     of them is held through a hook other than a checkpoint's, else ``"recompute"``. ``{}`` on a torch
@@ -90,15 +102,10 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
         return {}
     kinds: dict[Node, str] = {}
     for node in nodes:
-        for attr in _saved_attrs(node):
-            try:
-                saved = getattr(node, attr)
-            except RuntimeError:  # already freed
-                continue
-            for item in saved if isinstance(saved, (list, tuple)) else (saved,):
-                kind = _kind(item)
-                if kind == "held" or (kind and node not in kinds):
-                    kinds[node] = kind
+        for item in _saved_items(node):
+            kind = _kind(item)
+            if kind == "held" or (kind and node not in kinds):
+                kinds[node] = kind
     return kinds
 
 
@@ -113,19 +120,14 @@ def release_saved_tensors(nodes: Iterable[Node]) -> int:
     """
     released = 0
     for node in nodes:
-        for attr in _saved_attrs(node):
-            try:
-                saved = getattr(node, attr)
-            except RuntimeError:  # already freed
+        for item in _saved_items(node):
+            if item is None or not hasattr(item, "register_hooks"):
                 continue
-            for item in saved if isinstance(saved, (list, tuple)) else (saved,):
-                if item is None or not hasattr(item, "register_hooks"):
-                    continue
-                try:
-                    item.register_hooks(_drop, _refuse)
-                except RuntimeError:  # already has hooks, or undefined / freed
-                    continue
-                released += 1
+            try:
+                item.register_hooks(_drop, _refuse)
+            except RuntimeError:  # already has hooks, or undefined / freed
+                continue
+            released += 1
     return released
 
 

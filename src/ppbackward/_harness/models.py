@@ -361,7 +361,9 @@ class ModelSpec:
 
     Attributes:
         build_stage: ``(stage_index, num_stages) -> module``.
-        make_args: ``(batch, generator) -> stage-0 args``.
+        make_args: ``(batch, generator) -> stage-0 args`` (default: one ``(batch, D)`` tensor);
+            ``make_kwargs``: stage-0 keyword arguments; ``target_shape``: ``batch -> the loss target's
+            shape`` (default ``(batch, D)``).
         loss_fn: the schedule's and the reference's loss.
         prepare: applied to each rank's own stage modules after the reference copied them (compiling).
         side_effects: ``(this rank's stages by index, the reference's stages, n_microbatches) -> failures``
@@ -374,9 +376,11 @@ class ModelSpec:
     name: str
     features: str
     build_stage: Callable[[int, int], nn.Module]
-    make_args: Callable[[int, torch.Generator], tuple[torch.Tensor, ...]]
-    make_kwargs: Callable[[], dict[str, Any]]
-    target_shape: Callable[[int], tuple[int, ...]]
+    make_args: Callable[[int, torch.Generator], tuple[torch.Tensor, ...]] = lambda b, g: (
+        torch.randn(b, D, generator=g),
+    )
+    make_kwargs: Callable[[], dict[str, Any]] = dict
+    target_shape: Callable[[int], tuple[int, ...]] = lambda b: (b, D)
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = sum_squared_error
     prepare: Callable[[nn.Module], nn.Module] = lambda module: module
     side_effects: Callable[[dict[int, nn.Module], Sequence[nn.Module], int], list[str]] = _no_side_effects
@@ -391,9 +395,6 @@ MODELS: dict[str, ModelSpec] = {
             name="mlp",
             features="Linear-GELU-Linear per stage",
             build_stage=lambda i, n: MLPStage(),
-            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
-            make_kwargs=dict,
-            target_shape=lambda b: (b, D),
         ),
         ModelSpec(
             name="transformer",
@@ -416,33 +417,21 @@ MODELS: dict[str, ModelSpec] = {
             name="ckpt",
             features="non-reentrant activation checkpointing inside every stage",
             build_stage=lambda i, n: CheckpointStage(),
-            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
-            make_kwargs=dict,
-            target_shape=lambda b: (b, D),
         ),
         ModelSpec(
             name="lora",
             features="frozen prefix: stage 0 frozen, a LoRA adapter on a frozen base in every later stage",
             build_stage=lambda i, n: LoRAStage(adapter=i > 0),
-            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
-            make_kwargs=dict,
-            target_shape=lambda b: (b, D),
         ),
         ModelSpec(
             name="lora-last",
             features="every stage frozen but the last, which carries a LoRA adapter",
             build_stage=lambda i, n: LoRAStage(adapter=i == n - 1),
-            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
-            make_kwargs=dict,
-            target_shape=lambda b: (b, D),
         ),
         ModelSpec(
             name="compiled",
             features="an MLP block compiled in place (torch.compile, aot_eager) inside every stage",
             build_stage=lambda i, n: CompiledStage(),
-            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
-            make_kwargs=dict,
-            target_shape=lambda b: (b, D),
             prepare=_compile_blocks,
             warmup_steps=1,
         ),
@@ -450,18 +439,12 @@ MODELS: dict[str, ModelSpec] = {
             name="bf16",
             features="bfloat16 autocast in every stage, loss scaled by LOSS_SCALE",
             build_stage=lambda i, n: BF16Stage(),
-            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
-            make_kwargs=dict,
-            target_shape=lambda b: (b, D),
             loss_fn=scaled_sum_squared_error,
         ),
         ModelSpec(
             name="custom-fn",
             features="a custom autograd.Function whose backward counts its calls (a side effect) in every stage",
             build_stage=lambda i, n: CustomFnStage(),
-            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
-            make_kwargs=dict,
-            target_shape=lambda b: (b, D),
             side_effects=_side_effects_custom_fn,
             # torch's shape inference (dynamic metadata) runs one extra backward of every stage on the
             # first step (backward metadata inference): the side effect would count it
@@ -471,9 +454,6 @@ MODELS: dict[str, ModelSpec] = {
             name="sac",
             features="selective activation checkpointing (save matmuls / nothing / everything / nested) by stage",
             build_stage=lambda i, n: SACStage(i),
-            make_args=lambda b, g: (torch.randn(b, D, generator=g),),
-            make_kwargs=dict,
-            target_shape=lambda b: (b, D),
             side_effects=_side_effects_recompute,
             metadata="static",  # as for custom-fn: shape inference would recompute once more
         ),
