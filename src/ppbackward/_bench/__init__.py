@@ -29,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="ppbackward bench",
         description=(
             "Time and memory of the pipeline stage backward: plain autograd, torch's B+W, "
-            "ppbackward's B+W and full backward, side by side (one process, 1 thread)."
+            "ppbackward's B+W and full backward, side by side (one process, 1 thread), with grads None "
+            "and accumulating; a microbatch loop in zero-bubble order; the allocator's counts. "
+            "Method and results: docs/performance.md."
         ),
     )
     p.add_argument(
@@ -39,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         "LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all)",
     )
     p.add_argument("--repeats", type=int, default=None, help="max timed repeats per config (default 100; 20 with --quick)")
-    p.add_argument("--budget", type=float, default=20.0, help="seconds of timed repeats per config: N is lowered (not below 3) to fit (default 20)")
+    p.add_argument("--budget", type=float, default=20.0, help="seconds of timed repeats per config (the microbatch loop gets half as much again): N is lowered (not below 3) to fit (default 20)")
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
     p.add_argument("--quick", action="store_true", help="only 4x64x16, few repeats, small scaling sweep, no profile (smoke test, CI)")
     p.add_argument(
