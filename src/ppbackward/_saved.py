@@ -47,6 +47,12 @@ __all__: list[str] = []  # private module
 # observe (``ppbackward.leaks.track_activations``'s own, marked ``_ppbackward_transparent``) count as no
 # hooks. On a torch whose ``SavedTensor`` does not expose its hooks (before 2.13) nothing can be told
 # apart: hooked tensors are treated as before (unpacked twice, kept until the graph dies).
+#
+# An in-place op on a view (``h[0].mul_(w)``) is a ``CopySlices`` node wrapping the op's own node, whose
+# saved tensors Python cannot see: B cannot tell whether hooks hold them. So a ``CopySlices`` that W
+# would call again counts as ``"recompute"``: B runs it (and what feeds it) entirely, and W never
+# unpacks what it saved a second time. A ``CopySlices`` only B runs is run once anyway; its saved
+# tensors, out of reach of the release, then live until the graph dies (after W).
 
 _CHECKPOINT_HOLDER = getattr(torch.utils.checkpoint, "_Holder", None)
 HOOKS_VISIBLE = hasattr(torch._C._autograd.SavedTensor, "unpack_hook")
@@ -96,12 +102,15 @@ def _saved_items(node: Node) -> Iterator[Any]:
 
 def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
     """The nodes with hooked saved tensors (Note [hooked saved tensors run once]): ``"held"`` where any
-    of them is held through a hook other than a checkpoint's, else ``"recompute"``. ``{}`` on a torch
-    that does not expose the hooks (``HOOKS_VISIBLE``)."""
+    of them is held through a hook other than a checkpoint's, else ``"recompute"`` (also every
+    ``CopySlices``, whose saved tensors are hidden). ``{}`` on a torch that does not expose the hooks
+    (``HOOKS_VISIBLE``)."""
     if not HOOKS_VISIBLE:
         return {}
     kinds: dict[Node, str] = {}
     for node in nodes:
+        if type(node).__name__ == "CopySlices":  # its saved tensors are out of Python's sight
+            kinds.setdefault(node, "recompute")
         for item in _saved_items(node):
             kind = _kind(item)
             if kind == "held" or (kind and node not in kinds):

@@ -82,6 +82,14 @@ def _check_edge_grad(edge: GradientEdge, grad: Any, path: str, grads_given: bool
     implicit gradient from, and cannot be detached: its gradient must be given, and checked against the
     input metadata of the edge's node (shape, dtype, device).
     """
+    node, nr = edge.node, edge.output_nr
+    if node is None or not hasattr(node, "_input_metadata"):
+        raise BadValue(f"{path}: GradientEdge node is {type(node).__name__}, not an autograd node")
+    if not isinstance(nr, int) or not 0 <= nr < len(node._input_metadata):
+        raise BadValue(
+            f"{path}: GradientEdge output_nr {nr!r} is out of range for {node.name()}, "
+            f"which takes {len(node._input_metadata)} gradient(s)"
+        )
     if grad is None:
         where = "output_grads is None" if not grads_given else "its gradient is None"
         raise BadValue(
@@ -90,7 +98,7 @@ def _check_edge_grad(edge: GradientEdge, grad: Any, path: str, grads_given: bool
         )
     if not isinstance(grad, torch.Tensor):
         raise BadType(f"{path}: gradient must be a torch.Tensor, got {type(grad).__name__}")
-    meta = edge.node._input_metadata[edge.output_nr]
+    meta = node._input_metadata[nr]
     if tuple(grad.shape) != tuple(meta.shape):
         raise BadValue(f"{path}: grad shape {_shape(grad)} != shape {tuple(meta.shape)} of the GradientEdge's input")
     if grad.dtype != meta.dtype:

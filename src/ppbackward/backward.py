@@ -21,6 +21,7 @@ local dicts (see ``ppbackward._graph``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Iterable, Iterator
@@ -31,7 +32,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
 from ppbackward._errors import BadType, BadValue, StageBackwardError
-from ppbackward._graph import EagerWork, analyze, eager_work, gradient_edge
+from ppbackward._graph import EagerWork, analyze, eager_work, gradient_edge, is_accumulate_grad
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
 from ppbackward._saved import hook_kinds, pin_saved_inputs, release_pinned, release_saved_tensors
@@ -174,7 +175,8 @@ def stage_backward_input(
         :class:`ParamGroups` to pass to :func:`stage_backward_weight` exactly once.
 
     Raises:
-        ValueError, TypeError: malformed ``output_grads``; nothing has been run then.
+        ValueError, TypeError: malformed ``output_grads``, or ``weights`` not an iterable of tensors;
+            nothing has been run then.
     """
     if torch.is_inference_mode_enabled():
         # The graph was built outside; B needs views with grad_fn to find leaves' AccumulateGrad
@@ -183,7 +185,7 @@ def stage_backward_input(
             return stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights)
     input_values = list(input_values)
     flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads, consumed=_DETACHED)
-    weights = list(weights)
+    weights = _weights_list(weights)
     wanted = _grad_inputs(input_values)
     weight_ids = WeightSet(frozenset(map(id, weights)), len(weights), any(map(_is_dtensor, weights)))
     if not flat.tensors:
@@ -195,7 +197,7 @@ def stage_backward_input(
     analysis = analyze(root_edges, input_nodes)
     specs, used_nodes, b_only, w_only, consumers = analysis[:5]
     inter = [node for spec in specs for node, _ in spec.intermediates]
-    _refuse_reentrant_checkpoint(b_only, inter)
+    _refuse_reentrant_checkpoint(b_only, inter, w_only)
     owners = candidate_owners(flat.tensors)  # Note [custom Function nodes need an owner]; () on torch 2.13+
     eager = _eager_work(analysis, b_only, inter, w_only)  # Note [hooked saved tensors run once]
     deferred = [node for node in inter if node not in eager.nodes]
@@ -222,13 +224,14 @@ def stage_backward_input(
             else:
                 handles.append(node.register_prehook(_capture_hook(box)))
         if grad_inputs or eager.frontier:
-            results = torch.autograd.grad(
-                flat.tensors,
-                [*grad_inputs, *(edge for _, edge, _ in eager.frontier)],
-                grad_outputs=flat.grads,
-                retain_graph=retain,
-                allow_unused=True,
-            )
+            with _leaf_hooks_muted(edge.node for _, edge, _ in eager.frontier):
+                results = torch.autograd.grad(
+                    flat.tensors,
+                    [*grad_inputs, *(edge for _, edge, _ in eager.frontier)],
+                    grad_outputs=flat.grads,
+                    retain_graph=retain,
+                    allow_unused=True,
+                )
             found = {id(t): g for t, g in zip(grad_inputs, results)}
             frontier = list(zip(eager.frontier, results[len(grad_inputs) :]))
     finally:
@@ -267,6 +270,32 @@ def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> Eager
     return eager_work(analysis, recompute) if recompute else _NO_EAGER_WORK
 
 
+# Note [frontier captures skip leaf hooks]: the engine runs the tensor hooks of a node it does not
+# run before capturing the gradient flowing into it (``evaluate_function``: tensor pre-hooks of
+# a node that is only captured). B's frontier edges (Note [hooked saved tensors run once]) may lead
+# straight into a parameter's ``AccumulateGrad``: captured as is, the gradient would come with the
+# parameter's ``register_hook`` hooks applied, and W, which feeds it to that ``AccumulateGrad``, would
+# apply them a second time (a hook scaling by 0.5 gave 0.25). So B empties those parameters'
+# ``_backward_hooks`` dicts (which torch's C++ hook reads at call time) for its engine call and puts
+# every hook back, in order, afterwards, whatever happens: the hooks run once, in W, as in a full
+# backward (in W, not B). A tensor hook on a non-leaf activation inside such a weight subgraph cannot
+# be reached from its node and is not covered (docs/how-it-works.md, Known limits).
+@contextlib.contextmanager
+def _leaf_hooks_muted(nodes: Iterable[Any]) -> Iterator[None]:
+    parked = []
+    for node in nodes:
+        leaf = getattr(node, "variable", None) if is_accumulate_grad(node) else None
+        hooks = getattr(leaf, "_backward_hooks", None)
+        if hooks:
+            parked.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in parked:
+            hooks.update(items)
+
+
 def _capture_outputs_hook(box: list):
     """A node post-hook that stores the node's outputs in ``box`` (Note [no closure cycle])."""
 
@@ -283,8 +312,8 @@ def _refuse_reentrant_checkpoint(*node_lists) -> None:
                 raise StageBackwardError(
                     "stage_backward_input: the stage uses torch.utils.checkpoint with "
                     "use_reentrant=True (node CheckpointFunctionBackward), whose backward cannot run "
-                    "inside the input-only engine call of B; use use_reentrant=False, or a full "
-                    "backward (stage_backward)"
+                    "inside the engine calls of B and W (they name their inputs); use "
+                    "use_reentrant=False, or a full backward (stage_backward)"
                 )
 
 
@@ -379,7 +408,8 @@ def stage_backward_weight(
         A tuple aligned with ``weights``: each parameter's ``.grad`` after accumulation.
 
     Raises:
-        TypeError: ``param_groups`` is not a :class:`ParamGroups` (e.g. upstream's list of dicts).
+        TypeError: ``param_groups`` is not a :class:`ParamGroups` (e.g. upstream's list of dicts), or
+            ``weights`` is not an iterable of tensors.
         RuntimeError: ``param_groups`` was already consumed by an earlier call.
         ValueError: ``weights`` are not the parameters given to B (another stage's, or a subset).
         These three are raised before anything runs; ``param_groups`` stays usable then. Once W has
@@ -389,7 +419,7 @@ def stage_backward_weight(
         accumulating call (e.g. by a user hook) can leave the parameters accumulated before it, but
         never half-accumulates one: each gets exactly one ``AccumulateGrad`` call.
     """
-    weights = list(weights)
+    weights = _weights_list(weights)
     if not isinstance(param_groups, ParamGroups):
         raise BadType(
             "param_groups: expected the ppbackward.ParamGroups returned by "
@@ -467,6 +497,20 @@ def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
         # what they saved now, not when the last output referencing the graph dies (an
         # output B could not detach, e.g. a view, may live until the next step).
         release_saved_tensors(node for node, _, _ in calls)
+
+
+def _weights_list(weights: Any) -> list[torch.Tensor]:
+    """``weights`` as a list, each a tensor (a parameter), or a clear error before anything runs."""
+    if isinstance(weights, torch.Tensor) or not isinstance(weights, Iterable):
+        raise BadType(
+            "weights: expected an iterable of parameters (e.g. module.parameters()), got "
+            f"{type(weights).__name__}"
+        )
+    out = list(weights)
+    for i, w in enumerate(out):
+        if not isinstance(w, torch.Tensor):
+            raise BadType(f"weights[{i}]: expected a torch.Tensor (a parameter), got {type(w).__name__}")
+    return out
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

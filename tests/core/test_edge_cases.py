@@ -124,6 +124,21 @@ def test_reentrant_checkpoint_is_refused_clearly_in_b_and_works_in_full():
     assert gx is not None and inner.weight.grad is not None
 
 
+def test_reentrant_checkpoint_on_a_weight_only_branch_is_refused_in_b_before_anything_runs():
+    """W's accumulating call names its inputs, which reentrant checkpointing refuses: B must say so
+    up front, not leave W to fail after accumulating part of the grads."""
+    torch.manual_seed(0)
+    w, v = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    ww = checkpoint(lambda a: torch.sin(a) * 2, w, use_reentrant=True)  # a weight-only branch
+    out = torch.tanh(x @ v) @ ww
+    with pytest.raises(RuntimeError, match="use_reentrant=True .* use use_reentrant=False"):
+        pb.stage_backward_input((out,), (torch.ones(2, 4),), [x], [w, v])
+    assert out.requires_grad and w.grad is None and v.grad is None
+    (gx,) = pb.stage_backward((out,), (torch.ones(2, 4),), [x])
+    assert gx is not None and w.grad is not None and v.grad is not None
+
+
 def test_b_does_not_consume_the_weights_iterator_when_input_is_bad():
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)

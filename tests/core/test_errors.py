@@ -135,6 +135,30 @@ def test_w_with_another_stages_weights_raises_before_anything_runs():
     assert all(p.grad is not None for p in m.parameters())
 
 
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        (None, "weights: expected an iterable of parameters (e.g. module.parameters()), got NoneType"),
+        ("w", "weights[0]: expected a torch.Tensor (a parameter), got str"),
+        (lambda m: [m.layers[0].weight, 3], "weights[1]: expected a torch.Tensor (a parameter), got int"),
+        (lambda m: m.layers[0].weight, "weights: expected an iterable of parameters (e.g. module.parameters()), got Parameter"),
+    ],
+    ids=["None", "str", "an-int-among-them", "one-tensor"],
+)
+def test_weights_that_are_not_tensors_are_refused_before_anything_runs(weights, message):
+    m, out, groups = _b()
+    bad = weights(m) if callable(weights) else weights
+    with pytest.raises(TypeError) as info:
+        pb.stage_backward_weight(bad, groups)
+    assert str(info.value) == message and isinstance(info.value, pb.StageBackwardError)
+    assert not groups.consumed and all(p.grad is None for p in m.parameters())
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TypeError) as info:
+        pb.stage_backward_input(m(x), torch.ones(4, 6, dtype=torch.float64), [x], bad)
+    assert str(info.value) == message
+    assert x.grad is None and all(p.grad is None for p in m.parameters())
+
+
 def test_w_rejects_upstream_param_groups():
     m, _, _ = _b()
     with pytest.raises(TypeError, match="param_groups: expected the ppbackward.ParamGroups"):

@@ -112,3 +112,16 @@ def test_an_edge_needs_its_gradient_and_one_that_fits():
     with pytest.raises(TypeError, match=r"stage_output\[0\]: grad dtype torch.float64 != dtype torch.float32"):
         pb.stage_backward([edge], [torch.ones(4, 6, dtype=torch.float64)], [x])
     assert all(p.grad is None for p in mod.parameters())  # nothing ran
+
+
+def test_a_malformed_edge_is_refused_naming_the_output():
+    from torch.autograd.graph import GradientEdge
+
+    mod, _ = _pair()
+    x = torch.randn(3, 6, requires_grad=True)
+    out = mod(x)
+    with pytest.raises(ValueError, match=r"stage_output\[0\]: GradientEdge node is NoneType, not an autograd node"):
+        pb.stage_backward((GradientEdge(None, 0),), (torch.ones(3, 6),), [x])
+    with pytest.raises(ValueError, match=r"stage_output\[0\]: GradientEdge output_nr 5 is out of range for AddmmBackward0"):
+        pb.stage_backward_input((GradientEdge(out.grad_fn, 5),), (torch.ones(3, 6),), [x], mod.parameters())
+    assert out.requires_grad and all(p.grad is None for p in mod.parameters())

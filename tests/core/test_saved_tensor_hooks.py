@@ -177,3 +177,73 @@ def test_negative_control_torch_split_keeps_nodes_and_packed_tensors_for_ever(tm
     assert "TanhBackward0" in rep.nodes_held_after_gc  # the node that saved its own output
     assert rep.packed_held_after_gc and hooks.alive() > 0
     assert hooks.unpacks > 5  # and it unpacked more than a full backward's 5
+
+
+@pytest.mark.parametrize("around", ["checkpoint", "save_on_cpu"])
+def test_a_parameter_s_tensor_hook_runs_once_where_b_does_w_s_work(around):
+    """Note [frontier captures skip leaf hooks]: ``x @ w`` sends w's gradient straight into its
+    ``AccumulateGrad``; B, doing the hooked region's weight work, captures it there. The hook (which
+    halves the gradient) must run once, in W, as in a full backward, never in B."""
+
+    def run(split: bool):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+        calls = []
+        w.register_hook(lambda g: (calls.append("hook"), g * 0.5)[1])
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        if around == "checkpoint":
+            out = torch.utils.checkpoint.checkpoint(lambda a: torch.tanh(a @ w), x, use_reentrant=False)
+        else:
+            with torch.autograd.graph.save_on_cpu():
+                out = torch.tanh(x @ w)
+        g = torch.ones(3, 4, dtype=torch.float64)
+        if not split:
+            out.backward(g)
+            return w.grad, calls, None
+        _, groups = pb.stage_backward_input((out,), (g,), [x], [w])
+        in_b = list(calls)
+        pb.stage_backward_weight([w], groups)
+        return w.grad, calls, in_b
+
+    ref, ref_calls, _ = run(split=False)
+    got, calls, in_b = run(split=True)
+    assert in_b == [] and calls == ref_calls == ["hook"]
+    assert torch.equal(got, ref)
+
+
+class _OneShot:
+    """Offloading-style hooks: each packed tensor can be handed back once (a second unpack fails)."""
+
+    def __init__(self) -> None:
+        self.store: dict[int, torch.Tensor] = {}
+        self.packs = 0
+
+    def pack(self, t: torch.Tensor) -> int:
+        self.packs += 1
+        self.store[self.packs] = t.detach().clone()
+        return self.packs
+
+    def unpack(self, key: int) -> torch.Tensor:
+        return self.store.pop(key)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["full", "split"])
+def test_an_in_place_op_on_a_view_unpacks_its_hidden_saved_tensors_once(split):
+    """``h[0].mul_(w)`` is a ``CopySlices`` node whose saved tensors Python cannot see; W must not call
+    it again (it would unpack a one-shot hook's tensor a second time: KeyError)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, dtype=torch.float64))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    hooks = _OneShot()
+    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+        out = x * 1.0
+        out[0].mul_(w)  # the only saved tensors are CopySlices's (w and the view's old value)
+    g = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    ref_w = g[0] * x[0].detach()
+    if split:
+        _, groups = pb.stage_backward_input((out,), (g,), [x], [w])
+        pb.stage_backward_weight([w], groups)
+    else:
+        pb.stage_backward((out,), (g,), [x])
+    assert hooks.store == {}  # every packed tensor unpacked exactly once
+    torch.testing.assert_close(w.grad, ref_w, rtol=0, atol=1e-12)

@@ -134,6 +134,19 @@ def test_checker_frees_what_it_caught_and_a_clean_block_after_reports_zero():
     assert second.ok and second.num_garbage == 0
 
 
+def test_a_checker_entered_again_reports_on_the_new_block_only(tmp_path):
+    checker = check_tensor_leaks(strict=False, output_dir=tmp_path)
+    with checker as first:
+        _make_cycle(4)
+    with checker as second:
+        _clean_work()
+    assert second is not first and second.ok and second.chains == [] and second.dot_paths == []
+    with checker as third:
+        _make_cycle(8)
+    assert third.num_tensors == 1 and len(third.chains) == 1 and "float32[8]" in third.chains[0]
+    assert first.num_tensors == 1 and "float32[4]" in first.chains[0]  # the first report is unchanged
+
+
 @pytest.mark.parametrize(("debug", "enabled"), [(0, True), (gc.DEBUG_UNCOLLECTABLE, False)])
 def test_gc_state_is_restored_even_when_the_body_raises(debug, enabled):
     old_debug, old_enabled = gc.get_debug(), gc.isenabled()

@@ -75,6 +75,7 @@ class _TensorLeakCheck:
     def __enter__(self) -> LeakReport:
         if self._armed:
             raise RuntimeError("check_tensor_leaks: this checker is already active; create a new one per block")
+        self.report = LeakReport()  # a checker entered again reports on the new block only
         if self._warmup is not None:
             self._warmup()  # before arming: one-time lazy imports and caches are not leaks
         self._prev_debug = gc.get_debug()
