@@ -65,7 +65,9 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 
 # The tracker's hooks only observe what autograd saves (it keeps the same storage, detached): the stage
 # backward treats tensors saved through them as unhooked (Note [hooked saved tensors run once] in
-# ppbackward._saved), so that tracking does not change what it tracks.
+# ppbackward._saved), so that tracking does not change which work B and W do. One thing it does change:
+# a saved tensor takes one pair of hooks, so B cannot release the unread ones early under the tracker
+# (docs/leak-hunting.md, the tracker's limits).
 _unpack._ppbackward_transparent = True  # type: ignore[attr-defined]
 
 
