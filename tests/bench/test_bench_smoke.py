@@ -75,6 +75,17 @@ def test_memory_figures_are_sane(quick_report, impl):
     assert mem["held_after_gc_bytes"] <= mem["held_bytes"]
 
 
+@pytest.mark.parametrize("impl", ["upstream", "ppbackward"])
+def test_hooked_memory_figures_are_sane(quick_report, impl):
+    hooked = quick_report[1]["configs"][0]["memory"][impl]["hooked"]
+    assert 0 <= hooked["floor_bytes"] <= hooked["held_bytes"] <= hooked["packed_bytes"]
+    assert hooked["packed_bytes"] > 0 and hooked["after_w_bytes"] == 0
+    if impl == "ppbackward":  # B did W's work: nothing packed is left for W to read, nothing held
+        assert hooked["held_bytes"] == hooked["floor_bytes"] == 0 and hooked["held_over_floor"] == 1.0
+    else:  # torch's split holds every packed copy, W reads part of them
+        assert hooked["held_bytes"] == hooked["packed_bytes"] > hooked["floor_bytes"] > 0
+
+
 def test_ppbackward_frees_every_saved_activation_after_w(quick_report):
     _, report, _ = quick_report
     assert report["configs"][0]["memory"]["ppbackward"]["after_w_bytes"] == 0
@@ -82,7 +93,7 @@ def test_ppbackward_frees_every_saved_activation_after_w(quick_report):
 
 def test_tables_printed(quick_report):
     _, report, out = quick_report
-    for heading in ("Time:", "Microbatch loop:", "Allocator:", "Memory:", "Graph analysis", "Targets (docs/performance.md)"):
+    for heading in ("Time:", "Microbatch loop:", "Allocator:", "Memory:", "Memory with a user's saved-tensor hooks", "Graph analysis", "Targets (docs/performance.md)"):
         assert heading in out
     assert out.count("PASS") + out.count("MISS") >= len(report["targets"])
 

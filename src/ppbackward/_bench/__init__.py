@@ -139,7 +139,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             _log(f"bench: {cfg.name} ...")
             stage = _models.build(cfg)
             exact = _impls.grads_match(stage)
-            memory = {impl: _memory.measure_split(impl, stage) for impl in ("upstream", "ppbackward")}
+            memory = {
+                impl: {**_memory.measure_split(impl, stage), "hooked": _memory.measure_hooked(impl, stage)}
+                for impl in ("upstream", "ppbackward")
+            }
             groups = {}
             for impl in ("upstream", "ppbackward"):
                 out = stage.model(stage.x)

@@ -21,6 +21,10 @@ Private module. Two forwards of the same stage, with the same shapes and therefo
   use them: the floor is what W *reads*, as the engine runs it. W reads the same tensors with or
   without the release, so this run gives the floor of either implementation.
 
+With a user's hooks (``measure_hooked``: a pack that keeps a copy, as offloading does) the same two
+figures are read from the hooks themselves: the bytes of the copies alive after B, and of those W
+unpacks.
+
 Both runs count unique storages (``untyped_storage().data_ptr()``, ``nbytes()``): several saved
 tensors may be views of one buffer (attention's q, k and v are chunks of one projection). Both
 count the same set at the end of the forward (``saved_bytes`` and ``saved_bytes_hooked`` agree);
@@ -99,6 +103,66 @@ def _floor(impl: str, stage: Stage) -> tuple[int, int]:
     del groups, out
     reset_grads(stage)
     return saved, rec.bytes(rec.unpacked.get("W", ()))
+
+
+class _CopyHooks:
+    """A user's offloading-style hook pair (issue 15): pack keeps a copy, unpack hands it back.
+
+    Not transparent to the split: ppbackward's B sees hooked saved tensors and does W's work itself
+    (Note [hooked saved tensors run once]). Records the bytes of every copy still alive, and of every
+    copy unpacked during W. Parameters and the stage input are returned as they are (not copied).
+    """
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[weakref.ref, int]] = []
+        self.read_in_w: dict[int, int] = {}
+        self.phase = "forward"
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad and t.grad_fn is None:
+            return t
+        copy = t.detach().clone()
+        self.copies.append((weakref.ref(copy), copy.untyped_storage().nbytes()))
+        return copy
+
+    def unpack(self, copy: torch.Tensor) -> torch.Tensor:
+        if self.phase == "W" and not (copy.requires_grad and copy.grad_fn is None):
+            self.read_in_w[id(copy)] = copy.untyped_storage().nbytes()
+        return copy
+
+    def alive_bytes(self) -> int:
+        return sum(nbytes for ref, nbytes in self.copies if ref() is not None)
+
+
+def measure_hooked(impl: str, stage: Stage) -> dict[str, Any]:
+    """Bytes of what a user's pack hook returned that are alive between B and W, against the bytes W
+    unpacks; and alive after W (the stage output dropped)."""
+    reset_grads(stage)
+    hooks = _CopyHooks()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            out = stage.model(stage.x)
+        packed = hooks.alive_bytes()
+        hooks.phase = "B"
+        groups = run_b(impl, stage, out)
+        held = hooks.alive_bytes()
+        hooks.phase = "W"
+        run_w(impl, stage, groups)
+        del groups, out
+        after_w = hooks.alive_bytes()
+    finally:
+        gc.enable()
+        reset_grads(stage)
+    floor = sum(hooks.read_in_w.values())
+    return {
+        "packed_bytes": packed,
+        "held_bytes": held,
+        "floor_bytes": floor,
+        "held_over_floor": held / floor if floor else (float("inf") if held else 1.0),
+        "after_w_bytes": after_w,
+    }
 
 
 def measure_split(impl: str, stage: Stage) -> dict[str, Any]:

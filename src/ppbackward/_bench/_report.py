@@ -59,6 +59,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_target("full stage_backward within 5% of plain", f"{c['label']}, {regime}", c["ratio_to_plain"][regime]["full"], 1.05, c["paired_ratio_median"][regime]["full/plain"]))
     for c in report["configs"]:
         rows.append(_target("bytes held between B and W = bytes W reads (1.00x)", c["label"], c["memory"]["ppbackward"]["held_over_floor"], 1.0))
+    for c in report["configs"]:
+        rows.append(_target("with saved-tensor hooks too: held = what W unpacks (1.00x)", c["label"], c["memory"]["ppbackward"]["hooked"]["held_over_floor"], 1.0))
     fit = (report.get("analysis_scaling") or {}).get("fit") or {}
     if "per_unit_growth" in fit:
         rows.append(_target("[bench check] analysis linear: us/(node+edge) largest/smallest <= 1.5", "1..32 layers" if len(report["analysis_scaling"]["points"]) > 3 else "quick", fit["per_unit_growth"], 1.5))
@@ -159,6 +161,24 @@ def format_text(report: dict[str, Any]) -> str:
         " floor = what W reads\n"
         + _table(
             ["config", "saved", "up held", "up floor", "up held/floor", "pp held", "pp floor",
+             "pp held/floor", "bytes after W up/pp"],
+            rows,
+        )  # fmt: skip
+    )
+    rows = []
+    for c in report["configs"]:
+        u, p = c["memory"]["upstream"]["hooked"], c["memory"]["ppbackward"]["hooked"]
+        rows.append([
+            c["label"], f"{u['packed_bytes'] / MiB:.3f}",
+            f"{u['held_bytes'] / MiB:.3f}", f"{u['floor_bytes'] / MiB:.3f}", _x(u["held_over_floor"]),
+            f"{p['held_bytes'] / MiB:.3f}", f"{p['floor_bytes'] / MiB:.3f}", _x(p["held_over_floor"]),
+            f"{u['after_w_bytes']}/{p['after_w_bytes']}",
+        ])  # fmt: skip
+    parts.append(
+        "\nMemory with a user's saved-tensor hooks (pack keeps a copy, as offloading does): MiB of those copies"
+        " alive between B and W; floor = what W unpacks (ppbackward's B does W's work where hooks are)\n"
+        + _table(
+            ["config", "packed", "up held", "up floor", "up held/floor", "pp held", "pp floor",
              "pp held/floor", "bytes after W up/pp"],
             rows,
         )  # fmt: skip
