@@ -87,6 +87,25 @@ def _mib(nbytes: Optional[int], digits: int = 1) -> str:
     return "-" if nbytes is None else f"{nbytes / MiB:.{digits}f}"
 
 
+def _memory_table(report: dict[str, Any], pick: Any, total: str) -> str:
+    """Held against floor bytes per configuration, for ``pick(config["memory"][impl])``; ``total``
+    names the figure of everything saved (``saved_bytes`` or ``packed_bytes``)."""
+    rows = []
+    for c in report["configs"]:
+        u, p = pick(c["memory"]["upstream"]), pick(c["memory"]["ppbackward"])
+        rows.append([
+            c["label"], f"{u[total + '_bytes'] / MiB:.3f}",
+            f"{u['held_bytes'] / MiB:.3f}", f"{u['floor_bytes'] / MiB:.3f}", _x(u["held_over_floor"]),
+            f"{p['held_bytes'] / MiB:.3f}", f"{p['floor_bytes'] / MiB:.3f}", _x(p["held_over_floor"]),
+            f"{u['after_w_bytes']}/{p['after_w_bytes']}",
+        ])  # fmt: skip
+    return _table(
+        ["config", total, "up held", "up floor", "up held/floor", "pp held", "pp floor", "pp held/floor",
+         "bytes after W up/pp"],
+        rows,
+    )  # fmt: skip
+
+
 def format_text(report: dict[str, Any]) -> str:
     """All tables of ``report`` as plain text (also valid inside a Markdown code block)."""
     m = report["meta"]
@@ -147,41 +166,14 @@ def format_text(report: dict[str, Any]) -> str:
         "\nAllocator: allocations / MiB allocated during one backward (torch.profiler, profile_memory)\n"
         + _table(["config", "regime", "plain", "upstream B+W", "ppbackward B+W", "ppbackward full"], rows, left=2)
     )
-    rows = []
-    for c in report["configs"]:
-        u, p = c["memory"]["upstream"], c["memory"]["ppbackward"]
-        rows.append([
-            c["label"], f"{u['saved_bytes'] / MiB:.3f}",
-            f"{u['held_bytes'] / MiB:.3f}", f"{u['floor_bytes'] / MiB:.3f}", _x(u["held_over_floor"]),
-            f"{p['held_bytes'] / MiB:.3f}", f"{p['floor_bytes'] / MiB:.3f}", _x(p["held_over_floor"]),
-            f"{u['after_w_bytes']}/{p['after_w_bytes']}",
-        ])  # fmt: skip
     parts.append(
         "\nMemory: saved activations (MiB, unique storages, parameters excluded) alive between B and W;"
-        " floor = what W reads\n"
-        + _table(
-            ["config", "saved", "up held", "up floor", "up held/floor", "pp held", "pp floor",
-             "pp held/floor", "bytes after W up/pp"],
-            rows,
-        )  # fmt: skip
+        " floor = what W reads\n" + _memory_table(report, lambda m: m, "saved")
     )
-    rows = []
-    for c in report["configs"]:
-        u, p = c["memory"]["upstream"]["hooked"], c["memory"]["ppbackward"]["hooked"]
-        rows.append([
-            c["label"], f"{u['packed_bytes'] / MiB:.3f}",
-            f"{u['held_bytes'] / MiB:.3f}", f"{u['floor_bytes'] / MiB:.3f}", _x(u["held_over_floor"]),
-            f"{p['held_bytes'] / MiB:.3f}", f"{p['floor_bytes'] / MiB:.3f}", _x(p["held_over_floor"]),
-            f"{u['after_w_bytes']}/{p['after_w_bytes']}",
-        ])  # fmt: skip
     parts.append(
         "\nMemory with a user's saved-tensor hooks (pack keeps a copy, as offloading does): MiB of those copies"
         " alive between B and W; floor = what W unpacks (ppbackward's B does W's work where hooks are)\n"
-        + _table(
-            ["config", "packed", "up held", "up floor", "up held/floor", "pp held", "pp floor",
-             "pp held/floor", "bytes after W up/pp"],
-            rows,
-        )  # fmt: skip
+        + _memory_table(report, lambda m: m["hooked"], "packed")
     )
     scaling = report.get("analysis_scaling")
     if scaling:
