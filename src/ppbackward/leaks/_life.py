@@ -23,14 +23,12 @@ hold their watches, nothing points back (Note [watches form no cycle] in ``_watc
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
-from ppbackward.leaks._activations import ALIVE, FREED_BY_GC, FREED_BY_REFCOUNT
-from ppbackward.leaks._gc_phase import _collecting
 from ppbackward.leaks._storage import _unique_storage_bytes
+from ppbackward.leaks._watch import _on_freed, _Watch, _WatchRef
 
 __all__: list[str] = []  # private module
 
@@ -41,22 +39,14 @@ class _Sentinel:
     __slots__ = ("__weakref__",)
 
 
-class _LifeWatch:
-    __slots__ = ("label", "nbytes", "state")
+class _LifeWatch(_Watch):
+    """A :class:`_Watch` with a label for reports: the node's name, or the packed tensor's dtype and shape."""
+
+    __slots__ = ("label",)
 
     def __init__(self, label: str, nbytes: int) -> None:
+        super().__init__(nbytes)
         self.label = label
-        self.nbytes = nbytes
-        self.state = ALIVE
-
-
-class _LifeRef(weakref.ref):  # type: ignore[type-arg]
-    __slots__ = ("watch",)
-    watch: _LifeWatch
-
-
-def _on_freed(ref: _LifeRef) -> None:
-    ref.watch.state = FREED_BY_GC if _collecting() else FREED_BY_REFCOUNT
 
 
 def _tensors_in(packed: Any) -> list[torch.Tensor]:
@@ -75,7 +65,7 @@ class _LifeWatches:
 
     def __init__(self, key: str) -> None:
         self._key = key  # the metadata key of this tracker's sentinels
-        self._refs: list[_LifeRef] = []
+        self._refs: list[_WatchRef] = []
 
     def watch_node(self, node: Any, name: str) -> None:
         sentinel = _Sentinel()
@@ -93,7 +83,7 @@ class _LifeWatches:
             self._add(t, label, nbytes)
 
     def _add(self, obj: Any, label: str, nbytes: int) -> None:
-        ref = _LifeRef(obj, _on_freed)
+        ref = _WatchRef(obj, _on_freed)
         ref.watch = _LifeWatch(label, nbytes)
         self._refs.append(ref)
 

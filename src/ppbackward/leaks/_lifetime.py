@@ -47,7 +47,7 @@ from ppbackward.leaks._activations import (
 from ppbackward.leaks._life import _LifeWatches
 from ppbackward.leaks._saved_hooks import _hooks_enabled, _OpMode, _peek_sequence_nr, _top_hooks, _unpack
 from ppbackward.leaks._storage import _storage_key, _tensor_storages
-from ppbackward.leaks._watch import _StorageWatch, _WatchMap
+from ppbackward.leaks._watch import _Watch, _WatchMap
 
 __all__ = ["ActivationTracker", "track_activations"]
 
@@ -68,7 +68,7 @@ class _Record:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    watches: tuple[_StorageWatch, ...]
+    watches: tuple[_Watch, ...]
     is_leaf: bool
 
 

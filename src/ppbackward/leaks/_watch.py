@@ -1,12 +1,13 @@
-"""Watching a storage die without keeping it alive, and telling how it died.
+"""Watching a storage (or another object that takes weak references) die without keeping it alive,
+and telling how it died.
 
-Private module. One :class:`_StorageWatch` per storage (shared by every saved tensor that views it),
+Private module. One :class:`_Watch` per storage (shared by every saved tensor that views it),
 fed by a weak reference to the storage's Python object. torch keeps a storage's Python object alive
 exactly as long as its C++ ``StorageImpl`` (PyObject preservation), so the weak reference dies when
 the memory is released, not when the last Python name for it goes away.
 
 Note [watches form no cycle]
-The tracker's map holds the ``_StorageRef``; the ref holds its ``_StorageWatch``; records hold
+The tracker's map holds the ``_WatchRef``; the ref holds its ``_Watch``; records hold
 watches. Nothing points back, so the bookkeeping itself never becomes cyclic garbage (it would show
 up in a surrounding ``check_tensor_leaks`` otherwise). Dead refs stay in the map until their key is
 reused or the tracker is cleared.
@@ -24,8 +25,9 @@ from ppbackward.leaks._storage import _storage_key, _storage_nbytes
 __all__: list[str] = []  # private module
 
 
-class _StorageWatch:
-    """Size and fate of one storage: ``state`` is ``ALIVE``, ``FREED_BY_GC`` or ``FREED_BY_REFCOUNT``."""
+class _Watch:
+    """Size in bytes and fate of one watched object (a storage here; an autograd node's sentinel or a
+    packed tensor in ``_life.py``): ``state`` is ``ALIVE``, ``FREED_BY_GC`` or ``FREED_BY_REFCOUNT``."""
 
     __slots__ = ("nbytes", "state")
 
@@ -34,30 +36,30 @@ class _StorageWatch:
         self.state = ALIVE
 
 
-class _StorageRef(weakref.ref):  # type: ignore[type-arg]
+class _WatchRef(weakref.ref):  # type: ignore[type-arg]
     __slots__ = ("watch",)
-    watch: _StorageWatch
+    watch: _Watch
 
 
-def _on_storage_freed(ref: _StorageRef) -> None:
+def _on_freed(ref: _WatchRef) -> None:
     # Note [freed by gc vs refcount] in _gc_phase.py
     ref.watch.state = FREED_BY_GC if _collecting() else FREED_BY_REFCOUNT
 
 
 class _WatchMap:
-    """``storage -> _StorageWatch``, one watch per live storage."""
+    """``storage -> _Watch``, one watch per live storage."""
 
     def __init__(self) -> None:
-        self._refs: dict[int, _StorageRef] = {}
+        self._refs: dict[int, _WatchRef] = {}
 
-    def watch(self, storage: Any) -> _StorageWatch:
+    def watch(self, storage: Any) -> _Watch:
         """The watch of ``storage``, created on first sight."""
         key = _storage_key(storage)
         ref = self._refs.get(key)
         if ref is not None and ref() is storage:
             return ref.watch
-        ref = _StorageRef(storage, _on_storage_freed)
-        ref.watch = _StorageWatch(_storage_nbytes(storage))
+        ref = _WatchRef(storage, _on_freed)
+        ref.watch = _Watch(_storage_nbytes(storage))
         self._refs[key] = ref
         return ref.watch
 
