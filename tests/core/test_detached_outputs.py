@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import ppbackward as pb
 from helpers import assert_grads_equal, assert_param_grads, clone_inputs, flat_pairs, output_grads
 from stages import DTYPE, _x
-from test_random_stages import RandomStage, program_st
+from test_random_stages import RandomStage, stage_st
 
 
 def _detach_every_output(out) -> None:
@@ -201,15 +201,7 @@ def test_a_saved_input_modified_in_place_before_w_still_raises_autograd_s_error(
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    program=program_st,
-    n_mat=st.integers(1, 3),
-    n_vec=st.integers(1, 3),
-    frozen=st.lists(st.integers(0, 5), max_size=2),
-    outputs=st.lists(st.integers(0, 50), min_size=1, max_size=3),
-    input_grad=st.lists(st.booleans(), min_size=1, max_size=2),
-    as_loss=st.booleans(),
-)
+@given(**stage_st, as_loss=st.booleans())
 def test_random_stages_survive_the_caller_detaching_every_output(
     program, n_mat, n_vec, frozen, outputs, input_grad, as_loss
 ):

@@ -64,10 +64,8 @@ program_st = st.lists(
     min_size=1,
     max_size=8,
 )
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+# One random stage: its program, parameter counts, frozen parameters, outputs and which inputs need grad.
+stage_st = dict(
     program=program_st,
     n_mat=st.integers(1, 3),
     n_vec=st.integers(1, 3),
@@ -75,6 +73,10 @@ program_st = st.lists(
     outputs=st.lists(st.integers(0, 50), min_size=1, max_size=3),
     input_grad=st.lists(st.booleans(), min_size=1, max_size=2),
 )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**stage_st)
 def test_random_stage_split_full_plain_agree(program, n_mat, n_vec, frozen, outputs, input_grad):
     torch.manual_seed(0)
     module = RandomStage(program, n_mat, n_vec, frozen, outputs)
