@@ -56,6 +56,8 @@ __all__: list[str] = []  # private module
 
 _CHECKPOINT_HOLDER = getattr(torch.utils.checkpoint, "_Holder", None)
 HOOKS_VISIBLE = hasattr(torch._C._autograd.SavedTensor, "unpack_hook")
+# ``SavedTensor.data``: the saved tensor as stored (a saved input with its grad_fn), without unpacking
+_DATA_VISIBLE = HOOKS_VISIBLE and hasattr(torch._C._autograd.SavedTensor, "data")
 
 _ATTRS: dict[type, tuple[str, ...]] = {}  # node type -> its ``_raw_saved_*`` attribute names
 
@@ -160,6 +162,9 @@ def release_saved_tensors(nodes: Iterable[Node]) -> int:
 # returns the alias. W empties the holders once it is done (Note [release unread saved tensors]
 # cannot re-register hooks on these), so nothing outlives W. Saved tensors that already have hooks
 # (checkpointing, offloading) carry their own grad_fn the same way and are left alone.
+# B tells leaves and outputs apart by the saved tensor as stored (``SavedTensor.data``, torch 2.13+),
+# so a hooked one's unpack hook never runs for it (Note [hooked saved tensors run once]); before 2.13
+# only the node's ``_saved_*`` value tells, and reading it unpacks a hooked tensor once more.
 
 
 class _Pinned:
@@ -218,7 +223,14 @@ def pin_saved_inputs(nodes: Iterable[Node]) -> list[_Pinned]:
         The holders, for :func:`release_pinned` once W is done.
     """
     pack = _PinHook()
-    for node in nodes:
+    if _DATA_VISIBLE:
+        for node in nodes:
+            for item in _saved_items(node):
+                # A hooked item keeps its grad_fn itself; reading its data never runs its unpack hook.
+                if item is not None and item.unpack_hook is None:
+                    _pin(item, item.data, node, pack)
+        return pack.pinned
+    for node in nodes:  # before torch 2.13: the value, read through the node (unpacks hooked items)
         for attr in _saved_attrs(node):
             try:
                 raw = getattr(node, attr)
@@ -228,13 +240,17 @@ def pin_saved_inputs(nodes: Iterable[Node]) -> list[_Pinned]:
             items = raw if isinstance(raw, (list, tuple)) else (raw,)
             values = value if isinstance(value, (list, tuple)) else (value,)
             for item, t in zip(items, values):
-                if not isinstance(t, torch.Tensor) or t.grad_fn is None or t.grad_fn is node:
-                    continue  # not a tensor, a leaf, or the node's own output: nothing to lose
-                try:
-                    item.register_hooks(pack, _unpin)
-                except RuntimeError:  # already has hooks: its owner keeps its grad_fn
-                    continue
+                _pin(item, t, node, pack)
     return pack.pinned
+
+
+def _pin(item: Any, t: object, node: Node, pack: _PinHook) -> None:
+    if not isinstance(t, torch.Tensor) or t.grad_fn is None or t.grad_fn is node:
+        return  # not a tensor, a leaf, or the node's own output: nothing to lose
+    try:
+        item.register_hooks(pack, _unpin)
+    except RuntimeError:  # already has hooks: its owner keeps its grad_fn
+        pass
 
 
 def release_pinned(pinned: Iterable[_Pinned]) -> None:

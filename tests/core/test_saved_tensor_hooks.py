@@ -99,21 +99,29 @@ def _batch(k: int):
     )
 
 
+@pytest.mark.parametrize("as_loss", [False, True], ids=["output", "loss"])
 @pytest.mark.parametrize("style", STYLES)
-def test_split_equals_full_backward_and_unpacks_as_often(style, tmp_path):
+def test_split_equals_full_backward_and_unpacks_as_often(style, as_loss, tmp_path):
+    """Also with a loss (a last stage): B then pins the saved inputs of every node W would run (Note
+    [outputs detached after B]) and must not unpack a hooked one to find out whether it needs to."""
     full, split = _stage(), _stage()
     full_hooks, split_hooks = Hooks(style, tmp_path), Hooks(style, tmp_path)
+
+    def forward(stage, x, g):
+        out = stage(x)
+        return ((out * g).sum(),) if as_loss else (out,)
+
     for k in range(2):  # two microbatches: B, B, W, W
         x, g = _batch(k)
         with full_hooks.context():
-            out = full(x)
-        out.backward(g)
+            outs = forward(full, x, g)
+        torch.autograd.backward(outs, None if as_loss else (g,))
     pending, dxs = [], []
     for k in range(2):
         x, g = _batch(k)
         with split_hooks.context():
-            out = split(x)
-        (dx,), groups = pb.stage_backward_input((out,), (g,), [x], split.parameters())
+            outs = forward(split, x, g)
+        (dx,), groups = pb.stage_backward_input(outs, None if as_loss else (g,), [x], split.parameters())
         pending.append(groups)
         dxs.append(dx)
     for groups in pending:
@@ -247,3 +255,32 @@ def test_an_in_place_op_on_a_view_unpacks_its_hidden_saved_tensors_once(split):
         pb.stage_backward((out,), (g,), [x])
     assert hooks.store == {}  # every packed tensor unpacked exactly once
     torch.testing.assert_close(w.grad, ref_w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("as_loss", [False, True], ids=["output", "loss"])
+def test_hooks_on_a_weight_only_branch_unpack_once(as_loss, tmp_path):
+    """Hooks around a weight-only branch alone (``cos(w)``): W runs that node, B does not. Given a loss,
+    B pins the saved inputs of every node W will run (Note [outputs detached after B]); it must tell
+    them apart without unpacking (it unpacked ``cos``'s input once in B, once more in W)."""
+    results = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        lin, w = nn.Linear(4, 4).double(), nn.Parameter(torch.randn(4, dtype=torch.float64))
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        hooks = Hooks("identity", tmp_path)
+        with hooks.context():
+            c = torch.cos(w)
+        out = lin(x) * c
+        outs, grads = ((out.square().sum(),), None) if as_loss else ((out,), (torch.ones_like(out),))
+        params = [w, *lin.parameters()]
+        if split:
+            _, groups = pb.stage_backward_input(outs, grads, [x], params)
+            assert hooks.unpacks == 0  # B never runs the branch, nor unpacks it
+            pb.stage_backward_weight(params, groups)
+        else:
+            torch.autograd.backward(outs, grads)
+        results.append((hooks.unpacks, [p.grad for p in params]))
+    (full_unpacks, full_grads), (split_unpacks, split_grads) = results
+    assert split_unpacks == full_unpacks == 1
+    for a, b in zip(split_grads, full_grads):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
