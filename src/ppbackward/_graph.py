@@ -142,10 +142,15 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
 
     Closed upwards (whatever feeds a node B runs must run in B too) and over every slot it feeds: each
     edge leaving the set lands on a slot all of whose producers are in the set, so that the gradient
-    B's engine call returns there is complete. Linear in the nodes and edges visited.
+    B's engine call returns there is complete. Linear in the edges of W's nodes.
     """
     st = analysis.structure
     run_by_w = (st.inter | st.w_only) - {i for i in st.w_only if type(st.nodes[i]) is _ACCUMULATE_GRAD}
+    w_edges = {i: _w_edges(st, i) for i in run_by_w}
+    producers: dict[tuple[int, int], list[int]] = {}  # (node, input slot) -> W's nodes with an edge into it
+    for i, edges in w_edges.items():
+        for kid, nr in edges:
+            producers.setdefault((st.index[kid], nr), []).append(i)
     chosen: set[int] = set()
     todo = list(run_by_w) if seeds is None else [st.index[n] for n in seeds if st.index.get(n) in run_by_w]
     while todo:
@@ -154,19 +159,14 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
             continue
         chosen.add(i)
         todo += [p for p in st.parents[i] if p in run_by_w and p not in chosen]  # its producers
-        for kid, nr in _w_edges(st, i):
+        for kid, nr in w_edges[i]:
             k = st.index[kid]
-            if k in chosen:
-                continue
-            for p in st.parents[k]:  # every producer of the slot this edge feeds
-                if p not in chosen and p in run_by_w and any(
-                    kk is kid and n == nr for kk, n in st.nexts[p] if kk is not None
-                ):
-                    todo.append(p)
+            if k not in chosen:  # every producer of the slot this edge feeds
+                todo += [p for p in producers[k, nr] if p not in chosen]
     frontier: dict[GradientEdge, tuple[GroupSpec, int]] = {}
     for i in sorted(chosen):
         seq = st.nodes[i]._sequence_nr()
-        for kid, nr in _w_edges(st, i):
+        for kid, nr in w_edges[i]:
             k = st.index[kid]
             if k not in chosen:
                 edge = GradientEdge(kid, nr)

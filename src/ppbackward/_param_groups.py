@@ -82,12 +82,12 @@ class ParamGroups:
         groups: list[ParamGroup],
         weight_ids: WeightSet,
         owners: tuple[Node, ...] = (),
-        pinned: list = (),  # type: ignore[assignment]
+        pinned: list | None = None,
     ) -> None:
         self._groups = groups
         self._weight_ids = weight_ids
         self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
-        self._pinned = list(pinned)  # Note [outputs detached after B] (ppbackward._saved)
+        self._pinned = pinned or []  # Note [outputs detached after B] (ppbackward._saved)
         self._consumed = False
 
     @property

@@ -64,12 +64,18 @@ def _check_grad(out: torch.Tensor, grad: Any, path: str, grads_given: bool) -> t
         return torch.ones_like(out, memory_format=torch.preserve_format)
     if not isinstance(grad, torch.Tensor):
         raise BadType(f"{path}: gradient must be a torch.Tensor or None, got {type(grad).__name__}")
-    if grad.shape != out.shape:
-        raise BadValue(f"{path}: grad shape {_shape(grad)} != output shape {_shape(out)}")
-    if grad.dtype != out.dtype:
-        raise BadType(f"{path}: grad dtype {grad.dtype} != output dtype {out.dtype}")
-    if grad.device != out.device:
-        raise BadValue(f"{path}: grad device {grad.device} != output device {out.device}")
+    return _check_like(grad, out, path, "output")
+
+
+def _check_like(grad: torch.Tensor, like: Any, path: str, what: str) -> torch.Tensor:
+    """``grad`` if its shape, dtype and device are ``like``'s (a tensor, or a node's input metadata), else
+    raise naming ``path`` and ``what`` ``like`` is."""
+    if tuple(grad.shape) != tuple(like.shape):
+        raise BadValue(f"{path}: grad shape {_shape(grad)} != {what} shape {tuple(like.shape)}")
+    if grad.dtype != like.dtype:
+        raise BadType(f"{path}: grad dtype {grad.dtype} != {what} dtype {like.dtype}")
+    if grad.device != like.device:
+        raise BadValue(f"{path}: grad device {grad.device} != {what} device {like.device}")
     return grad
 
 
@@ -98,14 +104,7 @@ def _check_edge_grad(edge: GradientEdge, grad: Any, path: str, grads_given: bool
         )
     if not isinstance(grad, torch.Tensor):
         raise BadType(f"{path}: gradient must be a torch.Tensor, got {type(grad).__name__}")
-    meta = node._input_metadata[nr]
-    if tuple(grad.shape) != tuple(meta.shape):
-        raise BadValue(f"{path}: grad shape {_shape(grad)} != shape {tuple(meta.shape)} of the GradientEdge's input")
-    if grad.dtype != meta.dtype:
-        raise BadType(f"{path}: grad dtype {grad.dtype} != dtype {meta.dtype} of the GradientEdge's input")
-    if grad.device != meta.device:
-        raise BadValue(f"{path}: grad device {grad.device} != device {meta.device} of the GradientEdge's input")
-    return grad
+    return _check_like(grad, node._input_metadata[nr], path, "GradientEdge input")
 
 
 def _check_opaque_leaf(out: Any, path: str) -> None:

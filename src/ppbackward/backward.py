@@ -347,10 +347,9 @@ def _build_groups(specs, captured: dict, output_grads, root_edges, frontier, eag
     engine call already sent on (into a node B ran, or into a frontier slot, whose gradient includes it).
     """
     extra: dict[int, list] = {}
-    done = set()  # what B's engine call already sent on: the frontier slots, and the nodes B ran
+    done = set()  # the frontier slots, whose gradients B's engine call already sent on (with the roots')
     for (group, edge, seq), grad in frontier:
         done.add(edge)
-        done.add(edge.node)
         if grad is not None:
             extra.setdefault(id(group), []).append((seq, edge, grad))
     groups: list[ParamGroup] = []

@@ -107,9 +107,9 @@ def test_an_edge_needs_its_gradient_and_one_that_fits():
     edge = get_gradient_edge(mod(x))
     with pytest.raises(pb.StageBackwardError, match=r"stage_output\[0\]: a GradientEdge output requires output gradients"):
         pb.stage_backward_input([edge], None, [x], mod.parameters())
-    with pytest.raises(ValueError, match=r"stage_output\[0\]: grad shape \(4, 5\) != shape \(4, 6\) of the GradientEdge's input"):
+    with pytest.raises(ValueError, match=r"stage_output\[0\]: grad shape \(4, 5\) != GradientEdge input shape \(4, 6\)"):
         pb.stage_backward([edge], [torch.ones(4, 5)], [x])
-    with pytest.raises(TypeError, match=r"stage_output\[0\]: grad dtype torch.float64 != dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"stage_output\[0\]: grad dtype torch.float64 != GradientEdge input dtype torch.float32"):
         pb.stage_backward([edge], [torch.ones(4, 6, dtype=torch.float64)], [x])
     assert all(p.grad is None for p in mod.parameters())  # nothing ran
 
