@@ -241,12 +241,16 @@ def _memory() -> dict[str, Any]:
     return out
 
 
+def _memory_ok(m: dict[str, Any]) -> bool:
+    """One backward's memory passes: it holds no more between B and W than W reads, and nothing after W."""
+    return m["held_over_floor"] <= 1.0 and m["after_w_bytes"] == 0
+
+
 def _memory_lines(memory: dict[str, Any]) -> list[str]:
     lines = [f"memory between B and W (one stage: {memory['stage']}; in this process)"]
     for backward in BACKWARDS:
         m = memory[backward]
-        ok = m["held_over_floor"] <= 1.0 and m["after_w_bytes"] == 0
-        verdict = "" if backward == "upstream" else (" ok" if ok else " FAIL")
+        verdict = "" if backward == "upstream" else (" ok" if _memory_ok(m) else " FAIL")
         lines.append(
             f"  {backward:>10}: {m['held_bytes']} B held, W reads {m['floor_bytes']} B: "
             f"{m['held_over_floor']:.2f}x{verdict}"
@@ -301,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     for line in _memory_lines(memory):
         print(line)
     elapsed = time.perf_counter() - t0
-    memory_ok = memory["ppbackward"]["held_over_floor"] <= 1.0 and memory["ppbackward"]["after_w_bytes"] == 0
+    memory_ok = _memory_ok(memory["ppbackward"])
     ours_launch = [p for p in launch_failed if p.startswith("ppbackward ")]
     passed = not ours_bad and not ours_launch and memory_ok
     keep = bool(args.logs) or not passed

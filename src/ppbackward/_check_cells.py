@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ppbackward._harness.diagnose import KINDS, diagnose, kind_of
+from ppbackward._harness.diagnose import ORDER, diagnose, kind_of
 
 __all__: list[str] = []  # private module
 
@@ -63,7 +63,6 @@ def _step_metrics(step: dict[str, Any]) -> dict[str, Any]:
 
 def _findings(records: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
     """The kinds of failure over every rank, most telling first, each with one example ``rank r, ...``."""
-    order = {kind.key: i for i, kind in enumerate(KINDS)}
     found: dict[str, dict[str, str]] = {}
     for rank, record in records.items():
         for finding in diagnose(record):
@@ -77,7 +76,7 @@ def _findings(records: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
                     "example": f"rank {rank}, {finding.example}",
                 },
             )
-    return sorted(found.values(), key=lambda f: order.get(f["kind"], len(order)))
+    return sorted(found.values(), key=lambda f: ORDER.get(f["kind"], len(ORDER)))
 
 
 def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
@@ -186,9 +185,8 @@ def by_kind(failing: list[tuple[str, dict[str, Any]]]) -> list[str]:
                 body = re.sub(r"^rank \d+, ", "", behind)
                 same = kind_of(body, {"wrap": values.get("wrap", "none")}) == finding["kind"]
                 block["example"] = (behind if same else finding["example"]).splitlines()[0]
-    order = {kind.key: i for i, kind in enumerate(KINDS)}
     lines: list[str] = []
-    for key, block in sorted(blocks.items(), key=lambda item: order.get(item[0], len(order))):
+    for key, block in sorted(blocks.items(), key=lambda item: ORDER.get(item[0], len(ORDER))):
         lines.append(f"- {block['line']}")
         lines.append(f"    in: {', '.join(block['rows'])}")
         shown = re.sub(r"^rank \d+, (exception: )?", "", block["example"])

@@ -139,6 +139,26 @@ def test_footnotes_group_failures_by_kind_with_reason_report_rows_and_one_exampl
     assert lines[-2:] == ["- ValueError: something nobody has seen", "    in: b S1"]  # unknown kinds last, as recorded
 
 
+def test_ddp_shape_inference_is_named_from_the_traceback_the_rank_recorded():
+    failure = "exception: RuntimeError: [Stage 0] failed to run forward: ... (caused by RuntimeError: false ..."
+    error = "Traceback ...\nRuntimeError: ... rebuilt parameter indices size is not same as original model parameters size."
+    values = _check_cells.cell_values({0: {"status": "error", "failures": [failure], "error": error, "wrap": "ddp"}})
+    assert _check_cells.short_reason(values) == "FAIL: DDP + shape inference"
+    (line, rows, example) = _check_cells.by_kind([("ddp S1", values)])
+    assert line.startswith("- DDP + shape inference: torch's PipelineStage shape inference (no input_args)")
+    assert rows == "    in: ddp S1" and example == "    e.g. rank 0, " + failure
+
+
+def test_memory_passes_only_at_most_what_w_reads_and_nothing_after_w():
+    assert _check._memory_ok({"held_over_floor": 1.0, "after_w_bytes": 0})
+    assert not _check._memory_ok({"held_over_floor": 1.01, "after_w_bytes": 0})
+    assert not _check._memory_ok({"held_over_floor": 0.5, "after_w_bytes": 4})
+    memory = {"stage": "s", **{b: {"held_bytes": 8, "floor_bytes": 4, "held_over_floor": 2.0, "after_w_bytes": 0}
+                               for b in _check.BACKWARDS}}  # fmt: skip
+    assert _check._memory_lines(memory)[1:] == ["    upstream: 8 B held, W reads 4 B: 2.00x",
+                                                "  ppbackward: 8 B held, W reads 4 B: 2.00x FAIL"]  # fmt: skip
+
+
 def test_progress_says_why_a_case_failed():
     assert _check_cells.progress_status({"status": "pass"}) == "pass"
     raised = {"status": "error", "failures": ["exception: RuntimeError: Trying to backward ... (caused by X)"]}

@@ -1,11 +1,11 @@
 """Private: name what went wrong in a failing case, as a kind with a one-line reason and its public report.
 
 A failing case record (``ppbackward._harness.worker``) holds failure messages (``"step 0: hooks: ..."``) or an
-exception (``"exception: RuntimeError: ..."``). :func:`diagnose` turns them into :class:`Finding`\\ s, most
-telling first, each naming a *kind* of failure (``ddp-replicas``, ``hooks-skipped``, ...) with why it
-happens and the public report of that kind where there is one. ``ppbackward check`` shows the first
-finding of every failing cell; ``tests/multiproc/test_training_upstream.py`` pins, kind by kind, which
-cells torch's own backward fails.
+exception (``"exception: RuntimeError: ..."``, its first line, cut; the whole traceback is the record's
+``error``). :func:`diagnose` turns them into :class:`Finding`\\ s, most telling first, each naming a *kind*
+of failure (``ddp-replicas``, ``hooks-skipped``, ...) with why it happens and the public report of that kind
+where there is one. ``ppbackward check`` shows the first finding of every failing cell;
+``tests/multiproc/test_training_upstream.py`` pins, kind by kind, which cells torch's own backward fails.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["KINDS", "Finding", "Kind", "diagnose", "kind_of"]
+__all__ = ["KINDS", "ORDER", "Finding", "Kind", "diagnose", "kind_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +28,16 @@ class Kind:
     matches: Callable[[str, dict[str, Any]], bool]  # (one failure message, the case record) -> bool
 
 
-def _exception(text: str) -> Callable[[str, dict[str, Any]], bool]:
-    return lambda failure, record: failure.startswith("exception: ") and text in failure
+def _exception(text: str, traceback: bool = False) -> Callable[[str, dict[str, Any]], bool]:
+    """Matches an exception whose message holds ``text`` or, with ``traceback``, whose whole traceback does
+    (the record's ``error``; the message is the first line of the exception and of its root cause, cut)."""
+
+    def matches(failure: str, record: dict[str, Any]) -> bool:
+        if not failure.startswith("exception: "):
+            return False
+        return text in failure or (traceback and text in (record.get("error") or ""))
+
+    return matches
 
 
 def _check(prefix: str, text: str = "", wrap: str | None = None) -> Callable[[str, dict[str, Any]], bool]:
@@ -41,6 +49,16 @@ def _check(prefix: str, text: str = "", wrap: str | None = None) -> Callable[[st
 
     return matches
 
+
+# Note [DDP and shape inference]: a PipelineStage built without input_args infers its shapes with a forward
+# on its first step; around a DDP module that forward runs outside ``no_sync`` and arms DDP's reducer, and
+# step 2 then fails in DDP's ``_rebuild_buckets`` ("rebuilt parameter indices size is not same as original
+# model parameters size") with torch's backward and with ppbackward alike: torch's stage code, not the
+# backward. Static stage metadata (``input_args``/``output_args``) avoids it, so the worker gives DDP cases
+# static metadata unless ``--metadata dynamic`` is asked for explicitly, and the ``ddp-shape-inference``
+# kind explains the failure when it is. The failure line keeps only the first line of the exception and of
+# its root cause, cut, which can lose DDP's message: the kind looks for it in the whole traceback too.
+_DDP_REBUILT_BUCKETS = "rebuilt parameter indices size is not same as original model parameters size"
 
 #: Every known kind, most telling first (a case's findings come in this order).
 KINDS: tuple[Kind, ...] = (
@@ -77,7 +95,7 @@ KINDS: tuple[Kind, ...] = (
         "ddp-shape-inference", "DDP + shape inference",
         "torch's PipelineStage shape inference (no input_args) arms DDP's reducer outside no_sync; DDP fails "
         "at step 2 with either backward: give PipelineStage input_args/output_args",
-        _exception("Note [DDP and shape inference]"),  # the worker's explanation (messages are cut)
+        _exception(_DDP_REBUILT_BUCKETS, traceback=True),  # Note [DDP and shape inference]
     ),
     Kind(
         "ddp-replicas", "DDP replicas diverge",
@@ -146,6 +164,9 @@ KINDS: tuple[Kind, ...] = (
 
 _OTHER = Kind("other", "other failure", "", lambda failure, record: True)
 
+#: Each kind's place in :data:`KINDS` (most telling first); ``other`` goes after all of them.
+ORDER: dict[str, int] = {kind.key: i for i, kind in enumerate(KINDS)}
+
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
@@ -162,9 +183,14 @@ class Finding:
         return f"{self.kind.label}: {self.kind.reason}"
 
 
+def _kind(failure: str, record: dict[str, Any]) -> Kind:
+    """The first kind (in :data:`KINDS` order) ``failure`` (one message of ``record``) matches; ``other`` for none."""
+    return next((kind for kind in KINDS if kind.matches(failure, record)), _OTHER)
+
+
 def kind_of(failure: str, record: dict[str, Any]) -> str:
     """The key of the first kind ``failure`` (one message of ``record``) matches; ``"other"`` for none."""
-    return next((k.key for k in KINDS if k.matches(failure, record)), _OTHER.key)
+    return _kind(failure, record).key
 
 
 def diagnose(record: dict[str, Any]) -> list[Finding]:
@@ -175,8 +201,7 @@ def diagnose(record: dict[str, Any]) -> list[Finding]:
     """
     found: dict[str, Finding] = {}
     for failure in record.get("failures") or []:
-        kind = next((k for k in KINDS if k.matches(failure, record)), _OTHER)  # kind_of, as a Kind
+        kind = _kind(failure, record)
         key = kind.key if kind is not _OTHER else f"other:{failure}"
         found.setdefault(key, Finding(kind, failure))
-    order = {k.key: i for i, k in enumerate(KINDS)}
-    return sorted(found.values(), key=lambda f: order.get(f.kind.key, len(order)))
+    return sorted(found.values(), key=lambda f: ORDER.get(f.kind.key, len(ORDER)))

@@ -294,12 +294,15 @@ class SACStage(nn.Module):
         return h + checkpoint(self._mlp, h, use_reentrant=False, context_fn=_sac_policy(self.how))
 
 
-def _side_effects_recompute(stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int) -> list[str]:
+def _side_effects_recompute(
+    stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int, shards: int
+) -> list[str]:
     """Failures: a stage that recomputed its checkpointed region more often than a full backward of the
-    same microbatches (the reference's count)."""
+    same microbatches (the reference's count per shard: a rank runs one shard, the reference every one of
+    them on the same modules, the same number of microbatches each)."""
     failures = []
     for index, module in stages.items():
-        runs, want = module.runs[0], reference[index].runs[0]
+        runs, want = module.runs[0], reference[index].runs[0] // shards
         if runs != want:
             failures.append(
                 f"side effects: stage {index}'s checkpointed function ran {runs} times for {n_microbatches} "
@@ -324,7 +327,9 @@ def scaled_sum_squared_error(output: torch.Tensor, target: torch.Tensor) -> torc
     return sum_squared_error(output, target) * LOSS_SCALE
 
 
-def _side_effects_custom_fn(stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int) -> list[str]:
+def _side_effects_custom_fn(
+    stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int, shards: int
+) -> list[str]:
     """Failures: a stage whose custom Function's backward did not run exactly once per microbatch."""
     failures = []
     for index, module in stages.items():
@@ -351,7 +356,9 @@ class Batch:
     target: torch.Tensor
 
 
-def _no_side_effects(stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int) -> list[str]:
+def _no_side_effects(
+    stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int, shards: int
+) -> list[str]:
     return []
 
 
@@ -366,8 +373,10 @@ class ModelSpec:
             shape`` (default ``(batch, D)``).
         loss_fn: the schedule's and the reference's loss.
         prepare: applied to each rank's own stage modules after the reference copied them (compiling).
-        side_effects: ``(this rank's stages by index, the reference's stages, n_microbatches) -> failures``
-            after each step (the reference has just run the same microbatches with a full backward).
+        side_effects: ``(this rank's stages by index, the reference's stages, n_microbatches, shards) ->
+            failures`` after each step (the reference has just run the same microbatches with a full
+            backward, once per data-parallel shard: ``shards`` times, :attr:`ReferenceResult.shards`);
+            it resets the counts it reads.
         metadata: ``"static"`` where the model needs static stage metadata (unless asked otherwise).
         warmup_steps: unmeasured steps before the measured ones (the first call of a compiled region
             compiles it, which leaves cyclic garbage of its own).
@@ -383,7 +392,7 @@ class ModelSpec:
     target_shape: Callable[[int], tuple[int, ...]] = lambda b: (b, D)
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = sum_squared_error
     prepare: Callable[[nn.Module], nn.Module] = lambda module: module
-    side_effects: Callable[[dict[int, nn.Module], Sequence[nn.Module], int], list[str]] = _no_side_effects
+    side_effects: Callable[[dict[int, nn.Module], Sequence[nn.Module], int, int], list[str]] = _no_side_effects
     metadata: str | None = None
     warmup_steps: int = 0
 
@@ -502,6 +511,7 @@ def make_batch(spec: ModelSpec, n_microbatches: int, seed: int) -> Batch:
 class ReferenceResult:
     losses: list[torch.Tensor]  # one detached scalar per microbatch
     grads: dict[str, torch.Tensor | None]  # "stage{i}.{param}" -> grad (None: no grad)
+    shards: int = 1  # the data-parallel shards it ran, one full step each, on the same stage modules
 
 
 def param_names(stage_index: int, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -557,7 +567,7 @@ def mean_reference(
     grads: dict[str, torch.Tensor | None] = {}
     for name, first in results[0].grads.items():
         grads[name] = None if first is None else sum(r.grads[name] for r in results) / len(results)  # type: ignore[misc]
-    return ReferenceResult(losses=results[own].losses, grads=grads)
+    return ReferenceResult(losses=results[own].losses, grads=grads, shards=len(results))
 
 
 def stage_examples(

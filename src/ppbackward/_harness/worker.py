@@ -197,24 +197,29 @@ class StepContext:
     reference: list = dataclasses.field(default_factory=list)  # the reference's stage modules
 
 
+def _start_step(ctx: StepContext, batch: zoo.Batch) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Reset this rank's grads and hook counts; return ``schedule.step``'s positional and keyword arguments
+    for ``batch`` on this rank: its ``args`` where the rank holds the first stage, its ``kwargs``, and its
+    ``target`` where the rank holds the last stage."""
+    for _, p in ctx.named:
+        p.grad = None
+    ctx.hooks.reset()
+    args = batch.args if any(s.is_first for s in ctx.pp_stages) else ()
+    kwargs: dict[str, Any] = dict(batch.kwargs)
+    if any(s.is_last for s in ctx.pp_stages):
+        kwargs["target"] = batch.target
+    return args, kwargs
+
+
 def run_step(schedule: Any, ctx: StepContext, batch_box: list[zoo.Batch], ref: zoo.ReferenceResult) -> dict[str, Any]:
     """Run one ``schedule.step`` under every probe; return the step's record (see module docstring).
 
     ``batch_box`` holds the only reference to the step's batch; it is emptied so that the batch is freed
     before the lifetime check (stage 0 saves its inputs, which the caller must not keep alive).
     """
-    batch = batch_box.pop()
     pp_stages, n_microbatches = ctx.pp_stages, ctx.n_microbatches
-    has_first = any(s.is_first for s in pp_stages)
     has_last = any(s.is_last for s in pp_stages)
-    for _, p in ctx.named:
-        p.grad = None
-    ctx.hooks.reset()
-    step_args = batch.args if has_first else ()
-    step_kwargs: dict[str, Any] = dict(batch.kwargs)
-    if has_last:
-        step_kwargs["target"] = batch.target
-    del batch
+    step_args, step_kwargs = _start_step(ctx, batch_box.pop())
     failures: list[str] = []
     activations = probes.ActivationProbe()
     gc_was_enabled = gc.isenabled()
@@ -276,7 +281,7 @@ def run_step(schedule: Any, ctx: StepContext, batch_box: list[zoo.Batch], ref: z
     if ctx.wrap == "ddp":
         numerics["max_replica_diff"], bad = parallel.replica_failures(ctx.named, ctx.dp_group)
         failures += bad
-    failures += ctx.spec.side_effects(ctx.modules, ctx.reference, n_microbatches)
+    failures += ctx.spec.side_effects(ctx.modules, ctx.reference, n_microbatches, ref.shards)
     hooks = ctx.hooks
     wrong = {n: c for n, c in hooks.calls.items() if c != n_microbatches}
     hook_record = {
@@ -364,45 +369,21 @@ def _first_stage_check_drops_kwargs() -> bool:
 
 
 def _run_unmeasured(schedule: Any, ctx: StepContext, batch: zoo.Batch) -> None:
-    """One ``schedule.step`` under the activation tracker as the measured steps run (a compiled region
-    compiles for the tracker's torch-function mode too), then the stage state, grads and side-effect
-    counters reset."""
-    kwargs: dict[str, Any] = dict(batch.kwargs)
-    if any(s.is_last for s in ctx.pp_stages):
-        kwargs["target"] = batch.target
+    """One ``schedule.step`` started as the measured steps start (:func:`_start_step`), under the activation
+    tracker as they run (a compiled region compiles for the tracker's torch-function mode too), then the
+    stage state and side-effect counters reset."""
+    args, kwargs = _start_step(ctx, batch)
     with probes.ActivationProbe().record():
-        schedule.step(*(batch.args if any(s.is_first for s in ctx.pp_stages) else ()), **kwargs)
+        schedule.step(*args, **kwargs)
+    del args, kwargs
     for stage in ctx.pp_stages:
         stage.clear_runtime_states()
-    for _, p in ctx.named:
-        p.grad = None
-    ctx.spec.side_effects(ctx.modules, ctx.reference, ctx.n_microbatches)
+    ctx.spec.side_effects(ctx.modules, ctx.reference, ctx.n_microbatches, 1)  # a reset: the failures are dropped
 
 
 def case_id(schedule: str, model: str, wrap: str = "none") -> str:
     """``Schedule/model``, with ``+wrap`` for a data-parallel wrapper (``ScheduleGPipe/mlp+ddp``)."""
     return f"{schedule}/{model}" + ("" if wrap == "none" else f"+{wrap}")
-
-
-# Note [DDP and shape inference]: a PipelineStage built without input_args infers its shapes with a forward
-# on its first step; around a DDP module that forward runs outside ``no_sync`` and arms DDP's reducer, and
-# step 2 then fails in DDP's ``_rebuild_buckets`` ("rebuilt parameter indices size is not same as original
-# model parameters size") with torch's backward and with ppbackward alike: torch's stage code, not the
-# backward. Static stage metadata (``input_args``/``output_args``) avoids it, so DDP cases use it unless
-# ``--metadata dynamic`` is asked for explicitly, and the failure is explained when it is.
-_DDP_SHAPE_INFERENCE = "rebuilt parameter indices size is not same as original model parameters size"
-DDP_SHAPE_INFERENCE_HINT = (
-    "torch's PipelineStage shape inference (no input_args) arms DDP's reducer outside no_sync, so DDP fails "
-    "at step 2; give every PipelineStage input_args/output_args (static metadata). torch's stage code, not "
-    "the backward (Note [DDP and shape inference])"
-)
-
-
-def _explain(e: BaseException) -> str:
-    text = _describe(e)
-    if _DDP_SHAPE_INFERENCE in "".join(traceback.format_exception(e)):
-        text += f" -- {DDP_SHAPE_INFERENCE_HINT}"
-    return text
 
 
 def run_case(
@@ -480,7 +461,7 @@ def run_case(
             warm = zoo.make_batch(spec, case.n_microbatches, seed=parallel.batch_seed(seed, 99, dp_rank))
             _run_unmeasured(schedule, ctx, _to_device(warm, device))
             del warm
-        spec.side_effects(local, reference, case.n_microbatches)  # counts start now (not the metadata forward)
+        spec.side_effects(local, reference, case.n_microbatches, 1)  # counts start now (not the metadata forward)
         gc.collect()
         gc.freeze()
         for step in range(steps):
@@ -496,7 +477,7 @@ def run_case(
         failures = [f"step {s['step']}: {f}" for s in record["steps"] for f in s["failures"]]
         record.update(status="fail" if failures else "pass", failures=failures)
     except Exception as e:
-        record.update(status="error", failures=[f"exception: {_explain(e)}"], error=traceback.format_exc())
+        record.update(status="error", failures=[f"exception: {_describe(e)}"], error=traceback.format_exc())
     finally:
         gc.unfreeze()
         if hooks is not None:
@@ -526,7 +507,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="dynamic: torch infers shapes on the first step (its default; needs numpy); "
         "static: every PipelineStage gets example inputs/outputs (default: dynamic, static on torch < 2.6, "
-        "whose PipelineStage requires input_args, and for DDP: Note [DDP and shape inference])",
+        "whose PipelineStage requires input_args, and for DDP: Note [DDP and shape inference] in "
+        "ppbackward._harness.diagnose)",
     )
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree: the world is dp pipelines of world/dp ranks")
     p.add_argument(
@@ -683,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             say(f">>> {case_id(case.name, spec.name, wrap)}")
             t0 = time.perf_counter()
+            # static for DDP: Note [DDP and shape inference] in ppbackward._harness.diagnose
             metadata = explicit_metadata or ("static" if wrap == "ddp" else spec.metadata) or args.metadata
             record = run_case(
                 case, spec, rank, args.steps, args.seed, args.case_timeout, metadata, device, args.backend,
