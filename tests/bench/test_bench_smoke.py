@@ -3,7 +3,9 @@
 Cheap, no-process checks first: the quick configuration once, one repeat; the report's structure
 and that its memory figures are consistent (W cannot read more than B left alive). No timing is
 asserted anywhere: timings are the benchmark's output, not a test criterion. Last, the torchrun
-launcher's timeout path (one short-lived process group, no schedule actually run).
+launcher's timeout path: one short-lived process group, no schedule actually run, and a fake launch
+whose worker runs in a session of its own, as torchrun's do (Note [killing a hung launch] in
+``ppbackward._harness.launch``).
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from ppbackward._bench import _loop, _models, _timing, main
+from ppbackward._bench import _loop, _models, _schedule, _timing, main
 from ppbackward._bench._schedule import ScheduleBenchError, run_schedule
+from ppbackward._harness.launch import alive
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +128,26 @@ def test_bad_configs_are_a_usage_error(bad):
     assert info.value.code == 2
 
 
+def _running(pattern: str) -> list[str]:
+    """``ps`` lines (pid, state, command) of the live processes whose command line contains ``pattern``."""
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True)
+    return [line for line in ps.stdout.splitlines() if pattern in line and line.split()[1][0] != "Z"]
+
+
+def _wait_until_gone(pattern: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while _running(pattern) and time.monotonic() < deadline:
+        time.sleep(0.1)  # SIGKILLed; only the reaping can still be pending
+    assert not _running(pattern), "left behind after the timeout:\n" + "\n".join(_running(pattern))
+
+
 def test_schedule_timeout_kills_the_process_group():
     with pytest.raises(ScheduleBenchError) as info:
         run_schedule(repeats=1, timeout_s=0.5)
     msg = str(info.value)
     assert "timed out" in msg and "torch.distributed.run" in msg
+    tmp = str(Path(info.value.command[info.value.command.index("--out") + 1]).parent)
+    _wait_until_gone(tmp)  # torchrun and any worker it had started
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -135,6 +156,51 @@ def test_schedule_timeout_kills_the_process_group():
             return
         time.sleep(0.1)
     pytest.fail(f"process group {info.value.pgid} still alive after the timeout")
+
+
+# A fake torchrun: starts the worker in a session of its own (as torchrun does) with its own stdout.
+_FAKE_TORCHRUN = (
+    "import subprocess, sys; subprocess.Popen([sys.executable, *sys.argv[1:]], start_new_session=True).wait()"
+)
+# A fake worker (its command line names the bench worker module): writes its pid files, then blocks.
+_FAKE_WORKER = """
+import os, sys, time
+for path in sys.argv[2:]:
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+print("fake worker up", flush=True)
+time.sleep(120)
+"""
+
+
+def test_schedule_timeout_kills_workers_in_sessions_of_their_own(tmp_path, monkeypatch):
+    """Killing torchrun's process group does not reach its workers: the timeout must kill them by pid
+    file, and must not wait on an output a surviving worker holds open."""
+    seen = tmp_path / "worker.pid"
+
+    def fake_command(tmp: Path, repeats: int, nproc: int) -> list[str]:
+        worker = ["-c", _FAKE_WORKER, _schedule.WORKER, str(tmp / "rank0.pid"), str(seen)]
+        return [sys.executable, "-c", _FAKE_TORCHRUN, *worker]
+
+    monkeypatch.setattr(_schedule, "_command", fake_command)
+    t0 = time.monotonic()
+    with pytest.raises(ScheduleBenchError, match="timed out") as info:
+        run_schedule(repeats=1, timeout_s=5.0)
+    assert time.monotonic() - t0 < 30, "the timeout waited for the worker"
+    assert "fake worker up" in str(info.value)  # torchrun's output, read from its file
+    assert seen.exists(), "the fake worker did not start within the timeout"
+    _wait_until_gone(str(seen))
+    assert not alive(int(seen.read_text()))
+
+
+def test_repeats_fit_the_budget_and_orders_rotate():
+    assert _timing._fit_repeats(100, None, 1.0) == 100
+    assert _timing._fit_repeats(100, 20.0, 1.0) == 20
+    assert _timing._fit_repeats(100, 1.0, 1.0) == 3  # never below 3 ...
+    assert _timing._fit_repeats(2, 1.0, 1.0) == 2  # ... nor above the repeats asked for
+    assert _timing._fit_repeats(100, 20.0, 0.0) == 100
+    orders = list(_timing._rotations(("a", "b", "c"), 4))
+    assert orders == [("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b"), ("a", "b", "c")]
 
 
 def test_microbatch_loop_plan_is_a_valid_zero_bubble_order():

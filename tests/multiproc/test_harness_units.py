@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import types
 from pathlib import Path
@@ -96,6 +97,26 @@ def test_mean_reference_averages_the_shards_grads_and_keeps_its_own_losses() -> 
     for name, grad in mean.grads.items():
         assert torch.equal(grad, (each[0].grads[name] + each[1].grads[name]) / 2)
     assert [float(x) for x in mean.losses] == [float(x) for x in each[1].losses]
+
+
+def test_sac_recompute_count_is_compared_per_data_parallel_shard() -> None:
+    # with dp 2 the reference runs both shards on its modules: a rank runs one, so half the reference's count
+    spec = models.get_model("sac")
+    reference = models.build_stages(spec, 4, seed=0)
+    rank = copy.deepcopy(reference)
+    shards = [models.make_batch(spec, 2, seed=s) for s in (1, 2)]
+    for own in (0, 1):
+        models.reference_step(rank, shards[own], 2)  # this rank's full backward of its own shard
+        ref = models.mean_reference(reference, shards, 2, own=own)
+        assert ref.shards == 2
+        assert spec.side_effects(dict(enumerate(rank)), reference, 2, ref.shards) == []
+        assert all(m.runs[0] == 0 for m in [*rank, *reference])  # every count reset
+    models.reference_step(rank, shards[0], 2)
+    rank[2].runs[0] += 1  # one recomputation more than a full backward
+    ref = models.mean_reference(reference, shards, 2)
+    (failure,) = spec.side_effects(dict(enumerate(rank)), reference, 2, ref.shards)
+    assert failure.startswith("side effects: stage 2's checkpointed function ran ")
+    assert models.mean_reference(reference, shards[:1], 2).shards == 1
 
 
 def test_transformer_shares_a_parameter_between_two_ops_and_takes_a_non_tensor_kwarg() -> None:
@@ -219,6 +240,25 @@ def test_hook_counter_counts_post_accumulate_calls_and_removes_its_hooks() -> No
     assert counter.calls == {"stage0.weight": 2}
 
 
+def test_start_step_gives_args_to_the_first_stage_and_the_target_to_the_last_and_resets_grads() -> None:
+    lin = torch.nn.Linear(2, 2)
+    named = models.param_names(0, lin)
+    hooks = probes.HookCounter(named)
+    batch = models.Batch(args=(torch.ones(2, 2),), kwargs={"mask": "m"}, target=torch.zeros(2, 2))
+    try:
+        for first, last in ((True, False), (False, True), (True, True), (False, False)):
+            stage = types.SimpleNamespace(is_first=first, is_last=last)
+            ctx = worker.StepContext([stage], {0: lin}, named, hooks, models.get_model("mlp"), 2)
+            lin(torch.ones(1, 2)).sum().backward()
+            assert lin.weight.grad is not None and hooks.calls["stage0.weight"] == 1
+            args, kwargs = worker._start_step(ctx, batch)
+            assert args == (batch.args if first else ())
+            assert kwargs == ({"mask": "m", "target": batch.target} if last else {"mask": "m"})
+            assert lin.weight.grad is None and lin.bias.grad is None and set(hooks.calls.values()) == {0}
+    finally:
+        hooks.remove()
+
+
 def test_select_backward_rejects_an_unknown_mode() -> None:
     with pytest.raises(ValueError, match="unknown --backward"):
         worker.select_backward("nonsense")
@@ -233,7 +273,7 @@ def _result(tmp_path: Path, verdicts: dict[int, dict | None], **kw) -> LaunchRes
         if verdict is not None:
             (tmp_path / f"rank{rank}.json").write_text(json.dumps(verdict))
     defaults = dict(command=["torchrun"], out_dir=tmp_path, world_size=len(verdicts), returncode=0,
-                    timed_out=False, timeout=10.0, seconds=1.0, verdicts=verdicts)
+                    timeout=10.0, seconds=1.0, verdicts=verdicts)
     defaults.update(kw)
     return LaunchResult(**defaults)
 
@@ -268,7 +308,7 @@ def test_failures_are_one_block_per_case_with_failing_ranks_details_and_log(tmp_
 def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_path: Path) -> None:
     (tmp_path / "rank1.log").write_text("stuck here\n")
     verdict = {"complete": False, "backward": "upstream", "cases": []}
-    result = _result(tmp_path, {0: verdict, 1: None}, timed_out=True, returncode=-9, hang="progress")
+    result = _result(tmp_path, {0: verdict, 1: None}, returncode=-9, hang="progress")
     problems = "\n".join(result.launch_problems())
     assert "timed out: no rank made progress for 10s after every rank had started" in problems
     assert "rank 1 wrote no verdict" in problems and "rank 0 did not finish its cases" in problems
@@ -277,7 +317,7 @@ def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_
 
 
 def test_a_rank_that_never_started_is_a_start_up_timeout(tmp_path: Path) -> None:
-    result = _result(tmp_path, {0: {"complete": False, "cases": []}, 1: None}, timed_out=True, returncode=-9,
+    result = _result(tmp_path, {0: {"complete": False, "cases": []}, 1: None}, returncode=-9,
                      hang="startup", startup_timeout=300.0)  # fmt: skip
     problems = "\n".join(result.launch_problems())
     assert "timed out: rank(s) 1 had not started 300s after the launch" in problems
@@ -334,7 +374,8 @@ def test_layout_puts_each_rank_on_one_dp_x_pp_coordinate() -> None:
     [
         ("exception: RuntimeError: Trying to backward through the graph a second time (or ...", "none", "shared-parameter"),
         ("exception: RuntimeError: Can't detach views in-place. Use detach() instead ...", "none", "view-output"),
-        ("exception: RuntimeError: x -- torch's PipelineStage ... (Note [DDP and shape inference])", "ddp", "ddp-shape-inference"),
+        ("exception: RuntimeError: rebuilt parameter indices size is not same as original model parameters size.", "ddp",
+         "ddp-shape-inference"),
         ("exception: RuntimeError: [gloo] Timed out waiting 6000ms for recv operation to complete", "none", "peer-failed"),
         ("step 0: replicas: the dp replicas' gradients differ (...)", "ddp", "ddp-replicas"),
         ("step 0: numerics: stage1.w.grad: 4 of 4 elements outside tolerance (...)", "fsdp", "fsdp-swap"),
@@ -357,6 +398,31 @@ def test_every_kind_of_failure_is_named(failure: str, wrap: str, kind: str) -> N
     (finding,) = diagnose.diagnose(record)
     assert finding.kind.key == kind
     assert finding.line == (failure.removeprefix("exception: ") if kind == "other" else f"{finding.kind.label}: {finding.kind.reason}")
+
+
+def test_ddp_shape_inference_is_named_from_torchs_message_in_the_whole_traceback() -> None:
+    from ppbackward._harness import diagnose
+
+    # the failure line lost DDP's message to the cut (Note [DDP and shape inference]); the traceback has it
+    failure = "exception: RuntimeError: [Stage 1] failed to run forward: ... (caused by RuntimeError: false INTERNAL ..."
+    error = (
+        "Traceback (most recent call last):\n  ...\nRuntimeError: false INTERNAL ASSERT FAILED at reducer.cpp:1, please "
+        "report a bug to PyTorch. rebuilt parameter indices size is not same as original model parameters size."
+        "Original model param size is: 4 versus rebuilt params size of: 2\n"
+    )
+    record = {"status": "error", "failures": [failure], "error": error, "wrap": "ddp"}
+    assert diagnose.kind_of(failure, record) == "ddp-shape-inference"
+    assert [f.kind.key for f in diagnose.diagnose(record)] == ["ddp-shape-inference"]
+    assert diagnose.kind_of(failure, {**record, "error": "Traceback ...\nRuntimeError: something else\n"}) == "other"
+    # a check failure is no exception, whatever traceback the record holds
+    assert diagnose.kind_of("step 1: caches: x", record) == "stage-caches"
+
+
+def test_order_ranks_every_kind_as_kinds_lists_them() -> None:
+    from ppbackward._harness import diagnose
+
+    assert list(diagnose.ORDER) == [kind.key for kind in diagnose.KINDS]
+    assert sorted(diagnose.ORDER.values()) == list(range(len(diagnose.KINDS)))
 
 
 def test_findings_come_most_telling_first_and_once_per_kind() -> None:

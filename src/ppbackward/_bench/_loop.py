@@ -14,7 +14,6 @@ repeats] in ``_timing``).
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any, Optional
 
@@ -22,6 +21,7 @@ import torch
 
 from ppbackward._bench._impls import SPLIT
 from ppbackward._bench._models import Config, build
+from ppbackward._bench._timing import _fit_repeats, _gc_paused, _rotations
 
 __all__: list[str] = []  # private module
 
@@ -100,26 +100,19 @@ def time_loop(
 ) -> dict[str, Any]:
     """Min-of-N seconds of the whole loop per variant, interleaved; and the plan it replays.
 
-    One warm-up round sizes N as in ``_timing.time_config``: with ``budget_s``, N is lowered (not
-    below 3, nor above ``repeats``) so that the repeats take about that long.
+    One warm-up round sizes N as in ``_timing.time_config`` (``_timing._fit_repeats``): with ``budget_s``
+    (seconds), N is lowered (not below 3, nor above ``repeats``) so that the repeats take about that long.
     """
     loop = _Loop(cfg, n_microbatches)
     t0 = time.perf_counter()
     for variant in VARIANTS:  # warm-up
         loop.run(variant)
-    per_repeat = time.perf_counter() - t0
-    if budget_s is not None and per_repeat > 0:
-        repeats = max(min(repeats, 3), min(repeats, int(budget_s / per_repeat)))
+    repeats = _fit_repeats(repeats, budget_s, time.perf_counter() - t0)
     best = {v: float("inf") for v in VARIANTS}
-    for r in range(repeats):
-        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
-        gc.collect()
-        gc.disable()
-        try:
+    for order in _rotations(VARIANTS, repeats):
+        with _gc_paused():
             for variant in order:
                 best[variant] = min(best[variant], loop.run(variant))
-        finally:
-            gc.enable()
     return {
         "microbatches": n_microbatches,
         "plan": " ".join(f"{'02'[s]}{k}{m}" for s, k, m in loop.steps),

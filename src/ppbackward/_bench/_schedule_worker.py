@@ -21,9 +21,13 @@ system, so each variant starts from the same floor) and the peak bytes of live s
 (after each stage forward, weak references to the storages the new graph saved, parameters
 excluded; saved tensors are only created by forwards here, so the largest sum seen right after a
 forward is the peak). No saved-tensor hook is installed (it would change what ppbackward's B does:
-Note [hooked saved tensors run once]). Every variant's gradients of its last step are compared with
-``ScheduleInterleaved1F1B``'s under torch's backward; the verdict is reduced over ranks. Rank 0
-writes the result as JSON to ``--out``.
+Note [hooked saved tensors run once]). Exactness comes first, with each variant's first (warm-up)
+step: ``ScheduleInterleaved1F1B`` under torch's backward is the reference, its gradients gathered from
+every rank by global stage index (the V placement puts on this rank a stage that the loop placement
+puts on another), and every other variant's gradients are compared with it for every stage it holds;
+the verdict is reduced over ranks. Rank 0 writes the result as JSON to ``--out``; every rank writes
+its pid to ``rank<r>.pid`` next to it, for the launcher to kill it on a timeout (Note [killing a hung
+launch] in ``ppbackward._harness.launch``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -42,11 +48,13 @@ from torch.distributed.pipelining import schedules as _schedules
 
 import ppbackward
 from ppbackward._bench._models import build_stack
+from ppbackward._bench._timing import _rotations
 from ppbackward._memory import alive_bytes, saved_storages
 
 __all__: list[str] = []  # private module
 
-# (schedule class name, stage placement, backward); 1F1B with torch's backward is the reference.
+# (schedule class name, stage placement, backward); the first, 1F1B with torch's backward over the loop
+# placement (every stage on some rank), is the reference of the exactness check.
 VARIANTS = (
     ("ScheduleInterleaved1F1B", "loop", "upstream"),
     ("ScheduleInterleaved1F1B", "loop", "ppbackward"),
@@ -132,6 +140,7 @@ class _Variant:
         ]  # fmt: skip
         self.name = variant_name(schedule, backward)
         self.backward = backward
+        self.stage_ids = list(stage_ids)
         self.modules = [modules[i] for i in stage_ids]
         self.params = [q for m in self.modules for q in m.parameters()]
         self.schedule = getattr(_schedules, schedule)(
@@ -166,6 +175,20 @@ class _Variant:
         }
 
 
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{parameter name: grad}`` of the parameters of ``module`` that have a grad."""
+    return {n: q.grad for n, q in module.named_parameters() if q.grad is not None}
+
+
+def _reference_grads(reference: _Variant) -> dict[int, dict[str, torch.Tensor]]:
+    """``{global stage index: grads}`` of every stage, from whichever rank ``reference`` holds it on
+    (after its step; copied, every rank gets all of them)."""
+    mine = {i: {n: g.clone() for n, g in _grads(m).items()} for i, m in zip(reference.stage_ids, reference.modules)}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {i: grads for part in gathered for i, grads in part.items()}
+
+
 def _reduce_max(values: dict[str, Optional[int]]) -> dict[str, Optional[int]]:
     keys = sorted(values)
     t = torch.tensor([-1 if values[k] is None else values[k] for k in keys], dtype=torch.float64)
@@ -183,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatch-size", type=int, default=2)
     p.add_argument("--repeats", type=int, default=8)
     args = p.parse_args(argv)
+    pid_file = Path(args.out).parent / f"rank{os.environ.get('RANK', '0')}.pid"
+    pid_file.write_text(str(os.getpid()))  # Note [killing a hung launch] in ppbackward._harness.launch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -203,24 +228,25 @@ def _run(args: argparse.Namespace) -> int:
     x = torch.randn(batch, args.seq, args.d_model, generator=gen)
     target = torch.randn(batch, args.seq, args.d_model, generator=gen)
 
-    # Exactness first: every variant's grads against 1F1B with torch's backward, stage by stage.
-    reference: dict[int, dict[str, torch.Tensor]] = {}
+    # Exactness first: every variant's grads against 1F1B with torch's backward, for every stage it holds
+    # (by global stage index: the reference may have run that stage on another rank).
+    first, *others = variants  # each step below is also the variant's warm-up
+    first.step(x, target)
+    reference = _reference_grads(first)
     match = True
-    for v in variants:
-        v.step(x, target)  # also the warm-up
-        for m in v.modules:
-            got = {n: q.grad for n, q in m.named_parameters()}
-            ref = reference.setdefault(id(m), {n: g.clone() for n, g in got.items() if g is not None})
-            match = match and set(ref) == {n for n, g in got.items() if g is not None} and all(
+    for v in others:
+        v.step(x, target)
+        for i, m in zip(v.stage_ids, v.modules):
+            got, ref = _grads(m), reference[i]
+            match = match and set(ref) == set(got) and all(
                 torch.allclose(got[n], g, rtol=1e-4, atol=1e-5) for n, g in ref.items()
             )
     verdict = torch.tensor([1 if match else 0])
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
 
     best = {v.name: float("inf") for v in variants}
-    for r in range(args.repeats):
-        k = r % len(variants)
-        for v in variants[k:] + variants[:k]:
+    for order in _rotations(tuple(variants), args.repeats):
+        for v in order:
             best[v.name] = min(best[v.name], v.step(x, target))
     memory = {v.name: _reduce_max(v.memory(x, target)) for v in variants}
     base = best[variant_name("ScheduleInterleaved1F1B", "upstream")]

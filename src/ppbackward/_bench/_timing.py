@@ -5,7 +5,9 @@ seconds (other processes, frequency scaling). Each repeat therefore runs every v
 order rotated by one from the previous repeat, and each figure is the minimum over repeats: the
 run least disturbed by the machine. Ratios are taken between minima of the same run. The forward
 is re-run before every timed backward and is not timed; the gc is run before each repeat and
-disabled during it (a ``gc.collect()`` costs tens of ms in a process that imported torch).
+disabled during it (a ``gc.collect()`` costs tens of ms in a process that imported torch). The
+helpers :func:`_fit_repeats`, :func:`_rotations` and :func:`_gc_paused` are shared with the
+microbatch loop (``_loop``).
 
 Note [regimes]: a stage's first microbatch of a step finds every parameter's ``.grad`` ``None``; the
 others accumulate into existing grads, which is a different path in ``AccumulateGrad`` (an add into
@@ -17,10 +19,12 @@ reset before every variant in both: a pipeline stage gets fresh inputs per micro
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
-from typing import Optional
+from collections.abc import Iterator
+from typing import Optional, TypeVar
 
 from ppbackward._bench._impls import VARIANTS, run_variant
 from ppbackward._bench._models import Config, Stage, build, reset_grads
@@ -32,6 +36,36 @@ KEYS = ("plain", "upstream_b", "upstream_w", "upstream_bw", "ppbackward_b", "ppb
 
 
 REGIMES = ("first", "accumulating")
+
+_T = TypeVar("_T")
+
+
+def _fit_repeats(repeats: int, budget_s: Optional[float], per_repeat_s: float) -> int:
+    """N, the repeats to time: ``repeats``, lowered so that N repeats of ``per_repeat_s`` seconds take
+    about ``budget_s`` seconds, but never below 3 (nor above ``repeats``); ``repeats`` itself when there
+    is no budget (``None``) or ``per_repeat_s`` is not positive."""
+    if budget_s is None or per_repeat_s <= 0:
+        return repeats
+    return max(min(repeats, 3), min(repeats, int(budget_s / per_repeat_s)))
+
+
+def _rotations(items: tuple[_T, ...], repeats: int) -> Iterator[tuple[_T, ...]]:
+    """The order of each of ``repeats`` repeats: ``items`` rotated by one more each time (Note [interleaved
+    repeats])."""
+    for r in range(repeats):
+        k = r % len(items)
+        yield items[k:] + items[:k]
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Collect, then keep the gc off for the block (Note [interleaved repeats])."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def prepare_regime(stage: Stage, regime: str) -> None:
@@ -45,9 +79,7 @@ def prepare_regime(stage: Stage, regime: str) -> None:
 
 def _one_round(stage: Stage, order: tuple[str, ...], regime: str) -> dict[str, float]:
     got: dict[str, float] = {}
-    gc.collect()
-    gc.disable()
-    try:
+    with _gc_paused():
         for name in order:
             prepare_regime(stage, regime)
             t = run_variant(name, stage)
@@ -55,8 +87,6 @@ def _one_round(stage: Stage, order: tuple[str, ...], regime: str) -> dict[str, f
                 got[name] = t["total"]
             else:
                 got[f"{name}_b"], got[f"{name}_w"], got[f"{name}_bw"] = t["b"], t["w"], t["total"]
-    finally:
-        gc.enable()
     return got
 
 
@@ -75,15 +105,11 @@ def time_config(
     t0 = time.perf_counter()
     for regime in REGIMES:  # not counted either; sizes N
         _one_round(stage, VARIANTS, regime)
-    per_repeat = time.perf_counter() - t0
-    n = repeats
-    if budget_s is not None and per_repeat > 0:
-        n = max(min(repeats, 3), min(repeats, int(budget_s / per_repeat)))
+    n = _fit_repeats(repeats, budget_s, time.perf_counter() - t0)
     rounds: dict[str, list[dict[str, float]]] = {regime: [] for regime in REGIMES}
-    for r in range(n):
-        k = r % len(VARIANTS)
+    for order in _rotations(VARIANTS, n):
         for regime in REGIMES:
-            rounds[regime].append(_one_round(stage, VARIANTS[k:] + VARIANTS[:k], regime))
+            rounds[regime].append(_one_round(stage, order, regime))
     reset_grads(stage)
     mins = {regime: {key: min(got[key] for got in rs) for key in KEYS} for regime, rs in rounds.items()}
     return mins, n, {regime: paired_medians(rs) for regime, rs in rounds.items()}

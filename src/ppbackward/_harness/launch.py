@@ -18,7 +18,10 @@ Note [killing a hung launch]: on a hang the launcher first sends ``SIGUSR1`` to 
 worker is gone; ``_DUMP_GRACE`` seconds at most). torchrun starts every worker in a session of its own,
 so killing torchrun's process group does not reach them. The launcher therefore (1) ``SIGKILL``\\ s each
 worker's process group, found from ``rank<r>.pid`` and checked to be a harness worker, (2) ``SIGTERM``\\ s
-torchrun's group and (3) ``SIGKILL``\\ s it after a grace period.
+torchrun's group and (3) ``SIGKILL``\\ s it after a grace period (:func:`_stop`; the schedule benchmark,
+``ppbackward._bench._schedule``, stops its launch the same way, with its own worker module). A worker
+that had not yet written its pid file is stopped by torchrun itself, which passes the ``SIGTERM`` on to
+its workers.
 
 :class:`LaunchResult` then answers "did every rank report, and did every case pass", and formats what
 went wrong as one block per failing case (each failing rank's failures, traceback and log excerpt),
@@ -75,13 +78,17 @@ class LaunchResult:
     out_dir: Path
     world_size: int
     returncode: int | None
-    timed_out: bool
     timeout: float
     seconds: float
     verdicts: dict[int, dict[str, Any] | None]
     progress: list[str] = dataclasses.field(default_factory=list)  # case ids passed to ``on_case``, in order
     hang: str | None = None  # "startup" or "progress" when timed out (Note [hang clock])
     startup_timeout: float = 0.0
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether the launch was judged hung and killed (``hang`` says which clock ran out)."""
+        return self.hang is not None
 
     # -- reading --------------------------------------------------------------------------------
     def log_path(self, rank: int) -> Path:
@@ -238,12 +245,13 @@ class LaunchResult:
 # launching
 
 
-def _is_worker(pid: int) -> bool:
+def _is_worker(pid: int, module: str = WORKER_MODULE) -> bool:
+    """Whether process ``pid`` runs ``module`` (in its command line): a pid file's pid not yet reused."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
     except OSError:
         return sys.platform != "linux"  # no /proc: trust the pid file written moments ago
-    return WORKER_MODULE.encode() in cmdline
+    return module.encode() in cmdline
 
 
 def alive(pid: int) -> bool:
@@ -261,15 +269,15 @@ def alive(pid: int) -> bool:
         return sys.platform != "linux"
 
 
-def _worker_pids(out_dir: Path) -> dict[int, int]:
-    """``{rank: pid}`` of every harness worker that wrote a pid file and is still that worker."""
+def _worker_pids(out_dir: Path, module: str = WORKER_MODULE) -> dict[int, int]:
+    """``{rank: pid}`` of every worker of ``module`` that wrote ``out_dir/rank<r>.pid`` and is still that worker."""
     found = {}
     for pid_file in sorted(out_dir.glob("rank*.pid")):
         try:
             rank, pid = int(pid_file.stem[len("rank") :]), int(pid_file.read_text().strip())
         except (OSError, ValueError):
             continue
-        if _is_worker(pid):
+        if _is_worker(pid, module):
             found[rank] = pid
     return found
 
@@ -299,9 +307,9 @@ def _dump_stacks(out_dir: Path, grace: float = _DUMP_GRACE_S) -> None:
                 pending[rank] = (pid, size)
 
 
-def _kill_workers(out_dir: Path) -> None:
-    """SIGKILL the session of every harness worker that wrote a pid file (Note [killing a hung launch])."""
-    for pid in _worker_pids(out_dir).values():
+def _kill_workers(out_dir: Path, module: str = WORKER_MODULE) -> None:
+    """SIGKILL the session of every worker of ``module`` that wrote a pid file (Note [killing a hung launch])."""
+    for pid in _worker_pids(out_dir, module).values():
         try:
             if os.getpgid(pid) == pid:
                 os.killpg(pid, signal.SIGKILL)
@@ -311,8 +319,11 @@ def _kill_workers(out_dir: Path) -> None:
             pass
 
 
-def _stop(proc: subprocess.Popen[bytes], out_dir: Path) -> None:
-    _kill_workers(out_dir)
+def _stop(proc: subprocess.Popen[Any], out_dir: Path, module: str = WORKER_MODULE) -> None:
+    """Kill torchrun ``proc`` (started in a session of its own) and every worker of ``module`` that wrote
+    ``out_dir/rank<r>.pid``; returns once ``proc`` exited, or after ``2 * _GRACE_S`` seconds at most
+    (Note [killing a hung launch])."""
+    _kill_workers(out_dir, module)
     for sig, wait in ((signal.SIGTERM, _GRACE_S), (signal.SIGKILL, _GRACE_S)):
         try:
             os.killpg(proc.pid, sig)
@@ -323,7 +334,7 @@ def _stop(proc: subprocess.Popen[bytes], out_dir: Path) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    _kill_workers(out_dir)  # a worker started while torchrun was being stopped
+    _kill_workers(out_dir, module)  # a worker started while torchrun was being stopped
 
 
 def _read_verdict(path: Path) -> dict[str, Any] | None:
@@ -478,7 +489,6 @@ def launch(
         out_dir=out,
         world_size=nproc,
         returncode=proc.returncode,
-        timed_out=hang is not None,
         timeout=timeout,
         seconds=time.monotonic() - t0,
         verdicts={r: _read_verdict(out / f"rank{r}.json") for r in range(nproc)},
