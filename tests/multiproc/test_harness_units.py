@@ -377,6 +377,8 @@ def test_layout_puts_each_rank_on_one_dp_x_pp_coordinate() -> None:
         ("exception: RuntimeError: rebuilt parameter indices size is not same as original model parameters size.", "ddp",
          "ddp-shape-inference"),
         ("exception: RuntimeError: [gloo] Timed out waiting 6000ms for recv operation to complete", "none", "peer-failed"),
+        ("exception: RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:14546. This is typically ...", "none",
+         "peer-failed"),
         ("step 0: replicas: the dp replicas' gradients differ (...)", "ddp", "ddp-replicas"),
         ("step 0: numerics: stage1.w.grad: 4 of 4 elements outside tolerance (...)", "fsdp", "fsdp-swap"),
         ("step 0: numerics: stage1.w.grad is None in the pipeline but set in the reference", "fsdp-keep", "grads-missing"),

@@ -28,14 +28,16 @@ class Kind:
     matches: Callable[[str, dict[str, Any]], bool]  # (one failure message, the case record) -> bool
 
 
-def _exception(text: str, traceback: bool = False) -> Callable[[str, dict[str, Any]], bool]:
-    """Matches an exception whose message holds ``text`` or, with ``traceback``, whose whole traceback does
-    (the record's ``error``; the message is the first line of the exception and of its root cause, cut)."""
+def _exception(*texts: str, traceback: bool = False) -> Callable[[str, dict[str, Any]], bool]:
+    """Matches an exception whose message holds one of ``texts`` or, with ``traceback``, whose whole
+    traceback does (the record's ``error``; the message is the first line of the exception and of its root
+    cause, cut)."""
 
     def matches(failure: str, record: dict[str, Any]) -> bool:
         if not failure.startswith("exception: "):
             return False
-        return text in failure or (traceback and text in (record.get("error") or ""))
+        where = (failure, record.get("error") or "") if traceback else (failure,)
+        return any(text in w for text in texts for w in where)
 
     return matches
 
@@ -157,8 +159,9 @@ KINDS: tuple[Kind, ...] = (
     ),
     Kind(
         "peer-failed", "a peer rank failed",
-        "another rank of the pipeline stopped on an exception, and this rank timed out waiting for it",
-        _exception("Timed out waiting"),
+        "another rank of the pipeline stopped on an exception, and this rank timed out waiting for it (or lost "
+        "its connection, where the other rank's process ended)",
+        _exception("Timed out waiting", "Connection closed by peer"),
     ),
 )
 
