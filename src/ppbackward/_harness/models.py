@@ -302,11 +302,12 @@ def _side_effects_recompute(
     them on the same modules, the same number of microbatches each)."""
     failures = []
     for index, module in stages.items():
-        runs, want = module.runs[0], reference[index].runs[0] // shards
-        if runs != want:
+        runs, reference_runs = module.runs[0], reference[index].runs[0]
+        if runs * shards != reference_runs:  # exact: no rounding of the reference's count
             failures.append(
                 f"side effects: stage {index}'s checkpointed function ran {runs} times for {n_microbatches} "
-                f"microbatches; a full backward runs it {want} times (forward and recomputation)"
+                f"microbatches; a full backward runs it {reference_runs / shards:g} times (forward and "
+                "recomputation)"
             )
         module.runs[0] = 0
     for module in reference:
