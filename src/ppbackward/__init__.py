@@ -7,10 +7,11 @@ Public surface (see ``docs/api.md``):
 * :func:`install`, :func:`uninstall`, :func:`is_installed`, :func:`installed` — swap them into torch;
 * :class:`ParamGroups` — the opaque B→W hand-off; :class:`StageBackwardError` — a bad call (a
   ``RuntimeError``, and a ``ValueError`` or ``TypeError``); :class:`UnsupportedTorchError`;
+  :class:`UntestedTorchWarning` (``install(allow_untested=True)`` on a torch newer than the newest known);
 * ``ppbackward.leaks`` — the tensor-leak checker and activation-lifetime tracker.
 """
 
-from ppbackward._compat import SUPPORTED_TORCH, UnsupportedTorchError
+from ppbackward._compat import SUPPORTED_TORCH, UnsupportedTorchError, UntestedTorchWarning
 from ppbackward._errors import StageBackwardError
 from ppbackward._param_groups import ParamGroups
 from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
@@ -23,6 +24,7 @@ __all__ = [
     "ParamGroups",
     "StageBackwardError",
     "UnsupportedTorchError",
+    "UntestedTorchWarning",
     "install",
     "installed",
     "is_installed",

@@ -1,6 +1,7 @@
 """Which torch releases ppbackward supports, and how it adapts to each one's pipelining contract.
 
-Private module; ``SUPPORTED_TORCH`` and ``UnsupportedTorchError`` are re-exported by ``ppbackward``.
+Private module; ``SUPPORTED_TORCH``, ``UnsupportedTorchError`` and ``UntestedTorchWarning`` are
+re-exported by ``ppbackward``.
 ``ppbackward.install()`` calls :func:`select_adapter` before patching anything; the adapter it
 returns holds the three functions to put into ``torch.distributed.pipelining``. See
 ``docs/compatibility.md`` for the matrix of verified releases.
@@ -11,7 +12,13 @@ fired through ``AccumulateGrad``) under every adapter. An adapter changes only w
 torch's ``stage.py`` needs to see: the container type of a result (2.5's ``stage.py`` tells B's
 result from the others by ``isinstance(result, tuple) and len(result) == 2``), or when B may free
 the graph (2.5's ``stage.py`` runs B on stage 0 and then a *full* backward of the same outputs at W
-time). From 2.6 on, ``stage.py`` consumes ppbackward's own functions unchanged.
+time). From 2.6 on, ``stage.py`` consumes ppbackward's own functions unchanged; that includes
+2.15's, which hands released outputs over as ``GradientEdge`` roots and ``None`` entries
+(``StageShape.roots_may_be_edges``): ppbackward's functions take both as they are (Note
+[GradientEdge outputs] in ``ppbackward._tree``).
+
+Note [untested newer torch] (at :func:`select_adapter`): what ``install()`` does on a torch newer
+than the newest known release.
 
 Note [custom Function nodes need an owner] lives in ``ppbackward._node_owner``: ppbackward's own B
 keeps the nodes it needs on the releases that need it (2.5-2.12), whichever adapter is in place;
@@ -22,9 +29,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
 import weakref
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -35,16 +43,25 @@ from ppbackward._tree import flatten_outputs_and_grads
 __all__: list[str] = []  # private module
 
 # Keep in sync with the ``torch`` requirement in pyproject.toml and docs/compatibility.md.
-SUPPORTED_TORCH = ">=2.5,<2.15"
+SUPPORTED_TORCH = ">=2.5,<2.16"
 _MIN = (2, 5)
-_MAX_EXCLUSIVE = (2, 15)
+_MAX_EXCLUSIVE = (2, 16)
+
+#: Setting this environment variable to ``1`` has the effect of ``install(allow_untested=True)``
+#: (Note [untested newer torch]).
+ALLOW_UNTESTED_ENV = "PPBACKWARD_ALLOW_UNTESTED_TORCH"
 
 
 class UnsupportedTorchError(RuntimeError):
     """Raised by ``ppbackward.install()`` for a torch whose pipelining contract is unknown."""
 
 
-def torch_release(version: Optional[str] = None) -> tuple[int, int, int]:
+class UntestedTorchWarning(UserWarning):
+    """Warned by ``ppbackward.install(allow_untested=True)`` when it puts in the adapter of the newest
+    known torch on a newer, untested one (Note [untested newer torch])."""
+
+
+def torch_release(version: str | None = None) -> tuple[int, int, int]:
     """``(major, minor, patch)`` of ``version`` (default: the installed torch), no local part."""
     text = str(version if version is not None else torch.__version__)
     parts = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", text)
@@ -53,16 +70,51 @@ def torch_release(version: Optional[str] = None) -> tuple[int, int, int]:
     return (int(parts.group(1)), int(parts.group(2)), int(parts.group(3) or 0))
 
 
-def check_supported(version: Optional[str] = None) -> None:
-    """Raise :class:`UnsupportedTorchError` unless ``version`` is in :data:`SUPPORTED_TORCH`."""
+def is_newer_than_known(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed torch) is newer than every release ppbackward knows
+    (``2.16.0``, ``2.16.0.dev20261201``, ``3.0.0`` while :data:`SUPPORTED_TORCH` ends before 2.16)."""
+    return torch_release(version)[:2] >= _MAX_EXCLUSIVE
+
+
+def check_supported(version: str | None = None) -> None:
+    """Raise :class:`UnsupportedTorchError` unless ``version`` is in :data:`SUPPORTED_TORCH`.
+
+    The message is one line that says what to do; for a torch newer than the newest known one it
+    names the opt-in (Note [untested newer torch]).
+    """
     text = version if version is not None else torch.__version__
     release = torch_release(text)
-    if not (_MIN <= release[:2] < _MAX_EXCLUSIVE):
+    if release[:2] < _MIN:
         raise UnsupportedTorchError(
-            f"ppbackward does not know the pipelining calling contract of torch {text}; "
-            f"supported: torch{SUPPORTED_TORCH}. Upgrade ppbackward, or run torch's own backward "
-            "(do not call ppbackward.install())."
+            f"ppbackward does not know the pipelining calling contract of torch {text} (older than "
+            f"the oldest it supports; supported: torch{SUPPORTED_TORCH}): upgrade torch, or run "
+            "torch's own backward (do not call ppbackward.install())."
         )
+    if is_newer_than_known(text):
+        newest = _CONTRACTS[-1].name
+        raise UnsupportedTorchError(
+            f"ppbackward does not know the pipelining calling contract of torch {text} (newer than "
+            f"the newest it was tested on, {newest}; supported: torch{SUPPORTED_TORCH}): upgrade "
+            f"ppbackward, or opt in with ppbackward.install(allow_untested=True) or "
+            f"{ALLOW_UNTESTED_ENV}=1 to use the torch {newest} adapter if this torch's stage.py "
+            "has its shape, or run torch's own backward (do not call ppbackward.install())."
+        )
+
+
+def allow_untested_from_env() -> bool:
+    """Whether :data:`ALLOW_UNTESTED_ENV` opts in (Note [untested newer torch]).
+
+    ``1`` opts in; unset, empty or ``0`` does not.
+
+    Raises:
+        ValueError: any other value (named with the variable), rather than a silent guess.
+    """
+    value = os.environ.get(ALLOW_UNTESTED_ENV, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"{ALLOW_UNTESTED_ENV}={value!r}: expected 1 (opt in), 0 or unset")
 
 
 # --- what the installed stage.py looks like ------------------------------------------------------
@@ -78,17 +130,27 @@ class StageShape(NamedTuple):
         b_on_first_stage: ``backward_one_chunk(full_backward=False)`` runs B on stage 0 too, and
             ``backward_weight_one_chunk`` then runs a full backward of the same outputs (2.5);
             2.6+ skips B on stage 0.
+        roots_may_be_edges: the stage keeps a ``GradientEdge`` per output it may release and drops
+            the output tensor once its send completed (``release_fwd_send_outputs``), so the
+            ``stage_output`` given to the full backward and to B may hold ``GradientEdge`` entries,
+            and ``None`` for a released output that needs no grad (2.15); before 2.15 it holds the
+            output tensors themselves. Read from a ``_PipelineStageBase.release_fwd_send_outputs``
+            method or a ``get_gradient_edge`` call anywhere in the module.
     """
 
     unpacks_by_length: bool
     b_on_first_stage: bool
+    roots_may_be_edges: bool = False
 
 
 _LEGACY_SHAPE = StageShape(unpacks_by_length=True, b_on_first_stage=True)
 _TUPLE_SHAPE = StageShape(unpacks_by_length=False, b_on_first_stage=False)
+_EDGE_ROOTS_SHAPE = StageShape(
+    unpacks_by_length=False, b_on_first_stage=False, roots_may_be_edges=True
+)
 
 
-def probe_stage_shape(source: Optional[str] = None) -> Optional[StageShape]:
+def probe_stage_shape(source: str | None = None) -> StageShape | None:
     """Read the shape of a ``stage.py`` (see :class:`StageShape`) from its source.
 
     Args:
@@ -128,7 +190,12 @@ def probe_stage_shape(source: Optional[str] = None) -> Optional[StageShape]:
         and any(isinstance(a, ast.Name) and a.id == "result" for a in n.args)
         for n in ast.walk(unpack)
     )
-    return StageShape(unpacks_by_length, not _skips_b_on_first_stage(chunk))
+    roots_may_be_edges = "release_fwd_send_outputs" in methods or any(
+        isinstance(n, ast.Call)
+        and (getattr(n.func, "id", None) or getattr(n.func, "attr", None)) == "get_gradient_edge"
+        for n in ast.walk(tree)
+    )
+    return StageShape(unpacks_by_length, not _skips_b_on_first_stage(chunk), roots_may_be_edges)
 
 
 def _skips_b_on_first_stage(tree: ast.AST) -> bool:
@@ -204,10 +271,17 @@ _CONTRACTS: tuple[Contract, ...] = (
         "tuples; input grads aligned with input_values, None for non-grad inputs",
         "native",
     ),
+    Contract(
+        (2, 15),
+        (2, 15),
+        _EDGE_ROOTS_SHAPE,
+        "as 2.12-2.14; stage outputs may be GradientEdge roots (released outputs) or None",
+        "native",
+    ),
 )
 
 
-def contract_for(version: Optional[str] = None) -> Contract:
+def contract_for(version: str | None = None) -> Contract:
     """The :class:`Contract` of ``version`` (default: the installed torch).
 
     Raises:
@@ -226,7 +300,8 @@ class Adapter(NamedTuple):
 
     Attributes:
         version: the torch version it was selected for.
-        contract: that version's :class:`Contract`.
+        contract: that version's :class:`Contract`; for an untested newer torch, the newest known
+            one, whose ``stage.py`` shape it was found to have.
         shape_checked: whether a ``stage.py`` shape (probed from the installed torch, or given)
             was checked against ``contract.shape``; ``False`` when the source is unavailable or
             only a version was given.
@@ -236,6 +311,8 @@ class Adapter(NamedTuple):
             directly.
         functions: name -> replacement for ``stage_backward``, ``stage_backward_input`` and
             ``stage_backward_weight``; ppbackward's own functions where nothing needs reshaping.
+        untested: ``version`` is newer than every known release and the adapter was taken from the
+            newest contract by opt-in (Note [untested newer torch]).
     """
 
     version: str
@@ -243,38 +320,78 @@ class Adapter(NamedTuple):
     shape_checked: bool
     owns_custom_nodes: bool
     functions: dict[str, Callable[..., Any]]
+    untested: bool = False
 
     @property
     def name(self) -> str:
         owner = "+node-owner" if self.owns_custom_nodes else ""
-        return f"{self.contract.adapter}{owner} (torch {self.contract.name} contract)"
+        untested = f", untested on torch {self.version}" if self.untested else ""
+        return f"{self.contract.adapter}{owner} (torch {self.contract.name} contract{untested})"
 
 
-def select_adapter(version: Optional[str] = None, shape: Optional[StageShape] = None) -> Adapter:
+def _shape_mismatch(text: str, contract: Contract, shape: StageShape, untested: bool) -> str:
+    """The one-line refusal for a ``stage.py`` whose shape is not ``contract.shape``."""
+    known = (
+        f"the newest known contract, torch {contract.name}'s"
+        if untested
+        else f"the one ppbackward knows for torch {contract.name}"
+    )
+    todo = (
+        "allow_untested uses an adapter only for a stage.py of the same shape: upgrade ppbackward, "
+        "or run torch's own backward (do not call ppbackward.install())."
+        if untested
+        else f"supported: torch{SUPPORTED_TORCH} with unmodified pipelining. Run torch's own "
+        "backward (do not call ppbackward.install())."
+    )
+    return (
+        f"torch {text}: its torch/distributed/pipelining/stage.py does not have the shape "
+        f"{known} (found {shape}, expected {contract.shape}); {todo}"
+    )
+
+
+def select_adapter(
+    version: str | None = None,
+    shape: StageShape | None = None,
+    *,
+    allow_untested: bool = False,
+) -> Adapter:
     """Choose the adapter for a torch version and ``stage.py`` shape.
+
+    Note [untested newer torch]: a torch newer than the newest known release (a nightly, the next
+    minor) is refused by default: its pipelining contract is unknown. With ``allow_untested`` it gets
+    the adapter of the newest known contract, but only when its ``stage.py`` has exactly that
+    contract's :class:`StageShape` (read from the source; without source, or with another shape, it
+    is refused all the same); :func:`ppbackward.install` then warns with
+    :class:`UntestedTorchWarning`. The opt-in changes nothing for a known release.
 
     Args:
         version: a torch version string; default the installed torch, whose ``stage.py`` is then
             probed with :func:`probe_stage_shape`.
         shape: the ``stage.py`` shape to check against the version's contract; default the probed
-            shape for the installed torch, or the contract's own shape for an explicit ``version``.
+            shape for the installed torch, or the contract's own shape for an explicit ``version``
+            (except an untested newer one, whose shape must be given or probed).
+        allow_untested: accept a torch newer than the newest known release, as above.
 
     Raises:
-        UnsupportedTorchError: the version is outside :data:`SUPPORTED_TORCH`, or its ``stage.py``
-            does not have the shape ppbackward knows for that version (e.g. a patched or nightly
-            build); the message names the version, the shape found and the shape expected.
+        UnsupportedTorchError: the version is outside :data:`SUPPORTED_TORCH` (a newer one without
+            ``allow_untested``), or its ``stage.py`` does not have the shape ppbackward knows for
+            that version (e.g. a patched build; for an untested newer one, the newest known shape,
+            and a shape that cannot be read); the message names the version, the shape found and
+            the shape expected.
     """
     text = version if version is not None else torch.__version__
-    contract = contract_for(text)
+    untested = allow_untested and is_newer_than_known(text)
+    contract = _CONTRACTS[-1] if untested else contract_for(text)
     if shape is None and version is None:
         shape = probe_stage_shape()
-    if shape is not None and shape != contract.shape:
+    if untested and shape is None:
         raise UnsupportedTorchError(
-            f"torch {text}: its torch/distributed/pipelining/stage.py does not have the shape "
-            f"ppbackward knows for torch {contract.name} (found {shape}, expected "
-            f"{contract.shape}); supported: torch{SUPPORTED_TORCH} with unmodified pipelining. "
-            "Run torch's own backward (do not call ppbackward.install())."
+            f"torch {text}: its torch/distributed/pipelining/stage.py cannot be read, so "
+            f"allow_untested cannot check that it has the torch {contract.name} shape: upgrade "
+            "ppbackward, or run torch's own backward (do not call ppbackward.install())."
         )
+    if shape is not None and shape != contract.shape:
+        raise UnsupportedTorchError(_shape_mismatch(text, contract, shape, untested))
     owner = custom_nodes_need_owner()
     if contract.adapter == "legacy":
         functions: dict[str, Callable[..., Any]] = {
@@ -288,7 +405,7 @@ def select_adapter(version: Optional[str] = None, shape: Optional[StageShape] = 
             "stage_backward_input": _ours.stage_backward_input,
             "stage_backward_weight": _ours.stage_backward_weight,
         }
-    return Adapter(text, contract, shape is not None, owner, functions)
+    return Adapter(text, contract, shape is not None, owner, functions, untested)
 
 
 # --- the torch 2.5 adapter ---------------------------------------------------------------------
@@ -352,7 +469,7 @@ def legacy_stage_backward_input(stage_outputs, output_grads, input_values, weigh
                 _DETACHED_BY_B[id(t)] = t
         return split
     flat = flatten_outputs_and_grads(stage_outputs, output_grads)
-    result: list[Optional[torch.Tensor]] = [None] * len(input_values)
+    result: list[torch.Tensor | None] = [None] * len(input_values)
     wanted = [
         (i, v)
         for i, v in enumerate(input_values)

@@ -21,10 +21,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
+import warnings
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
-from ppbackward._compat import Adapter, select_adapter
+from ppbackward._compat import (
+    ALLOW_UNTESTED_ENV,
+    Adapter,
+    UntestedTorchWarning,
+    allow_untested_from_env,
+    is_newer_than_known,
+    select_adapter,
+)
 
 __all__ = ["install", "uninstall", "is_installed", "installed", "active_adapter"]
 
@@ -39,24 +47,37 @@ def _modules() -> list[Any]:
     return [importlib.import_module(m) for m in _MODULES]
 
 
-def install() -> None:
+def install(allow_untested: bool | None = None) -> None:
     """Replace torch's stage backward functions with ppbackward's, in ``_backward`` and ``stage``.
 
     Idempotent. Call it before running a schedule step (stages look the names up at call time).
     The functions put in are those of the adapter for the installed torch (:func:`active_adapter`):
-    ppbackward's own on torch 2.6 to 2.14, list-returning wrappers with a stage-0-safe B on 2.5.
+    ppbackward's own on torch 2.6 to 2.15, list-returning wrappers with a stage-0-safe B on 2.5.
+
+    Args:
+        allow_untested: on a torch newer than the newest known release (a nightly, the next
+            minor), put in the newest known contract's adapter when the installed ``stage.py``
+            has that contract's shape, warning with ``UntestedTorchWarning``; refuse otherwise
+            (Note [untested newer torch] in ``ppbackward._compat``). ``None`` (default): the
+            environment decides, ``PPBACKWARD_ALLOW_UNTESTED_TORCH=1`` opting in (read only on a
+            newer torch). No effect on a known release.
 
     Raises:
         ppbackward.UnsupportedTorchError: the installed torch is outside
-            ``ppbackward.SUPPORTED_TORCH``, or its ``stage.py`` does not have the shape known for
-            its version (the message names the version and the supported range); nothing is
-            patched then.
+            ``ppbackward.SUPPORTED_TORCH`` (a newer one without the opt-in), or its ``stage.py``
+            does not have the shape known for its version (the message names the version and the
+            supported range, and for a newer torch the opt-in); nothing is patched then.
+        ValueError: on a newer torch, ``PPBACKWARD_ALLOW_UNTESTED_TORCH`` is set to something other
+            than 0 or 1 (and ``allow_untested`` is ``None``).
         RuntimeError: the pipelining modules lack one of the expected names.
     """
     with _lock:
         if _originals:
             return
-        adapter = select_adapter()
+        from_env = allow_untested is None
+        if from_env:  # read only where it matters (Note [untested newer torch])
+            allow_untested = is_newer_than_known() and allow_untested_from_env()
+        adapter = select_adapter(allow_untested=bool(allow_untested))
         mods = _modules()
         for mod in mods:
             for name in _NAMES:
@@ -68,6 +89,15 @@ def install() -> None:
                 setattr(mod, name, adapter.functions[name])
         _originals.update(found)
         _active.append(adapter)
+    if adapter.untested:
+        how = f"{ALLOW_UNTESTED_ENV}=1" if from_env else "allow_untested=True"
+        warnings.warn(
+            f"ppbackward was not tested on torch {adapter.version}; by {how} it put in the "
+            f"adapter of torch {adapter.contract.name}, whose stage.py shape this torch has. Compare "
+            "grads with torch's own backward (ppbackward check) before relying on it.",
+            UntestedTorchWarning,
+            stacklevel=2,
+        )
 
 
 def uninstall() -> None:
@@ -86,18 +116,18 @@ def is_installed() -> bool:
     return bool(_originals)
 
 
-def active_adapter() -> Optional[Adapter]:
+def active_adapter() -> Adapter | None:
     """The adapter :func:`install` put in place (``adapter.name``, e.g.
     ``"native (torch 2.12-2.14 contract)"``), or ``None`` while not installed."""
     return _active[0] if _active else None
 
 
 @contextlib.contextmanager
-def installed() -> Iterator[None]:
-    """Context manager: :func:`install` on entry; on exit, :func:`uninstall` unless it was already
-    installed before entry."""
+def installed(allow_untested: bool | None = None) -> Iterator[None]:
+    """Context manager: :func:`install` (with ``allow_untested``) on entry; on exit,
+    :func:`uninstall` unless it was already installed before entry."""
     was = is_installed()
-    install()
+    install(allow_untested)
     try:
         yield
     finally:

@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ("2.12.1", "2.12-2.14", "native"),
         ("2.13.0+cpu", "2.12-2.14", "native"),
         ("2.14.1", "2.12-2.14", "native"),
+        ("2.15.0", "2.15", "native"),
+        ("2.15.0+cu132", "2.15", "native"),
     ],
 )
 def test_adapter_for_each_supported_version(version, contract, adapter):
@@ -50,7 +52,7 @@ def test_adapter_for_each_supported_version(version, contract, adapter):
         assert chosen.functions["stage_backward_weight"] is pb.stage_backward_weight
 
 
-@pytest.mark.parametrize("version", ["1.13.1", "2.4.1", "2.15.0", "3.0.0"])
+@pytest.mark.parametrize("version", ["1.13.1", "2.4.1", "2.16.0", "2.16.0.dev20261201", "3.0.0"])
 def test_versions_outside_the_range_are_refused(version):
     with pytest.raises(pb.UnsupportedTorchError) as info:
         _compat.select_adapter(version)
@@ -68,6 +70,8 @@ def test_unparsable_version_is_refused():
         ("2.5.1", _compat._TUPLE_SHAPE),
         ("2.9.1", _compat._LEGACY_SHAPE),
         ("2.13.0", _compat._LEGACY_SHAPE),
+        ("2.14.1", _compat._EDGE_ROOTS_SHAPE),  # a 2.14 stage.py that releases outputs: not 2.14's
+        ("2.15.0", _compat._TUPLE_SHAPE),  # a 2.15 whose stage.py hands over no edges: not 2.15's
     ],
 )
 def test_a_stage_py_of_unexpected_shape_is_refused(version, wrong_shape):

@@ -55,7 +55,7 @@ def test_installed_context_manager_nests():
     assert all(_current()[k] is ORIGINALS[k] for k in ORIGINALS)
 
 
-@pytest.mark.parametrize("version", ["2.4.1", "2.3.1", "2.15.0", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.4.1", "2.3.1", "2.16.0", "3.0.0"])
 def test_unsupported_versions_are_refused_naming_version_and_range(version):
     with pytest.raises(pb.UnsupportedTorchError) as info:
         _compat.check_supported(version)
@@ -70,7 +70,7 @@ def test_install_refuses_unknown_torch_and_patches_nothing(monkeypatch):
     assert all(_current()[k] is ORIGINALS[k] for k in ORIGINALS)
 
 
-@pytest.mark.parametrize("version", ["2.12.0", "2.13.0+cpu", "2.14.1"])
+@pytest.mark.parametrize("version", ["2.12.0", "2.13.0+cpu", "2.14.1", "2.15.0+cu132"])
 def test_supported_versions_pass(version):
     _compat.check_supported(version)
 

@@ -170,7 +170,7 @@ def test_nothing_outlives_w_not_even_through_a_cycle_the_gc_cannot_see(style, tm
     assert hooks.alive() == 0
 
 
-@pytest.mark.skipif(not (2, 13) <= torch_release()[:2] <= (2, 14), reason="torch's side pinned for 2.13-2.14")
+@pytest.mark.skipif(not (2, 13) <= torch_release()[:2] <= (2, 15), reason="torch's side pinned for 2.13-2.15")
 def test_negative_control_torch_split_keeps_nodes_and_packed_tensors_for_ever(tmp_path):
     stage, hooks = _stage(), Hooks("identity", tmp_path)
     with contextlib.ExitStack() as stack:

@@ -6,8 +6,10 @@ that B touches no parameter and detaches its plain outputs in place. A future ch
 caller relying on one of them fails here first.
 
 Differences (docs/api.md, "Differences from torch's functions"): one test per entry, showing torch's
-behaviour and ppbackward's side by side. The torch side is pinned for torch 2.13-2.14, whose
-``_backward.py`` are identical; on other releases only ppbackward's side runs.
+behaviour and ppbackward's side by side. The torch side is pinned for torch 2.13-2.15 (2.13's and
+2.14's ``_backward.py`` are identical; 2.15's differs only in accepting ``GradientEdge`` roots and
+``None`` entries among the outputs, pinned per release below); on other releases only ppbackward's
+side runs.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from torch.distributed.pipelining import _backward as upstream
 import ppbackward as pb
 from ppbackward._compat import torch_release
 
-TORCH_2_13 = (2, 13) <= torch_release()[:2] <= (2, 14)
+TORCH_2_13 = (2, 13) <= torch_release()[:2] <= (2, 15)
+EDGE_ROOTS = torch_release()[:2] >= (2, 15)  # torch's _backward.py takes GradientEdge and None outputs
 IMPLS = [pytest.param(pb, id="ppbackward"), pytest.param(upstream, id="torch", marks=pytest.mark.skipif(
-    not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.14"))]  # fmt: skip
-torch_2_13_only = pytest.mark.skipif(not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.14")
+    not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.15"))]  # fmt: skip
+torch_2_13_only = pytest.mark.skipif(not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.15")
 
 
 def _stage(seed: int = 0) -> nn.Module:
@@ -210,9 +213,43 @@ def test_difference_gradient_edge_outputs_are_accepted():
     torch.testing.assert_close(dx, rx.grad)
     for p, q in zip(mod.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
-    if TORCH_2_13:  # torch's main branch accepts them too; 2.13's B reads .requires_grad of each output
+    if TORCH_2_13 and not EDGE_ROOTS:  # 2.13-2.14's B reads .requires_grad of each output
         with pytest.raises(AttributeError, match="'GradientEdge' object has no attribute 'requires_grad'"):
             upstream.stage_backward_input([get_gradient_edge(mod(x))], [torch.ones(3, 4)], [x], mod.parameters())
+
+
+def test_difference_none_outputs_are_skipped_by_b():
+    """A ``None`` among the outputs (torch 2.15's stage hands one over for a released output that needs
+    no grad) is skipped, as torch's full backward skips any non-tensor; 2.13-2.14's B fails on it."""
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    (dx,), _ = pb.stage_backward_input([mod(x), None], [torch.ones(3, 4), None], [x], mod.parameters())
+    assert dx is not None
+    if TORCH_2_13 and not EDGE_ROOTS:
+        with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'requires_grad'"):
+            upstream.stage_backward_input([mod(x), None], [torch.ones(3, 4), None], [x], mod.parameters())
+
+
+@pytest.mark.parametrize("impl", [IMPLS[0], pytest.param(upstream, id="torch", marks=pytest.mark.skipif(
+    not EDGE_ROOTS, reason="torch's B and full backward take GradientEdge and None outputs from 2.15"))])
+def test_edge_and_none_outputs_give_the_grads_of_the_tensors(impl):
+    """torch 2.15's contract: a ``GradientEdge`` root stands for its released output, ``None`` is
+    skipped; B+W and the full backward give plain autograd's grads."""
+    ref = _stage()
+    rx = torch.randn(3, 4, requires_grad=True)
+    ref(rx).backward(torch.ones(3, 4))
+    for split in (True, False):
+        mod = _stage()
+        x = rx.detach().clone().requires_grad_()
+        roots, grads = [get_gradient_edge(mod(x)), None], [torch.ones(3, 4), None]
+        if split:
+            (dx,), groups = impl.stage_backward_input(roots, grads, [x], mod.parameters())
+            impl.stage_backward_weight(mod.parameters(), groups)
+        else:
+            (dx,) = impl.stage_backward(roots, grads, [x])
+        torch.testing.assert_close(dx, rx.grad)
+        for p, q in zip(mod.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_difference_w_with_dtensor_weights_checks_only_their_number():
