@@ -6,23 +6,29 @@
 # For each VERSION: reuse /opt/venvXYZ when it holds that torch (2.5.1 -> /opt/venv251, 2.13.0 ->
 # /opt/venv2130 or /opt/venv213), otherwise build $PPB_COMPAT_HOME/venv-VERSION with
 # `python3 -m venv` + `pip install torch==VERSION` and ppbackward's other dependencies. ppbackward
-# goes in editable with --no-deps (pip never touches torch). Then, from the repository root:
+# itself runs from this checkout (PYTHONPATH=src, exported for every step and the torchrun workers),
+# never installed: a venv can serve several checkouts (scripts/newest_venv.sh builds the newest
+# release's, at the place this script looks for it). Then, from the repository root:
 #   1. python -m pytest tests/core tests/compat    (tests that do not apply to that torch deselected,
 #                                                   each named with its reason in the log)
 #   2. python -m pytest tests/multiproc            (when the directory has tests)
 #   3. python -m ppbackward check                  (when the command exists)
 # Logs: $PPB_COMPAT_LOGS/torch-VERSION/{install,suite,multiproc,check}.log.
-# --clean deletes the venvs this script built once their release has run (each is ~5 GB).
+# --clean deletes the venvs this script built once their release has run (each is ~5 GB), except
+# the newest release's, which scripts/newest_venv.sh builds and tests/newest and torchtitan share.
 # --quick runs step 1 only.
 # Not part of CI: the wheels are large. Exit code: 0 when every release passed every step it ran.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="${REPO}/src${PYTHONPATH:+:${PYTHONPATH}}"
 HOME_DIR="${PPB_COMPAT_HOME:-${HOME}/.cache/ppbackward-compat}"
 LOGS="${PPB_COMPAT_LOGS:-${HOME_DIR}/logs}"
 SUITE_TIMEOUT="${PPB_COMPAT_SUITE_TIMEOUT:-1800}"
 CHECK_TIMEOUT="${PPB_COMPAT_CHECK_TIMEOUT:-3600}"
 PYTHON="${PPB_COMPAT_PYTHON:-python3}"
+# The newest supported release: scripts/newest_venv.sh's default (PPB_NEWEST_TORCH overrides both).
+NEWEST="${PPB_NEWEST_TORCH:-$(sed -nE 's/^NEWEST_TORCH="\$\{PPB_NEWEST_TORCH:-([^}]*)\}"$/\1/p' "$REPO/scripts/newest_venv.sh")}"
 
 clean=0
 quick=0
@@ -31,7 +37,7 @@ for arg in "$@"; do
   case "$arg" in
     --clean) clean=1 ;;
     --quick) quick=1 ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^# Not part of CI/p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "compat.sh: unknown option $arg" >&2; exit 2 ;;
     *) versions+=("$arg") ;;
   esac
@@ -57,13 +63,19 @@ venv_for() {
       return 0
     fi
   done
+  if [ "$v" = "$NEWEST" ]; then  # the shared venv of the newest release (with torchtitan)
+    "$REPO/scripts/newest_venv.sh" 2>>"$log"
+    return
+  fi
   candidate="${HOME_DIR}/venv-${v}"
   mkdir -p "$HOME_DIR"
   {
     echo "building ${candidate} with torch==${v}"
+    # An exact release asked for: the machine's torch cap (a constraints file in pip's global
+    # configuration) is overridden for this command only, as scripts/newest_venv.sh does.
     rm -rf "$candidate" &&
       "$PYTHON" -m venv "$candidate" &&
-      "$candidate/bin/pip" install "torch==${v}"
+      PIP_CONSTRAINT=/dev/null "$candidate/bin/pip" install "torch==${v}"
   } >>"$log" 2>&1 || return 1
   [ "$(torch_of "$candidate")" = "$v" ] || return 1
   echo "$candidate"
@@ -80,6 +92,18 @@ except ImportError:  # Python < 3.11
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
 reqs = project["dependencies"] + project.get("optional-dependencies", {}).get("test", [])
 print("\n".join(r for r in reqs if not re.match(r"torch\b", r)))
+EOF
+}
+
+# True when the venv has every named distribution (any version): then pip is not run on it.
+has_requirements() {
+  local venv="$1"
+  shift
+  "$venv/bin/python" - "$@" <<'EOF' 2>/dev/null
+import re, sys
+from importlib.metadata import version
+for req in sys.argv[1:]:
+    version(re.split(r"[<>=!~ \[;]", req)[0])
 EOF
 }
 
@@ -129,14 +153,16 @@ for v in "${versions[@]}"; do
     status_all=1
     continue
   fi
-  case "$venv" in "${HOME_DIR}"/*) built=1 ;; esac
+  case "$venv" in "${HOME_DIR}/venv-${NEWEST}") ;; "${HOME_DIR}"/*) built=1 ;; esac
   py="$venv/bin/python"
   {
     mapfile -t reqs < <(other_requirements "$venv")
-    echo "\$ pip install ${reqs[*]}"
-    "$venv/bin/pip" install "${reqs[@]}" || echo "compat.sh: could not install ${reqs[*]}; going on"
-    echo "\$ pip install --no-deps -e $REPO"
-    "$venv/bin/pip" install --no-deps -e "$REPO"
+    if has_requirements "$venv" "${reqs[@]}"; then
+      echo "requirements already present: ${reqs[*]}"
+    else
+      echo "\$ pip install ${reqs[*]}"
+      "$venv/bin/pip" install "${reqs[@]}" || echo "compat.sh: could not install ${reqs[*]}; going on"
+    fi
   } >>"$dir/install.log" 2>&1
   torch_full="$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
   adapter="$("$py" -c 'from ppbackward import _compat; print(_compat.select_adapter().name)' 2>>"$dir/install.log")"

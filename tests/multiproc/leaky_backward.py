@@ -9,16 +9,17 @@ zero-bubble schedule skips B and runs a full backward at W time). The kind comes
 variable ``PPBACKWARD_LEAK_KIND``:
 
 * ``cycle`` (default) -- pytorch/pytorch#136507's kind: a recursive nested closure that refers to
-  itself and to a list holding the stage's first output tensor and that tensor's ``grad_fn``. Every
-  call leaves exactly **1 tensor and 1 autograd node** in a reference cycle.
+  itself and to a list holding the stage's first output tensor and that tensor's ``grad_fn`` (torch
+  2.15 hands a released output over as a ``GradientEdge``: then its first input tensor and the edge's
+  node). Every call leaves exactly **1 tensor and 1 autograd node** in a reference cycle.
 * ``live`` -- a module-level list keeps the stage's tensor inputs (``input_values``) alive. The stage's
   first op saved each of them for backward, so every call keeps **1 saved activation** alive past
   the step through a live reference (per model input; 1 for the ``mlp`` model). Nothing is cyclic.
 * ``cxx-cycle`` -- the kind of Note [leaks the gc cannot see] (``ppbackward.leaks``): under a pack hook
-  that returns the tensor itself, a ``tanh`` of the stage's first output saves its own output, and is
-  backpropagated with ``retain_graph=True``. The node then holds itself through C++ (node -> packed
-  tensor -> grad_fn -> node): every call leaves **1 autograd node and 1 packed tensor** alive for
-  ever, and nothing in ``gc.garbage``.
+  that returns the tensor itself, a ``tanh`` of the stage's first output (its first input, for an
+  edge) saves its own output, and is backpropagated with ``retain_graph=True``. The node then holds
+  itself through C++ (node -> packed tensor -> grad_fn -> node): every call leaves **1 autograd node
+  and 1 packed tensor** alive for ever, and nothing in ``gc.garbage``.
 
 Nothing here is imported by ``ppbackward``.
 """
@@ -30,6 +31,7 @@ import os
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 _NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 _MODULES = ("torch.distributed.pipelining._backward", "torch.distributed.pipelining.stage")
@@ -37,15 +39,26 @@ _ORIGINALS: dict[str, Any] = {}
 KEPT_ALIVE: list[torch.Tensor] = []  # the ``live`` kind's module-level list
 
 
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
+def _first_root(obj: Any) -> torch.Tensor | GradientEdge | None:
+    """The first output tensor, or ``GradientEdge`` (torch 2.15's stand-in for a released output)."""
+    if isinstance(obj, (torch.Tensor, GradientEdge)):  # an edge is a tuple too: checked first
         return obj
     if isinstance(obj, (tuple, list)):
         for item in obj:
-            found = _first_tensor(item)
+            found = _first_root(item)
             if found is not None:
                 return found
     return None
+
+
+def _tensor_and_node(stage_output: Any, input_values: Any) -> tuple[torch.Tensor | None, Any]:
+    """What a leak holds: the stage's first output tensor and its ``grad_fn``; for a released output
+    (a ``GradientEdge``: its tensor is gone), the first input tensor and the edge's node."""
+    root = _first_root(stage_output)
+    if isinstance(root, GradientEdge):
+        inputs = [v for v in input_values if isinstance(v, torch.Tensor)]
+        return (inputs[0] if inputs else None), root.node
+    return root, (root.grad_fn if root is not None else None)
 
 
 def _leak(stage_output: Any, input_values: Any) -> None:
@@ -54,15 +67,15 @@ def _leak(stage_output: Any, input_values: Any) -> None:
     if kind == "live":
         KEPT_ALIVE.extend(v for v in input_values if isinstance(v, torch.Tensor))
         return
-    out = _first_tensor(stage_output)
-    if out is None or out.grad_fn is None:
+    out, node = _tensor_and_node(stage_output, input_values)
+    if out is None or node is None:
         return
     if kind == "cxx-cycle":
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             looped = torch.tanh(out.detach().requires_grad_())  # TanhBackward0 saves ``looped`` itself
         torch.autograd.grad(looped.sum(), looped.grad_fn.next_functions[0][0].variable, retain_graph=True)
         return
-    held = [out, out.grad_fn]
+    held = [out, node]
 
     def walk(depth: int) -> list[Any]:  # refers to itself through its own closure cell: a cycle
         return held if depth == 0 else walk(depth - 1)

@@ -11,6 +11,7 @@ import pytest
 
 from multiproc_specs import LAUNCH_TEST_TIMEOUT, LAUNCHES, slow_params
 from ppbackward._harness import models, schedules
+from ppbackward._harness.probes import recv_buffers_kept_by_stage
 
 MATRIX = ("ws2", "ws4", "ws2-static")
 
@@ -30,8 +31,11 @@ def assert_measured(record: dict[str, Any]) -> None:
         assert step["hooks"]["expected"] > 0, f"{where}: no hook expected"
         if record["num_stages"] - 1 in stages:
             assert step["numerics"]["losses_compared"] == record["n_microbatches"], where
-        if any(s != 0 for s in stages):
-            assert step["lifetime"]["kept_by_design"]["recv_buffer"] > 0, f"{where}: receive buffers not seen"
+        kept = step["lifetime"]["kept_by_design"]["recv_buffer"]
+        if not recv_buffers_kept_by_stage():  # torch 2.15+: a buffer per receive, handed over, none kept
+            assert kept == 0, f"{where}: {kept} activations kept by receive buffers this torch does not keep"
+        elif any(s != 0 for s in stages):
+            assert kept > 0, f"{where}: receive buffers not seen"
 
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)

@@ -20,12 +20,15 @@ of the stage that follows a stage on the same rank is the local hand-off set by
 ``set_local_fwd_input``: a detached alias of the previous stage's output, which therefore stays alive
 as well. The lifetime probe proves these are the *only* holders: it replaces every receive buffer by a
 fresh empty one (what the next step receives into instead) and requires every saved activation to be
-freed then, by reference counting, with the gc still disabled. What the release freed is reported as
+freed then, by reference counting, with the gc still disabled (torch 2.15's stage keeps no receive
+buffer: it allocates one per receive and hands it over with ``take_buffer``, so nothing is released
+there: :func:`recv_buffers_kept_by_stage`). What the release freed is reported as
 ``kept_by_design.recv_buffer``; anything still alive is a finding, ``freed_only_by_gc`` when a gc run
 frees it (a reference cycle held it) or ``held_after_gc`` when it survives one (a live reference holds
 it).
 
-Note [kept caches]: torch 2.13's stage also keeps, holding no tensor:
+Note [kept caches]: torch 2.13's stage also keeps, holding no tensor (2.15's likewise; its
+``_forward_chunk_states`` replaces ``fwd_cache`` and is empty after a step, as ``fwd_cache`` is):
 
 * ``bwd_cache`` on stage 0 — input grads of stage 0 are never sent, so never popped (tuples of ``None``
   or empty tuples when stage 0's inputs need no grad);
@@ -54,6 +57,7 @@ from ppbackward.leaks import check_tensor_leaks, track_activations
 
 __all__ = [
     "KEPT_BY_DESIGN",
+    "recv_buffers_kept_by_stage",
     "ActivationProbe",
     "GarbageResult",
     "HookCounter",
@@ -235,13 +239,25 @@ def outputs_kept_on_every_stage() -> bool:
     return "output_chunks.append" in source and guarded is None
 
 
-_CACHES = ("fwd_cache", "bwd_cache", "backward_state", "dw_runner", "output_chunks")
+@functools.lru_cache(maxsize=None)
+def recv_buffers_kept_by_stage() -> bool:
+    """Whether the installed ``PipelineStage`` keeps its receive buffers after a step (Note [kept by
+    design]): up to torch 2.14 it does; 2.15's ``_RecvInfo`` hands its buffer over (``take_buffer``)."""
+    from torch.distributed.pipelining import stage as stage_module
+
+    info = getattr(stage_module, "_RecvInfo", None)
+    return not hasattr(info, "take_buffer")
+
+
+# fwd_cache (torch 2.5-2.14) and _forward_chunk_states (2.15+): the forward state of each microbatch.
+_FORWARD_CACHES = ("fwd_cache", "_forward_chunk_states")
+_CACHES = (*_FORWARD_CACHES, "bwd_cache", "backward_state", "dw_runner", "output_chunks")
 
 
 def stage_caches(stage: Any, n_microbatches: int) -> tuple[dict[str, Any], list[str]]:
     """Entries and tensors in the stage's per-microbatch caches after a step, and the failures.
 
-    Expected (Note [kept caches]): ``fwd_cache`` and ``backward_state`` empty; ``bwd_cache`` empty but on
+    Expected (Note [kept caches]): ``fwd_cache`` (``_forward_chunk_states``) and ``backward_state`` empty; ``bwd_cache`` empty but on
     stage 0, where its entries hold no tensor; ``dw_runner`` only tensor-free placeholders;
     ``output_chunks`` ``n_microbatches`` entries on the last stage, none elsewhere.
     """
@@ -253,7 +269,7 @@ def stage_caches(stage: Any, n_microbatches: int) -> tuple[dict[str, Any], list[
         if cache is None:
             continue
         found[name] = {"entries": len(cache), "tensors": count_tensors(cache)}
-    for name in ("fwd_cache", "backward_state"):
+    for name in (*_FORWARD_CACHES, "backward_state"):
         if found.get(name, {}).get("entries"):
             failures.append(f"{where}: {name} holds {found[name]['entries']} entries after the step")
     bwd = found.get("bwd_cache")
