@@ -3,8 +3,9 @@
 Same two launches with ``--backward upstream``. Every cell's kinds of failure
 (``ppbackward._harness.diagnose``, the kinds ``ppbackward check`` names) must be exactly the ones stated
 here, strictly: a cell that starts passing, or fails another way, fails this test. Pinned for torch
-2.13 and 2.14, whose ``_backward.py`` are identical; other releases are skipped (their kinds differ:
-docs/compatibility.md).
+2.13 and 2.14, whose ``_backward.py`` are identical, and 2.15 (its ``_backward.py`` only takes
+``GradientEdge`` and ``None`` outputs besides: the same kinds, checked on 2.15.0); other releases are
+skipped (their kinds differ: docs/compatibility.md).
 
 Why each kind happens (one line each, with the public report, in ``diagnose.KINDS``):
 
@@ -38,8 +39,8 @@ SPLIT = {name for name, rule in schedules.RULES.items() if rule.split_backward}
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not (2, 13) <= torch_release()[:2] <= (2, 14),
-        reason="the kinds below are pinned for torch 2.13-2.14's _backward.py (identical in both)",
+        not (2, 13) <= torch_release()[:2] <= (2, 15),
+        reason="the kinds below are pinned for torch 2.13-2.15's _backward.py (checked on each)",
     ),
 ]
 
