@@ -24,6 +24,7 @@ below says so besides) and when the running torch already is the newest.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,7 @@ NEWEST = _compat._CONTRACTS[-1].last  # (major, minor) of the newest supported t
 BUILD_TIMEOUT_S = 1800  # a first build downloads ~3 GB of wheels
 SUITE_TIMEOUT_S = 900  # each inner run; its tests have pytest-timeout's own limit besides
 TAIL_LINES = 60
+SUMMARY = re.compile(r"\d+ (passed|failed|errors?|skipped|deselected)\b.* in \d")
 
 pytestmark = [
     pytest.mark.slow,
@@ -93,7 +95,8 @@ def _run_inner(python: str, *args: str) -> None:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         pytest.fail(f"{' '.join(args)} on the newest torch ran past {SUITE_TIMEOUT_S} s:\n{_tail(out)}")
     summary = next(
-        (line for line in reversed(done.stdout.splitlines()) if " in " in line and "=" in line), ""
+        (line.strip("= ") for line in reversed(done.stdout.splitlines()) if SUMMARY.search(line)),
+        "no pytest summary line",
     )
     sys.stdout.write(f"newest torch: {' '.join(args)}: {summary}\n")
     assert done.returncode == 0, (
