@@ -86,6 +86,8 @@ def _kind(raw: object) -> str | None:
     unpack = getattr(raw, "unpack_hook", None)
     if unpack is None or getattr(unpack, "_ppbackward_transparent", False):
         return None
+    if unpack is _refuse or unpack is _unpin:  # an earlier B's own (Note [B claims its outputs])
+        return "released"
     if _CHECKPOINT_HOLDER is not None and isinstance(raw.data, _CHECKPOINT_HOLDER):  # type: ignore[attr-defined]
         return "recompute"
     return "held"
@@ -102,11 +104,15 @@ def _saved_items(node: Node) -> Iterator[Any]:
         yield from saved if isinstance(saved, (list, tuple)) else (saved,)
 
 
+_RANK = {"recompute": 1, "held": 2, "released": 3}  # what hook_kinds keeps for a node: the highest
+
+
 def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
-    """The nodes with hooked saved tensors (Note [hooked saved tensors run once]): ``"held"`` where any
-    of them is held through a hook other than a checkpoint's, else ``"recompute"`` (also every
-    ``CopySlices``, whose saved tensors are hidden). ``{}`` on a torch that does not expose the hooks
-    (``HOOKS_VISIBLE``)."""
+    """The nodes with hooked saved tensors (Note [hooked saved tensors run once]): ``"released"`` where an
+    earlier B released or pinned one of them (Note [B claims its outputs] in ``ppbackward.backward``),
+    else ``"held"`` where any of them is held through a hook other than a checkpoint's, else
+    ``"recompute"`` (also every ``CopySlices``, whose saved tensors are hidden). ``{}`` on a torch that
+    does not expose the hooks (``HOOKS_VISIBLE``)."""
     if not HOOKS_VISIBLE:
         return {}
     kinds: dict[Node, str] = {}
@@ -115,7 +121,7 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
             kinds.setdefault(node, "recompute")
         for item in _saved_items(node):
             kind = _kind(item)
-            if kind == "held" or (kind and node not in kinds):
+            if kind and _RANK[kind] > _RANK.get(kinds.get(node), 0):
                 kinds[node] = kind
     return kinds
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
@@ -190,7 +191,14 @@ def stage_backward_input(
     weight_ids = WeightSet(frozenset(map(id, weights)), len(weights), any(map(_is_dtensor, weights)))
     if not flat.tensors:
         return tuple(None for _ in input_values), ParamGroups([], weight_ids)
+    with _outputs_claimed(flat.tensors):  # Note [B claims its outputs]
+        return _backward_input(flat, output_grads is not None, input_values, wanted, weight_ids)
 
+
+def _backward_input(
+    flat: Any, grads_given: bool, input_values: list[Any], wanted: list, weight_ids: WeightSet
+) -> tuple[tuple[Optional[torch.Tensor], ...], ParamGroups]:
+    """B's work once its arguments are checked and its outputs claimed (see :func:`stage_backward_input`)."""
     grad_inputs = _unique(t for _, t in wanted)
     input_nodes = {gradient_edge(t).node for t in grad_inputs}
     root_edges = [gradient_edge(t) for t in flat.tensors]
@@ -245,7 +253,7 @@ def stage_backward_input(
         if retain:  # else B's engine call released every node it ran
             release_saved_tensors([*b_only, *(n for n in deferred if isinstance(n, BackwardCFunction)), *eager.nodes])
         # Note [outputs detached after B]: given a loss, B cannot tell the stage outputs from the rest
-        at_risk = consumers if output_grads is not None else [*inter, *w_only]
+        at_risk = consumers if grads_given else [*inter, *w_only]
         pinned = pin_saved_inputs(
             n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in eager.nodes
         )
@@ -257,6 +265,35 @@ def stage_backward_input(
     return tuple(result), ParamGroups(groups, weight_ids, owners, pinned)
 
 
+# Note [B claims its outputs]: B registers the outputs it was given (by id, under a lock) before it runs
+# anything and unregisters them when it returns. A second B on the same outputs while the first is
+# still running (from a hook the first one fires, or from another thread) is refused before it runs
+# anything; a later one finds them detached (``_DETACHED``) or their graph released by the first B
+# (``hook_kinds``: "released"), and is refused too. Either way the first microbatch's W is untouched.
+_IN_B: dict[Any, Any] = {}
+_IN_B_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _outputs_claimed(outputs: list[Any]) -> Iterator[None]:
+    keys = [(id(t.node), t.output_nr) if isinstance(t, GradientEdge) else id(t) for t in outputs]
+    with _IN_B_LOCK:
+        for i, key in enumerate(keys):
+            if key in _IN_B:
+                raise StageBackwardError(
+                    f"stage_outputs_or_loss: differentiable output {i} is being backpropagated by another "
+                    "stage_backward_input call, still running (B called from a hook it fired, or from another "
+                    "thread); a microbatch's outputs go through backward once"
+                )
+        _IN_B.update(zip(keys, outputs))
+    try:
+        yield
+    finally:
+        with _IN_B_LOCK:
+            for key in keys:
+                _IN_B.pop(key, None)
+
+
 def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> EagerWork:
     """The W work B does itself because of saved-tensor hooks (Note [hooked saved tensors run once]):
     all of it where a node B runs holds a tensor through a hook, else the checkpointed nodes of W's
@@ -264,6 +301,13 @@ def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> Eager
     kinds = hook_kinds([*b_only, *inter, *w_only])
     if not kinds:
         return _NO_EAGER_WORK
+    released = next((node for node, kind in kinds.items() if kind == "released"), None)
+    if released is not None:  # Note [B claims its outputs]
+        raise StageBackwardError(
+            "stage_outputs_or_loss: the graph of these outputs was already backpropagated by an earlier "
+            f"stage_backward_input (it released or pinned what {released.name()} saved); a microbatch's "
+            "outputs go through backward once. Nothing was run: that microbatch's W is intact"
+        )
     if any(kinds.get(node) == "held" for node in (*b_only, *inter)):
         return eager_work(analysis, None)
     recompute = [node for node in (*inter, *w_only) if kinds.get(node) == "recompute"]
@@ -425,12 +469,12 @@ def stage_backward_weight(
             f"ppbackward.stage_backward_input, got {type(param_groups).__name__}"
         )
     if param_groups.consumed:
-        raise StageBackwardError(
-            "param_groups: already consumed by an earlier stage_backward_weight call; W runs once "
-            "per microbatch"
-        )
+        raise StageBackwardError(_CONSUMED)
     _check_same_weights(weights, param_groups._weight_ids)
+    if not param_groups._claim():  # Note [W claims param_groups first]
+        raise StageBackwardError(_CONSUMED)
     try:
+        param_groups._check_unchanged(weights)  # Note [captured gradients are checked at W]
         for chunk in _chunks(param_groups._groups, _W_CHUNK_BYTES):
             _weight_chunk(chunk, retain_graph)
     finally:
@@ -439,6 +483,11 @@ def stage_backward_weight(
         param_groups._release()
     return tuple(w.grad for w in weights)
 
+
+_CONSUMED = (
+    "param_groups: already consumed by an earlier stage_backward_weight call (finished, or still running: "
+    "W called from a hook it fired, or from another thread); W runs once per microbatch"
+)
 
 # Note [W in chunks]: W's first engine call materialises the weight gradients of every intermediate it
 # covers, all alive at once until the accumulating call consumes them. Over a whole stage that is a
