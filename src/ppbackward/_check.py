@@ -110,12 +110,19 @@ def _suggest(name: str, known: set[str]) -> list[str]:
     return [stems[s] for s in difflib.get_close_matches(query, list(stems), n=2, cutoff=0.75)]
 
 
+_MAX_UNKNOWN_LISTED = 5  # the message for 1,000 unknown names stays one readable line
+
+
 def _unknown_schedules(names: list[str], known: set[str]) -> str:
-    """``"unknown schedule(s) a (did you mean ScheduleA?), b; known: ..."``."""
+    """``"unknown schedule(s) a (did you mean ScheduleA?), b; known: ..."``; at most
+    ``_MAX_UNKNOWN_LISTED`` names are listed, then how many more."""
     parts = []
-    for name in names:
-        close = _suggest(name, known)
-        parts.append(f"{name} (did you mean {' or '.join(close)}?)" if close else name)
+    for name in names[:_MAX_UNKNOWN_LISTED]:
+        close = _suggest(name[:100], known)
+        shown = name if len(name) <= 100 else f"{name[:100]}..."
+        parts.append(f"{shown} (did you mean {' or '.join(close)}?)" if close else shown)
+    if len(names) > _MAX_UNKNOWN_LISTED:
+        parts.append(f"and {len(names) - _MAX_UNKNOWN_LISTED} more")
     return f"unknown schedule(s) {', '.join(parts)}; known: {', '.join(sorted(known))}"
 
 

@@ -6,6 +6,8 @@ Note [W computes only weight edges] below and Note [accumulation order] in ``ppb
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
@@ -113,12 +115,35 @@ def weight_edge_grads(calls: list) -> list[tuple]:
         anchor = torch.zeros((), device=first.device, requires_grad=True)
         out = _CallIntermediates.apply(anchor, job)
         torch.autograd.grad([out], [anchor, *targets], allow_unused=True)
+    if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+        _check_nan(calls, job.results)
     for (node, _, w_edges), outs in zip(calls, job.results):
         nf = node.next_functions
         for i in w_edges:
             if outs[i] is not None:
                 outs[i] = _conform(outs[i], *nf[i][:2])
     return job.results
+
+
+def _check_nan(calls: list, results: list[tuple]) -> None:
+    """Under ``torch.autograd.detect_anomaly()``, raise as the engine does for a node that returned NaN.
+
+    Note [anomaly mode names W's nodes]: W calls the intermediates itself, not through the engine, so the
+    engine's anomaly check never sees their outputs; a NaN they produce would first be seen as an input of
+    the accumulating call and blamed on its ``GraphRoot``. So W checks them here, with the engine's message
+    and the forward traceback the engine prints (from the node's anomaly metadata). Off outside anomaly mode.
+    """
+    for (node, _, w_edges), outs in zip(calls, results):
+        for i in w_edges:
+            if outs[i] is not None and torch.isnan(outs[i]).any():
+                trace = node.metadata.get("traceback_")
+                if trace:
+                    warnings.warn(
+                        f"Error detected in {node.name()}. Traceback of forward call that caused the error:\n"
+                        + "".join(trace),
+                        stacklevel=2,
+                    )
+                raise RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
 
 
 def accumulate(roots: list, grads: list, params: list, retain_graph: bool) -> None:

@@ -32,7 +32,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
-from ppbackward._errors import BadType, BadValue, StageBackwardError
+from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
 from ppbackward._graph import EagerWork, analyze, eager_work, gradient_edge, is_accumulate_grad
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
@@ -109,8 +109,7 @@ def stage_backward(
             been run or accumulated then.
     """
     if outputs_with_grads_idxs is not None:  # deprecated upstream, used by torch's compiler path: no warning
-        stage_output = [stage_output[i] for i in outputs_with_grads_idxs]
-        output_grads = [output_grads[i] for i in outputs_with_grads_idxs]
+        stage_output, output_grads = _select_outputs(stage_output, output_grads, outputs_with_grads_idxs)
     input_values = list(input_values)
     flat = flatten_outputs_and_grads(stage_output, output_grads, consumed=_DETACHED)
     wanted = _grad_inputs(input_values)
@@ -146,6 +145,17 @@ def stage_backward(
     for i, t in wanted:
         result[i] = found[id(t)]
     return tuple(result)
+
+
+def _select_outputs(stage_output: Any, output_grads: Any, idxs: list[int]) -> tuple[list[Any], list[Any]]:
+    """The top-level outputs and grads ``outputs_with_grads_idxs`` selects, or a clear error naming the index."""
+    for name, seq in (("stage_output", stage_output), ("output_grads", output_grads)):
+        if not isinstance(seq, (tuple, list)):  # indexed as torch does, whatever it is
+            continue
+        for i in idxs:
+            if not isinstance(i, int) or not -len(seq) <= i < len(seq):
+                raise BadIndex(f"outputs_with_grads_idxs: index {i!r} is out of range for {name} of length {len(seq)}")
+    return [stage_output[i] for i in idxs], [output_grads[i] for i in idxs]
 
 
 def stage_backward_input(

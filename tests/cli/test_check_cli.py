@@ -56,6 +56,16 @@ def test_check_bad_input_is_a_clear_error(capsys, args, message):
     assert "launching" not in out
 
 
+def test_check_unknown_schedules_message_is_bounded(capsys):
+    """1,000 unknown names used to give a 10,120-character message; five are listed, then how many more."""
+    names = [f"ScheduleNope{i}" for i in range(1000)]
+    rc, out, err = _check_main(capsys, "--schedules", ",".join(names))
+    assert rc == 2, out + err
+    line = next(line for line in err.splitlines() if line.startswith("ppbackward check: error: "))
+    assert "ScheduleNope0, ScheduleNope1, ScheduleNope2, ScheduleNope3, ScheduleNope4, and 995 more; known: " in line
+    assert len(line) < 1000
+
+
 def test_check_without_torchrun_is_a_clear_error(monkeypatch, capsys):
     import importlib.util
 
