@@ -166,6 +166,31 @@ def test_gc_state_is_restored_even_when_the_body_raises(debug, enabled):
         (gc.enable if old_enabled else gc.disable)()
 
 
+@pytest.mark.parametrize("collect_inside", [False, True], ids=["collected-on-exit", "collected-in-the-block"])
+def test_a_block_that_clears_the_gc_debug_flags_still_has_its_leak_caught(collect_inside):
+    """Note [checker survives the block's gc flags]: ``gc.set_debug(0)`` inside the block used to switch
+    ``DEBUG_SAVEALL`` off, so the leaked cycle was freed unseen and the report said ``ok``."""
+    old_debug = gc.get_debug()
+    gc.set_debug(gc.DEBUG_UNCOLLECTABLE)  # the caller's flags, to be restored on exit
+    try:
+        with check_tensor_leaks(strict=False, max_chains=0) as report:
+            gc.set_debug(0)
+            _make_cycle()
+            if collect_inside:
+                gc.collect()
+                assert gc.get_debug() == 0  # the block's own flags are back after each collection
+        assert report.num_tensors == 1 and not report.ok
+        assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
+        with check_tensor_leaks(strict=False, max_chains=0) as clean:  # negative control
+            gc.set_debug(0)
+            _clean_work()
+            gc.collect()
+        assert clean.ok and clean.num_tensors == 0 and clean.num_garbage == 0
+        assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
+    finally:
+        gc.set_debug(old_debug)
+
+
 def test_body_exception_wins_over_the_leak_and_carries_the_report():
     with pytest.raises(ValueError) as info:
         with check_tensor_leaks(max_chains=0) as report:
