@@ -449,7 +449,8 @@ def run_case(
             PipelineStage(wrapped[i], i, case.num_stages, device, group=groups.pp, **meta[i]) for i in stage_ids
         ]
         del meta, wrapped
-        schedule = case.build(pp_stages, spec.loss_fn)
+        schedule = case.build(pp_stages, spec.loss_of(local.get(case.num_stages - 1)))
+        reference_loss = spec.loss_of(reference[-1])
         # FSDP2's autograd runs on unsharded copies of its parameters: hooks on the sharded ones never fire
         hooks = probes.HookCounter([] if wrap.startswith("fsdp") else named)
         ctx = StepContext(pp_stages, local, named, hooks, spec, case.n_microbatches, wrap, groups.dp, reference)
@@ -469,7 +470,7 @@ def run_case(
                 zoo.make_batch(spec, case.n_microbatches, seed=parallel.batch_seed(seed, step, d))
                 for d in range(layout.dp)
             ]
-            ref = zoo.mean_reference(reference, shards, case.n_microbatches, spec.loss_fn, own=dp_rank)
+            ref = zoo.mean_reference(reference, shards, case.n_microbatches, reference_loss, own=dp_rank)
             batch_box = [_to_device(shards[dp_rank], device)]
             del shards
             result = run_step(schedule, ctx, batch_box, ref)
