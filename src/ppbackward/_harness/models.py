@@ -459,6 +459,11 @@ class TitanStage(nn.Module):
         return self.norm(h) if self.norm is not None else h
 
 
+def _titan_accumulations(name: str) -> int:
+    """``lm_head`` accumulates once per loss chunk (its own backwards, in the loss); the rest once."""
+    return NUM_CHUNKS if name.endswith(".lm_head.weight") else 1
+
+
 def _titan_loss(last_stage: nn.Module) -> Callable[[Any, torch.Tensor], torch.Tensor]:
     """The loss bound to the last stage's ``lm_head`` (:func:`chunked_loss`)."""
     return functools.partial(chunked_loss, last_stage.lm_head)
@@ -503,6 +508,8 @@ class ModelSpec:
             compiles it, which leaves cyclic garbage of its own).
         loss_for: ``last stage module -> loss`` for a loss that uses the last stage's modules (torchtitan's
             ``lm_head`` applied in the loss: ``titan``); see :meth:`loss_of`.
+        accumulations: ``parameter name ("stage{i}.{name}") -> AccumulateGrad calls per microbatch`` (1;
+            titan's ``lm_head`` accumulates once per loss chunk, in the loss's own backwards).
     """
 
     name: str
@@ -519,6 +526,7 @@ class ModelSpec:
     metadata: str | None = None
     warmup_steps: int = 0
     loss_for: Callable[[nn.Module], Callable[[Any, torch.Tensor], torch.Tensor]] | None = None
+    accumulations: Callable[[str], int] = lambda name: 1
 
     def loss_of(self, last_stage: nn.Module | None) -> Callable[[Any, torch.Tensor], torch.Tensor]:
         """The loss for a pipeline whose last stage module is ``last_stage`` (``None`` on a rank without
@@ -606,6 +614,7 @@ MODELS: dict[str, ModelSpec] = {
             make_args=lambda b, g: (torch.randint(0, VOCAB, (b, SEQ), generator=g),),
             target_shape=lambda b: (b, SEQ, VOCAB),
             loss_for=_titan_loss,
+            accumulations=_titan_accumulations,
             metadata="static",  # the loss runs its own backward; shape inference needs none of it
         ),
         ModelSpec(
@@ -615,6 +624,7 @@ MODELS: dict[str, ModelSpec] = {
             make_args=lambda b, g: (torch.randint(0, VOCAB, (b, SEQ), generator=g),),
             target_shape=lambda b: (b, SEQ, VOCAB),
             loss_for=_titan_loss,
+            accumulations=_titan_accumulations,
             metadata="static",
         ),
     )

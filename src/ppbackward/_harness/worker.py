@@ -16,7 +16,8 @@ Per rank and per step of every case it records (numbers in ``<out>/rank<r>.json`
 4. **numerics** — each microbatch's loss and every local parameter's grad against a single-process
    reference of the same stack on the same microbatches (sum-reduced loss, ``scale_grads=False``),
    within ``|x - ref| <= ATOL + RTOL * |ref|`` elementwise (float32);
-5. **hooks** — ``register_post_accumulate_grad_hook`` calls: once per trainable parameter per microbatch.
+5. **hooks** — ``register_post_accumulate_grad_hook`` calls: once per trainable parameter per microbatch
+   (``ModelSpec.accumulations`` times for a parameter the model accumulates into more often: titan's ``lm_head``).
 
 ``--backward`` selects the stage backward: ``upstream`` (torch's own), ``ppbackward``
 (``ppbackward.install()``), or ``leaky:<module or path.py>`` (a test-only module whose ``install()``
@@ -283,17 +284,18 @@ def run_step(schedule: Any, ctx: StepContext, batch_box: list[zoo.Batch], ref: z
         failures += bad
     failures += ctx.spec.side_effects(ctx.modules, ctx.reference, n_microbatches, ref.shards)
     hooks = ctx.hooks
-    wrong = {n: c for n, c in hooks.calls.items() if c != n_microbatches}
+    want = {n: n_microbatches * ctx.spec.accumulations(n) for n in hooks.calls}
+    wrong = {n: c for n, c in hooks.calls.items() if c != want[n]}
     hook_record = {
         "fired": sum(hooks.calls.values()),
-        "expected": n_microbatches * len(hooks.calls),
+        "expected": sum(want.values()),
         "params_wrong": len(wrong),
     }
     if wrong:
         name, calls = next(iter(wrong.items()))
         failures.append(
             f"hooks: post-accumulate-grad hooks fired {hook_record['fired']} times, expected "
-            f"{hook_record['expected']} ({len(wrong)} parameters off, e.g. {name}: {calls} != {n_microbatches})"
+            f"{hook_record['expected']} ({len(wrong)} parameters off, e.g. {name}: {calls} != {want[name]})"
         )
     return {
         "seconds": seconds,
