@@ -35,7 +35,15 @@ The training-setup models (:data:`TRAINING_MODELS`; issue 12):
   metadata: torch's shape inference runs one backward of every stage on the first step, which the
   counter would see too.
 
-The loss is sum-reduced (:func:`sum_squared_error`, scaled for ``bf16``) and schedules run with
+torchtitan's shape (:data:`TITAN_MODELS`; issue 20, Note [torchtitan's final norm]):
+
+* ``titan`` — llama-style blocks (RMSNorm, SwiGLU MLP); the last stage ends in a final RMSNorm and holds
+  ``lm_head``, which the loss applies (:func:`chunked_loss`: per-chunk ``backward()`` on detached hidden
+  states, tied back by a custom autograd Function). With the ``fsdp-titan`` wrap it is sharded as
+  torchtitan shards it, and the loss reshards ``[norm, lm_head]``.
+* ``titan-sac`` — the same with torchtitan's default per-block selective activation checkpointing.
+
+The loss is sum-reduced (:func:`sum_squared_error`, scaled for ``bf16``; titan's cross-entropy) and schedules run with
 ``scale_grads=False``, so the reference's grads are the plain sum of the microbatches' grads.
 """
 
