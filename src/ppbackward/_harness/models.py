@@ -379,12 +379,12 @@ class _HiddenGradBridge(torch.autograd.Function):
     computed (times the loss's incoming gradient), like torchtitan's ``_DecoderOutputGradientBackProp``."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, hidden_grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, hidden: torch.Tensor, hidden_grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(hidden_grad)
         return loss.detach().clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         (hidden_grad,) = ctx.saved_tensors
         return hidden_grad * grad, None, None
 
@@ -411,13 +411,15 @@ def chunked_loss(lm_head: nn.Module, hidden: torch.Tensor, target: torch.Tensor)
         fsdp.set_reshard_after_backward(False)
         fsdp.unshard()
     chunks = [c.detach().requires_grad_(hidden.requires_grad) for c in hidden.chunk(NUM_CHUNKS, dim=1)]
-    grads, total = [], hidden.new_zeros(())
+    grads: list[torch.Tensor] = []
+    total = hidden.new_zeros(())
     for chunk, want in zip(chunks, target.chunk(NUM_CHUNKS, dim=1)):
         logits = lm_head(chunk)
         loss = F.cross_entropy(logits.flatten(0, 1), want.flatten(0, 1).softmax(-1), reduction="sum")
         total = total + loss.detach()
         if hidden.requires_grad:
             loss.backward()
+            assert chunk.grad is not None  # a leaf of this backward
             grads.append(chunk.grad)
     if fsdp is not None:
         fsdp.set_reshard_after_forward(True)
@@ -474,7 +476,10 @@ def _titan_accumulations(name: str) -> int:
 
 def _titan_loss(last_stage: nn.Module) -> Callable[[Any, torch.Tensor], torch.Tensor]:
     """The loss bound to the last stage's ``lm_head`` (:func:`chunked_loss`)."""
-    return functools.partial(chunked_loss, last_stage.lm_head)
+    lm_head = last_stage.lm_head
+    if not isinstance(lm_head, nn.Module):
+        raise TypeError(f"the titan loss needs the last stage's lm_head module, got {type(lm_head).__name__}")
+    return functools.partial(chunked_loss, lm_head)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -143,7 +143,8 @@ def _shard_like_torchtitan(module: nn.Module, mesh: Any) -> None:
     pipeline default; Note [torchtitan's final norm] in ``ppbackward._harness.models``)."""
     from torch.distributed.fsdp import fully_shard
 
-    units = module.fsdp_units() if hasattr(module, "fsdp_units") else []
+    fsdp_units = getattr(module, "fsdp_units", None)
+    units = fsdp_units() if callable(fsdp_units) else []
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=False)
     fully_shard(module, mesh=mesh, reshard_after_forward=False)
