@@ -453,3 +453,8 @@ def test_titan_chunked_loss_equals_the_unchunked_cross_entropy() -> None:
         for name, p in models.param_names(i, module):
             assert torch.allclose(ref.grads[name], p.grad, atol=1e-6), name
     assert ref.grads["stage1.norm.weight"] is not None
+
+
+def test_a_model_name_is_not_shadowed_by_a_group() -> None:
+    for name in models.MODELS:
+        assert models.model_names(name) == [name]

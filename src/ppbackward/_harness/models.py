@@ -653,9 +653,7 @@ TITAN_MODELS = ("titan", "titan-sac")
 
 def model_names(text: str) -> list[str]:
     """``all``, ``core``, ``training`` or a comma-separated list, as names (each checked)."""
-    groups = {
-        "all": list(MODELS), "core": list(CORE_MODELS), "training": list(TRAINING_MODELS), "titan": list(TITAN_MODELS)
-    }
+    groups = {"all": list(MODELS), "core": list(CORE_MODELS), "training": list(TRAINING_MODELS)}
     names = groups.get(text) or [n.strip() for n in text.split(",") if n.strip()]
     for name in names:
         get_model(name)
