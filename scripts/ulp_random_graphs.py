@@ -23,9 +23,10 @@ from hypothesis import HealthCheck, given, seed, settings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "core"))
 
-import ppbackward as pb  # noqa: E402
-from helpers import clone_inputs, output_grads  # noqa: E402
-from test_random_stages import D, RandomStage, stage_st  # noqa: E402
+from helpers import clone_inputs, output_grads
+from test_random_stages import D, RandomStage, stage_st
+
+import ppbackward as pb
 
 
 def ulp(a: torch.Tensor, b: torch.Tensor) -> int:

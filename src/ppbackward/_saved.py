@@ -121,7 +121,7 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
             kinds.setdefault(node, "recompute")
         for item in _saved_items(node):
             kind = _kind(item)
-            if kind and _RANK[kind] > _RANK.get(kinds.get(node), 0):
+            if kind and _RANK[kind] > _RANK.get(kinds.get(node, ""), 0):
                 kinds[node] = kind
     return kinds
 

@@ -38,7 +38,9 @@ def test_an_output_gradient_buffer_zeroed_between_b_and_w_is_a_clear_error():
     with pytest.raises(pb.StageBackwardError) as info:
         pb.stage_backward_weight(mod.parameters(), groups)
     message = str(info.value)
-    assert message.startswith("param_groups: the gradient B captured for AddmmBackward0's input 0 (torch.float32 [2, 3])")
+    assert message.startswith(
+        "param_groups: the gradient B captured for AddmmBackward0's input 0 (torch.float32 [2, 3])"
+    )
     assert "was modified in place after stage_backward_input (version 0 -> 1)" in message
     assert all(p.grad is None for p in mod.parameters())  # nothing accumulated
     assert groups.consumed and len(groups) == 0  # and nothing kept
