@@ -70,10 +70,11 @@ def _call_node(node, grads: tuple) -> list:
     return result
 
 
-def _conform(grad: torch.Tensor, node, slot: int) -> torch.Tensor:
-    """Shape, dtype and device of ``grad`` as the engine would deliver it to ``node``'s ``slot``
-    (its ``validate_outputs`` step): broadcast gradients summed back, dtype and device cast."""
-    meta = node._input_metadata[slot]
+def _conform(grad: torch.Tensor, edge: GradientEdge) -> torch.Tensor:
+    """``grad`` shaped as the engine would deliver it into ``edge`` (its ``validate_outputs`` step):
+    broadcast gradients summed back, dtype and device cast. Only for the public-call fallback of
+    :func:`accumulate`, whose Python checks refuse what the engine would shape."""
+    meta = edge.node._input_metadata[edge.output_nr]
     if tuple(grad.shape) != tuple(meta.shape):
         grad = grad.sum_to_size(meta.shape)
     if grad.dtype != meta.dtype or grad.device != meta.device:
@@ -95,8 +96,11 @@ def weight_edge_grads(calls: list) -> list[tuple]:
     the nodes; it accumulates nothing and registers no hook.
 
     Returns:
-        For each call, what the node returned (aligned with its ``next_functions``), each gradient
-        of a weight edge already shaped as the engine would deliver it (``_conform``).
+        For each call, what the node returned (aligned with its ``next_functions``), as the node
+        returned it: :func:`accumulate` hands every weight-edge gradient to the engine as a root, and
+        the engine shapes roots as it shapes a node's outputs in a full backward (``validate_outputs``:
+        broadcast gradients summed back, dtype and device cast), in C++ (Note [W roots are validated by
+        the engine]).
     """
     job = _Job(calls)
     targets: list[GradientEdge] = []
@@ -113,23 +117,23 @@ def weight_edge_grads(calls: list) -> list[tuple]:
         anchor = torch.zeros((), device=first.device, requires_grad=True)
         out = _CallIntermediates.apply(anchor, job)
         torch.autograd.grad([out], [anchor, *targets], allow_unused=True)
-    for (node, _, w_edges), outs in zip(calls, job.results):
-        nf = node.next_functions
-        for i in w_edges:
-            if outs[i] is not None:
-                outs[i] = _conform(outs[i], *nf[i][:2])
     return job.results
 
 
 def accumulate(roots: list, grads: list, params: list, retain_graph: bool) -> None:
     """``torch.autograd.backward(roots, grads, inputs=params)``, without its per-root Python checks.
 
-    Every gradient here already has its root's shape, dtype and device (``_conform``, or the output
-    checks of ``ppbackward._tree``), so W goes straight to the engine entry point that
-    ``torch.autograd.backward`` itself ends in (about 1 ms less per 300 roots); on a torch without
-    it, the public call.
+    Note [W roots are validated by the engine]: the engine's ``execute`` runs ``validate_outputs`` on
+    its roots against the metadata of the slots they lead into, the step a full backward runs on
+    every node's outputs before adding them into the next node's input buffer: a gradient of a
+    broadcast operand is summed back to its shape (``at::sum_to``), dtype and device are cast. W's
+    roots are exactly such node outputs (or gradients already checked by ``ppbackward._tree``), so W
+    hands them over unshaped and goes straight to the engine entry point that
+    ``torch.autograd.backward`` itself ends in (without its per-root Python checks; about 1 ms less
+    per 300 roots); on a torch without it, the public call.
     """
     if _ENGINE_RUN_BACKWARD is None:
+        grads = [_conform(g, edge) for edge, g in zip(roots, grads)]
         torch.autograd.backward(roots, grad_tensors=grads, inputs=params, retain_graph=retain_graph)
     else:
         _ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(params), True, True)
