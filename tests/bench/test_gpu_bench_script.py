@@ -18,7 +18,7 @@ def test_gpu_bench_script_runs_on_cpu(tmp_path):
         ["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "--device", "cpu", "--quick", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
         env={"PATH": f"{env_py}:/usr/bin:/bin"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Split cost per microbatch-stage" in proc.stdout
     assert "Replayed step" in proc.stdout

@@ -60,7 +60,7 @@ def action_lists(schedule: str, ranks: int, microbatches: int, stages_per_rank: 
             if a is None:
                 continue
             kind = _KINDS.get(getattr(a.computation_type, "name", ""), "")
-            if kind:
+            if kind and a.microbatch_index is not None:
                 acts.append(Action(a.stage_index, kind, a.microbatch_index))
         out.append(acts)
     return out

@@ -15,9 +15,10 @@ change side by side in one run).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -76,7 +77,7 @@ def _variants(extra: dict[str, Split]) -> dict[str, Callable[[Stage], dict[str, 
     }
     runners: dict[str, Callable[[Stage], dict[str, float]]] = {"full": _time_full}
     for name, pair in pairs.items():
-        runners[name] = lambda stage, name=name, pair=pair: _time_split(name, pair, stage)
+        runners[name] = functools.partial(_time_split, name, pair)
     return runners
 
 
@@ -113,8 +114,8 @@ def on_device(stage: Stage, device: torch.device | str) -> Stage:
 def measure_config(
     cfg: Config,
     repeats: int,
-    budget_s: Optional[float],
-    extra: Optional[dict[str, Split]] = None,
+    budget_s: float | None,
+    extra: dict[str, Split] | None = None,
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """One configuration: min-of-N ms of every figure per regime, and the ratios to the full backward.
@@ -158,7 +159,11 @@ def held_bytes(stage: Stage) -> dict[str, int]:
     regime, so W allocates none)."""
     out_bytes: dict[str, int] = {}
     prepare_regime(stage, "accumulating")
-    for name, (b, w) in (("pp", (_ours.stage_backward_input, _ours.stage_backward_weight)), ("torch", (UPSTREAM_B, UPSTREAM_W))):
+    splits: dict[str, Split] = {
+        "pp": (_ours.stage_backward_input, _ours.stage_backward_weight),
+        "torch": (UPSTREAM_B, UPSTREAM_W),
+    }
+    for name, (b, w) in splits.items():
         stage.x.grad = None
         out = stage.model(stage.x)
         _, groups = b((out,), (stage.grad,), [stage.x], iter(stage.params))
@@ -176,8 +181,8 @@ def held_bytes(stage: Stage) -> dict[str, int]:
 def measure(
     configs: tuple[Config, ...] | list[Config] = CONFIGS,
     repeats: int = 60,
-    budget_s: Optional[float] = 15.0,
-    extra: Optional[dict[str, Split]] = None,
+    budget_s: float | None = 15.0,
+    extra: dict[str, Split] | None = None,
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """:func:`measure_config` for each configuration (torch's thread count at 1), each with the
@@ -200,7 +205,7 @@ def measure(
         torch.set_num_threads(threads)
 
 
-def targets(result: dict[str, Any], schedule: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+def targets(result: dict[str, Any], schedule: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Issue 22's targets as rows of ``_report.targets`` (``_report._target``): B+W over the full
     backward per configuration and regime, B alone <= the full backward; with the real torchrun step
     (``schedule``, from ``_schedule.run_schedule``), ZBVZeroBubble <= 1.00x and InterleavedZeroBubble <=
@@ -213,12 +218,16 @@ def targets(result: dict[str, Any], schedule: Optional[dict[str, Any]] = None) -
             r = c["ratios"][regime]
             where = f"{c['label']}, {regime}, {result.get('device', 'cpu')}"
             if c["limit_bw"] is not None:
-                rows.append(_target(f"split: B+W <= {c['limit_bw']:.2f}x full backward", where, r["pp_bw"]["min_ratio"], c["limit_bw"], r["pp_bw"]["median"]))
-            rows.append(_target("split: B alone <= 1.00x full backward", where, r["pp_b"]["min_ratio"], 1.0, r["pp_b"]["median"]))
+                bw = r["pp_bw"]
+                name = f"split: B+W <= {c['limit_bw']:.2f}x full backward"
+                rows.append(_target(name, where, bw["min_ratio"], c["limit_bw"], bw["median"]))
+            b = r["pp_b"]
+            rows.append(_target("split: B alone <= 1.00x full backward", where, b["min_ratio"], 1.0, b["median"]))
     if schedule and "ratio_to_1f1b" in schedule:
         where = f"torchrun {schedule['ranks']} ranks, d {schedule['d_model']}, {schedule['microbatches']} microbatches"
         for zb, limit in (("ZBVZeroBubble", 1.0), ("InterleavedZeroBubble", 1.05)):
-            rows.append(_target(f"real step: {zb} <= {limit:.2f}x Interleaved1F1B", where, schedule["ratio_to_1f1b"][f"{zb}/ppbackward"], limit))
+            value = schedule["ratio_to_1f1b"][f"{zb}/ppbackward"]
+            rows.append(_target(f"real step: {zb} <= {limit:.2f}x Interleaved1F1B", where, value, limit))
     return rows
 
 
@@ -242,7 +251,9 @@ def format_split(result: dict[str, Any]) -> str:
             lines.append("  ".join(cells))
         if c.get("held_bytes"):
             h = c["held_bytes"]
-            lines.append(f"{'':<13} CUDA allocator bytes held between B and W (freed by W): pp {h['pp']}, torch {h['torch']}")
+            lines.append(
+                f"{'':<13} CUDA allocator bytes held between B and W (freed by W): pp {h['pp']}, torch {h['torch']}"
+            )
     lines.append(
         "\nReplayed step (Note [replayed step]: torch's action lists, these costs, zero communication; "
         "ratio to Interleaved1F1B; merged: B directly followed by its W run as one full backward)"
@@ -275,7 +286,8 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("ppbackward bench --split --device cuda: no CUDA device available")
-    report: dict[str, Any] = {"meta": meta, "split": measure(configs, repeats, None if args.quick else args.budget, device=device)}
+    split = measure(configs, repeats, None if args.quick else args.budget, device=device)
+    report: dict[str, Any] = {"meta": meta, "split": split}
     failed = False
     if args.schedule:
         from ppbackward._bench import _schedule
@@ -284,7 +296,7 @@ def run(args: Any, meta: dict[str, Any]) -> int:
             report["schedule"] = _schedule.run_schedule(
                 repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout,
                 d_model=args.schedule_d_model,
-            )  # fmt: skip
+            )
             failed = not report["schedule"]["grads_match"]
         except _schedule.ScheduleBenchError as e:
             report["schedule"] = {"error": str(e)}
@@ -298,7 +310,7 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     return 1 if failed else 0
 
 
-def _loadavg() -> Optional[float]:
+def _loadavg() -> float | None:
     import os
 
     try:
@@ -323,17 +335,20 @@ def format_run(report: dict[str, Any], rep: Any) -> str:
         else:
             r = sched["ratio_to_1f1b"]
             parts.append(
-                f"\nReal step (torchrun {sched['ranks']} ranks, {sched['stages']} stages x {sched['layers_per_stage']} layers "
-                f"d {sched['d_model']} s {sched['seq']}, {sched['microbatches']} microbatches; ratio to Interleaved1F1B): "
+                f"\nReal step (torchrun {sched['ranks']} ranks, {sched['stages']} stages x "
+                f"{sched['layers_per_stage']} layers d {sched['d_model']} s {sched['seq']}, "
+                f"{sched['microbatches']} microbatches; ratio to Interleaved1F1B): "
                 + "  ".join(f"{k} {v:.2f}x" for k, v in r.items())
             )
     rows = [
         [t["status"], t["target"], t["where"], f"{t['value']:.2f}",
          "-" if t.get("median_paired") is None else f"{t['median_paired']:.2f}", f"{t['limit']:.2f}"]
         for t in report["targets"]
-    ]  # fmt: skip
-    parts.append("\nTargets (issue 22; docs/performance.md); measured = ratio of minima, median = of per-repeat ratios\n"
-                 + rep._table(["", "target", "where", "measured", "median", "limit"], rows, left=3))
+    ]
+    parts.append(
+        "\nTargets (issue 22; docs/performance.md); measured = ratio of minima, median = of per-repeat ratios\n"
+        + rep._table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
+    )
     n_miss = sum(t["status"] == "MISS" for t in report["targets"])
     parts.append(f"{len(report['targets']) - n_miss} PASS, {n_miss} MISS")
     return "\n".join(parts)
