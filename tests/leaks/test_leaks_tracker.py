@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from leaky_variants import HIDDEN_BYTES, OUT_BYTES, make_input, make_stage
+from tests.leaks.leaky_variants import HIDDEN_BYTES, OUT_BYTES, make_input, make_stage
 from ppbackward.leaks import (
     ActivationReport,
     ActivationTracker,

@@ -62,7 +62,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from multiproc_specs import LAUNCHES, launches_of
+from tests.multiproc.multiproc_specs import LAUNCHES, launches_of
 
 from ppbackward._harness.launch import LaunchResult, launch
 
