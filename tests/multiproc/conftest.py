@@ -101,7 +101,7 @@ class _Launches:
         try:
             result = launch(  # on_case: record progress (LaunchResult.progress) as the launch runs
                 spec.nproc, list(spec.args), self.root / name, timeout=spec.timeout, env=dict(spec.env),
-                on_case=lambda r: None,
+                on_case=lambda case_id, per_rank: None,
             )
         except BaseException as e:  # the test that reads it reports the error
             future.set_exception(e)

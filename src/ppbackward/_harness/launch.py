@@ -344,21 +344,76 @@ def _read_verdict(path: Path) -> dict[str, Any] | None:
         return None
 
 
-class _CaseReporter:
-    """Calls ``on_case`` with each case record rank 0 adds to its verdict file, once, in order."""
+#: ``on_case(case_id, {rank: record})``: a case every rank has reported, with every rank's record.
+OnCase = Callable[[str, dict[int, dict[str, Any]]], None]
+QUIET_S = 10.0  # seconds without a finished case before ``on_wait`` says what is running
 
-    def __init__(self, path: Path, on_case: Callable[[dict[str, Any]], None] | None) -> None:
-        self.path = path
-        self.on_case = on_case
+
+class _CaseReporter:
+    """Progress of a launch, for a command line (Note [progress says what runs]).
+
+    Calls ``on_case`` once per case, in rank 0's order, as soon as every rank has written its record of
+    that case (so that the status is the case's over all ranks, as its table row will be), and
+    ``on_wait`` with what is running whenever ``quiet_s`` seconds (of ``clock``) pass without one.
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        nproc: int,
+        on_case: OnCase | None,
+        on_wait: Callable[[str], None] | None = None,
+        quiet_s: float = QUIET_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.out_dir, self.nproc = out_dir, nproc
+        self.on_case, self.on_wait = on_case, on_wait
+        self.quiet_s, self.clock = quiet_s, clock
         self.reported = 0
+        self.quiet_since = clock()
 
     def poll(self) -> None:
-        if self.on_case is None:
-            return
-        cases = (_read_verdict(self.path) or {}).get("cases", [])
-        for record in cases[self.reported :]:
-            self.on_case(record)
-        self.reported = max(self.reported, len(cases))
+        if self.on_case is not None:
+            self._report_cases(self.on_case)
+        if self.on_wait is not None and self.clock() - self.quiet_since >= self.quiet_s:
+            self.on_wait(self.running())
+            self.quiet_since = self.clock()
+
+    def _report_cases(self, on_case: OnCase) -> None:
+        verdicts = {r: _read_verdict(self.out_dir / f"rank{r}.json") or {} for r in range(self.nproc)}
+        by_rank = {r: {c["id"]: c for c in v.get("cases", [])} for r, v in verdicts.items()}
+        order = [c["id"] for c in verdicts[0].get("cases", [])]
+        for case_id in order[self.reported :]:
+            if not all(case_id in cases for cases in by_rank.values()):
+                break  # a rank is still on it: report in order, once every rank has
+            on_case(case_id, {r: cases[case_id] for r, cases in by_rank.items()})
+            self.reported += 1
+            self.quiet_since = self.clock()
+
+    def running(self) -> str:
+        """``running ScheduleGPipe/mlp (rank 0's log), 2/2 ranks started`` or ``starting: ...``."""
+        started = sum((self.out_dir / f"rank{r}.json").exists() for r in range(self.nproc))
+        if started < self.nproc:
+            return f"starting: {started}/{self.nproc} ranks have joined the process group"
+        current = _current_case(self.out_dir / "rank0.log")
+        if current is None:
+            return f"all {self.nproc} ranks started; building the first case"
+        return f"still running {current} (rank 0's log; {self.reported} case(s) done)"
+
+
+# Note [progress says what runs]: a launch prints nothing between two finished cases, and starting torchrun
+# on a busy machine or one slow case (a compiled model, a long schedule) can take tens of seconds. The
+# reporter therefore says, every QUIET_S seconds without a finished case, what the launch is doing: ranks
+# still joining, or the case rank 0's log names last (each worker logs ``>>> <case id>`` as a case starts).
+
+
+def _current_case(log: Path) -> str | None:
+    """The case id of the last ``>>> <case id>`` line of a worker's log, ``None`` before the first."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.split(">>> ", 1)[1] for line in reversed(lines) if ">>> " in line), None)
 
 
 def _progress_marks(out_dir: Path, nproc: int) -> tuple[tuple[int, int] | None, ...]:
@@ -413,8 +468,9 @@ def launch(
     out_dir: str | os.PathLike[str],
     timeout: float,
     env: dict[str, str] | None = None,
-    on_case: Callable[[dict[str, Any]], None] | None = None,
+    on_case: OnCase | None = None,
     startup_timeout: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> LaunchResult:
     """Run the harness worker on ``nproc`` ranks; a hang is stopped in bounded time (Note [hang clock]).
 
@@ -427,10 +483,13 @@ def launch(
             every rank's stack is dumped and every process of the launch killed (Note [killing a hung
             launch]). It does not count the time the machine takes to start the ranks.
         env: extra environment variables for torchrun and the workers.
-        on_case: called in this process with rank 0's record of each case as soon as rank 0 finished
-            it (polled from ``rank0.json`` twice a second): progress for a command line.
+        on_case: called in this process as ``on_case(case_id, {rank: record})`` for each case, in rank
+            0's order, as soon as every rank has finished it (polled from the verdict files twice a
+            second): progress for a command line.
         startup_timeout: seconds for every rank to start (write its first verdict) before the launch is
             killed; default ``max(300, timeout)``: a backstop, never reached on a healthy machine.
+        on_wait: called with one line saying what is running whenever ``QUIET_S`` seconds pass without
+            a finished case (Note [progress says what runs]).
 
     Returns:
         A :class:`LaunchResult`; it raises nothing for a failed, crashed or hung launch.
@@ -465,11 +524,11 @@ def launch(
     t0 = time.monotonic()
     progress: list[str] = []
 
-    def seen(record: dict[str, Any]) -> None:
-        progress.append(record["id"])
-        on_case(record)  # type: ignore[misc]
+    def seen(case_id: str, per_rank: dict[int, dict[str, Any]]) -> None:
+        progress.append(case_id)
+        on_case(case_id, per_rank)  # type: ignore[misc]
 
-    reporter = _CaseReporter(out / "rank0.json", None if on_case is None else seen)
+    reporter = _CaseReporter(out, nproc, None if on_case is None else seen, on_wait)
     with open(out / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,

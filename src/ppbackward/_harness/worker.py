@@ -635,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
                     "recv_object_list, which calls Tensor.numpy(); install numpy or use --metadata static"
                 ) from None
         verdict["metadata"] = args.metadata
-        only = None if args.schedules == "all" else args.schedules.split(",")
+        only = None if args.schedules == "all" else [n.strip() for n in args.schedules.split(",") if n.strip()]
         known = set(sched.RULES) | set(sched.discover())
         unknown = sorted(set(only or ()) - known)
         if unknown:

@@ -1,6 +1,6 @@
 """The cells of ``ppbackward check``'s table: per-rank case records aggregated, judged and formatted.
 
-Private module, used by ``ppbackward._check``. Columns (Note [worst cell]):
+Private module, used by ``ppbackward._cli.check``. Columns (Note [worst cell]):
 
 * ``garbage``: tensors + autograd nodes found in reference cycles after a step
   (``ppbackward.leaks.check_tensor_leaks``);
@@ -51,13 +51,32 @@ def progress_status(record: dict[str, Any]) -> str:
     return "FAIL " + ",".join(kinds) if kinds else "FAIL"
 
 
+def progress_status_of(per_rank: dict[int, dict[str, Any]]) -> str:
+    """:func:`progress_status` of one case over every rank that reported it, so that the progress line
+    says what the case's row will: ``pass`` only when every rank passed, ``skip`` when all skipped, else
+    the first exception or the union of the failed checks over the ranks."""
+    records = [r for _, r in sorted(per_rank.items()) if r]
+    statuses = {r.get("status") for r in records}
+    if statuses in ({"pass"}, {"skip"}):
+        return statuses.pop() or "?"
+    raised = next((r for r in records if r.get("status") == "error" and r.get("failures")), None)
+    if raised is not None:
+        return progress_status(raised)
+    failures = [f for r in records for f in r.get("failures") or []]
+    return progress_status({"status": "fail", "failures": failures})
+
+
 def _step_metrics(step: dict[str, Any]) -> dict[str, Any]:
+    """The value each column compares across ranks and steps (the largest is shown: Note [worst cell])."""
+    hooks = step["hooks"]
     return {
         "garbage": step["garbage"]["tensors"] + step["garbage"]["nodes"],
         "gc-only": step["lifetime"]["bytes_freed_only_by_gc"],
         "held": step["lifetime"]["bytes_held_after_gc"],
         "max|dg|": step["numerics"]["max_abs_grad_err"],
-        "hooks": abs(step["hooks"]["fired"] - step["hooks"]["expected"]),
+        # furthest from expected first; among equals, a rank that expects hook calls over one with no
+        # trainable parameter (0/0 says nothing about the hooks): Note [worst cell]
+        "hooks": (abs(hooks["fired"] - hooks["expected"]), hooks["expected"] > 0),
     }
 
 
@@ -85,7 +104,8 @@ def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
     Note [worst cell]: every column shows the worst rank and step for that column (the largest value;
     for ``hooks``, the rank and step whose count is furthest from expected, shown as fired/expected of
     that rank and step), and ``worst`` remembers which (rank, step) each column came from, so that the
-    footnote of a failing case quotes the failure behind the first failing cell.
+    footnote of a failing case quotes the failure behind the first failing cell. A rank with no trainable
+    parameter (a frozen stage: 0 hook calls expected) is the ``hooks`` cell only when every rank is one.
     """
     records = {rank: r for rank, r in per_rank.items() if r}
     failures = [f"rank {rank}, {f}" for rank, r in records.items() for f in r.get("failures", [])]
@@ -134,7 +154,27 @@ def cell_ok(values: dict[str, Any]) -> dict[str, bool]:
     }
 
 
+def _grads_why(values: dict[str, Any]) -> str | None:
+    """Why ``max|dg|`` fails where no difference was measured: ``grad None`` (a grad the reference has is
+    None in the pipeline), ``grad set`` (the reverse), ``loss``; ``None`` when a difference was measured."""
+    if values["max_abs_grad_err"] > 0:
+        return None
+    numerics = [f for f in values["failures"] if ": numerics: " in f or ": replicas: " in f]
+    for needle, why in (("is None in the pipeline", "grad None"), ("is set in the pipeline", "grad set"),
+                        (": loss of microbatch", "loss"), (" losses, reference has", "losses"),
+                        (": replicas: ", "replicas")):
+        if any(needle in f for f in numerics):
+            return why
+    return None
+
+
 def format_cell(column: str, values: dict[str, Any], ok: bool) -> str:
+    """One cell's text: the value and ``ok``/``FAIL`` (``step`` is not judged). A failing ``max|dg|`` with
+    nothing measured says why instead of a misleading ``0.0e+00`` (:func:`_grads_why`)."""
+    if column == "max|dg|" and not ok:
+        why = _grads_why(values)
+        if why is not None:
+            return f"{why} FAIL"
     if column == "finding":
         findings = values.get("findings") or []
         return "-" if values["status"] == "pass" or not findings else findings[0]["label"]

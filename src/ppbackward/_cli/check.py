@@ -4,7 +4,7 @@ Private module behind the console script. For each scenario (``ppbackward._harne
 model set at a world size, optionally pipeline × data parallel) it launches the multiproc harness worker
 (``ppbackward._harness.worker``) under torchrun twice — with torch's own stage backward and with
 ``ppbackward.install()`` — and prints one table per scenario, one row per case (schedule, model,
-wrapper) and backward; the columns are described in ``ppbackward._check_cells``. Every failing row of
+wrapper) and backward; the columns are described in ``ppbackward._cli.cells``. Every failing row of
 torch's gets a footnote naming the kind of failure, why it happens and its public report
 (``ppbackward._harness.diagnose``). Then, in this process, the bytes of saved activations held between
 B and W against the bytes W reads (``ppbackward._bench._memory``), and a verdict.
@@ -18,6 +18,8 @@ import argparse
 import difflib
 import importlib.util
 import json
+import math
+import os
 import shutil
 import sys
 import tempfile
@@ -27,12 +29,26 @@ from typing import Any
 
 import torch
 
-from ppbackward import _check_cells as cells
+from ppbackward._cli import cells
+from ppbackward._cli.paths import output_file_problem
 
 __all__ = ["main"]
 
 BACKWARDS = ("upstream", "ppbackward")
 _MEMORY_CONFIG = "4x64x16"  # the stage the bytes held between B and W are measured on (bench notation)
+
+#: Bounds of the numeric options, checked before anything is launched (the upper ones keep a typo such as
+#: ``--steps 100000`` from running for days; ``--nproc`` is bounded by the machine, see ``_check_nproc``).
+MAX_STEPS = 1000
+MAX_MICROBATCHES = 1024
+MIN_TIMEOUT_S = 1.0  # the hang clock polls twice a second: less cannot tell progress from a hang
+MAX_TIMEOUT_S = 24 * 3600.0
+RANKS_PER_CPU = 4  # CPU ranks per core at most: each rank is a process running its own stages
+
+_EXIT_CODES = """exit codes:
+  0  ppbackward passed every cell and the memory check (torch's own failures are reported, not fatal)
+  1  ppbackward failed a cell, the memory check, or its launch
+  2  a bad request or a machine that cannot run it (nothing was launched)"""
 
 
 class CheckError(Exception):
@@ -57,13 +73,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ppbackward check",
         formatter_class=_HelpFormatter,
+        epilog=_EXIT_CODES,
         description="Run the pipeline schedules of the installed torch under torchrun in real training setups, "
         "with torch's own stage backward and with ppbackward, and compare leaks, activation lifetime, grads, "
         "hooks and the memory held between B and W.",
     )
     p.add_argument(
         "--scenario", default=None, metavar="NAMES",
-        help=f"comma-separated scenarios ({', '.join(SCENARIOS)}), 'all', or 'default' "
+        help=f"comma-separated scenarios ({_scenario_list(SCENARIOS)}), 'all', or 'default' "
         f"(default: {','.join(DEFAULT)}; or the one --model names)",
     )
     p.add_argument("--model", choices=list(MODELS), default=None, help="run one built-in model instead of scenarios")
@@ -91,6 +108,14 @@ def _parser() -> argparse.ArgumentParser:
     # For the test suite and debugging: extra arguments for the harness worker (e.g. --hang-rank=1).
     p.add_argument("--worker-arg", action="append", default=[], help=argparse.SUPPRESS)
     return p
+
+
+def _scenario_list(scenarios: dict[str, Any]) -> str:
+    """``transformer, lora (models lora, lora-last), ...``: the models of a scenario where they are not
+    just its name, so that ``sac`` is found in ``ac``."""
+    return ", ".join(
+        name if s.models == (name,) else f"{name} (models {', '.join(s.models)})" for name, s in scenarios.items()
+    )
 
 
 def _suggest(name: str, known: set[str]) -> list[str]:
@@ -154,31 +179,12 @@ def _validate(args: argparse.Namespace) -> tuple[list[Any], list[str] | None]:
     if importlib.util.find_spec("torch.distributed.run") is None or not torch.distributed.is_available():
         raise CheckError(f"torch {torch.__version__} has no torch.distributed / torchrun on this machine")
     scenarios = _scenarios(args)
-    if args.steps < 1:
-        raise CheckError(f"--steps {args.steps}: need at least 1 step")
-    if args.microbatches < 0:
-        raise CheckError(f"--microbatches {args.microbatches}: must be 0 (automatic) or positive")
-    if args.timeout <= 0:
-        raise CheckError(f"--timeout {args.timeout:g}: must be positive (seconds)")
-    most = max(s.nproc for s in scenarios)
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise CheckError("--device cuda: torch.cuda.is_available() is False on this machine")
-        if torch.cuda.device_count() < most:
-            raise CheckError(f"--device cuda: {most} ranks need {most} GPUs, {torch.cuda.device_count()} visible")
-    if args.backend == "nccl" and args.device != "cuda":
-        raise CheckError("--backend nccl needs --device cuda")
+    _check_numbers(args)
+    _check_machine(args, max(s.nproc for s in scenarios))
+    _check_outputs(args)
+    only = _schedule_names(args.schedules)
     from ppbackward._harness import schedules
 
-    known = set(schedules.RULES) | set(schedules.discover())
-    only = None
-    if args.schedules != "all":
-        only = [s.strip() for s in args.schedules.split(",") if s.strip()]
-        if not only:
-            raise CheckError(f"--schedules {args.schedules!r}: no schedule named; give class names or 'all'")
-        unknown = [s for s in only if s not in known]
-        if unknown:
-            raise CheckError(_unknown_schedules(unknown, known))
     runnable, reasons = [], set()
     for scenario in scenarios:
         cases = schedules.matrix(scenario.nproc // scenario.dp, only, args.microbatches)
@@ -191,11 +197,83 @@ def _validate(args: argparse.Namespace) -> tuple[list[Any], list[str] | None]:
     return runnable, only
 
 
-def _run_backward(backward: str, scenario: Any, args: argparse.Namespace, out_dir: Path, t0: float) -> Any:
-    from ppbackward._harness.launch import launch
+def _check_numbers(args: argparse.Namespace) -> None:
+    """``--steps``, ``--microbatches`` and ``--timeout`` within their bounds (``MAX_STEPS`` ...)."""
+    if args.steps < 1:
+        raise CheckError(f"--steps {args.steps}: need at least 1 step")
+    if args.steps > MAX_STEPS:
+        raise CheckError(f"--steps {args.steps}: at most {MAX_STEPS} measured steps per case")
+    if args.microbatches < 0:
+        raise CheckError(f"--microbatches {args.microbatches}: must be 0 (automatic) or positive")
+    if args.microbatches > MAX_MICROBATCHES:
+        raise CheckError(f"--microbatches {args.microbatches}: at most {MAX_MICROBATCHES} per step")
+    if not math.isfinite(args.timeout):  # nan passes every comparison and would switch the watchdog off
+        raise CheckError(f"--timeout {args.timeout}: must be a finite number of seconds")
+    if args.timeout <= 0:
+        raise CheckError(f"--timeout {args.timeout:g}: must be positive (seconds)")
+    if not MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S:
+        raise CheckError(
+            f"--timeout {args.timeout:g}: must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} seconds"
+        )
 
-    worker_args = [
-        "--backward", backward, *scenario.worker_args(), "--schedules", args.schedules,
+
+def _check_machine(args: argparse.Namespace, most: int) -> None:
+    """The devices, backend and rank count the request needs are on this machine."""
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckError("--device cuda: torch.cuda.is_available() is False on this machine")
+        if torch.cuda.device_count() < most:
+            raise CheckError(f"--device cuda: {most} ranks need {most} GPUs, {torch.cuda.device_count()} visible")
+    else:
+        cores = os.cpu_count() or 1
+        if most > RANKS_PER_CPU * max(cores, 2):
+            raise CheckError(
+                f"--nproc {most}: more than {RANKS_PER_CPU} ranks per CPU core ({cores} on this machine); "
+                f"at most {RANKS_PER_CPU * max(cores, 2)}"
+            )
+    if args.backend == "nccl" and args.device != "cuda":
+        raise CheckError("--backend nccl needs --device cuda")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """``--json PATH`` can be written and ``--logs DIR`` made, before anything runs (nothing is created for
+    ``--json``; ``--logs`` is created, as the run would)."""
+    if args.json:
+        problem = output_file_problem(args.json)
+        if problem:
+            raise CheckError(f"--json {args.json}: {problem}")
+    if args.logs:
+        logs = Path(args.logs)
+        if logs.exists() and not logs.is_dir():
+            raise CheckError(f"--logs {args.logs}: exists and is not a directory")
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckError(f"--logs {args.logs}: cannot create it ({e.strerror or e})") from None
+        if not os.access(logs, os.W_OK | os.X_OK):
+            raise CheckError(f"--logs {args.logs}: not writable")
+
+
+def _schedule_names(text: str) -> list[str] | None:
+    """The ``--schedules`` filter: stripped, known class names, or ``None`` for ``all``."""
+    if text == "all":
+        return None
+    from ppbackward._harness import schedules
+
+    known = set(schedules.RULES) | set(schedules.discover())
+    only = [s.strip() for s in text.split(",") if s.strip()]
+    if not only:
+        raise CheckError(f"--schedules {text!r}: no schedule named; give class names or 'all'")
+    unknown = [s for s in only if s not in known]
+    if unknown:
+        raise CheckError(_unknown_schedules(unknown, known))
+    return only
+
+
+def worker_args(backward: str, scenario: Any, args: argparse.Namespace, only: list[str] | None) -> list[str]:
+    """The harness worker's arguments for one launch; the schedules as validated (names stripped)."""
+    return [
+        "--backward", backward, *scenario.worker_args(), "--schedules", "all" if only is None else ",".join(only),
         "--steps", str(args.steps), "--microbatches", str(args.microbatches),
         "--device", args.device, "--backend", args.backend,
         # a case that fails on one rank leaves the others waiting for it: keep that wait short
@@ -203,16 +281,31 @@ def _run_backward(backward: str, scenario: Any, args: argparse.Namespace, out_di
         *args.worker_arg,
     ]
 
-    def progress(record: dict[str, Any]) -> None:
-        seconds = record.get("seconds")
-        took = f"{seconds:.1f} s" if isinstance(seconds, (int, float)) else "-"
+
+def _run_backward(
+    backward: str, scenario: Any, args: argparse.Namespace, only: list[str] | None, out_dir: Path, t0: float
+) -> Any:
+    from ppbackward._harness.launch import launch
+
+    def elapsed() -> str:
+        return f"elapsed {time.perf_counter() - t0:5.1f} s"
+
+    def progress(case_id: str, per_rank: dict[int, dict[str, Any]]) -> None:
+        seconds = max((r.get("seconds") or 0.0 for r in per_rank.values()), default=0.0)
         print(
-            f"  [{backward:>10}] {record.get('id', '?'):<40} {cells.progress_status(record):<22} "
-            f"({took}; elapsed {time.perf_counter() - t0:5.1f} s)",
+            f"  [{backward:>10}] {case_id:<40} {cells.progress_status_of(per_rank):<22} "
+            f"({seconds:.1f} s; {elapsed()})",
             flush=True,
         )
 
-    return launch(scenario.nproc, worker_args, out_dir / backward, args.timeout, on_case=progress)
+    def waiting(what: str) -> None:
+        print(f"  [{backward:>10}] {what} ({elapsed()})", flush=True)
+
+    print(f"  [{backward:>10}] starting torchrun: {scenario.nproc} ranks ({elapsed()})", flush=True)
+    return launch(
+        scenario.nproc, worker_args(backward, scenario, args, only), out_dir / backward, args.timeout,
+        on_case=progress, on_wait=waiting,
+    )
 
 
 def _collect(result: Any) -> dict[str, dict[str, Any]]:
@@ -271,8 +364,10 @@ def run(args: argparse.Namespace) -> int:
     runs: list[tuple[Any, dict[str, Any], dict[str, dict[str, dict[str, Any]]]]] = []
     for scenario in scenarios:
         print(f"\nscenario {scenario.name} ({scenario.layout}): {scenario.title}", flush=True)
-        launches = {b: _run_backward(b, scenario, args, logs / scenario.name, t0) for b in BACKWARDS}
+        launches = {b: _run_backward(b, scenario, args, only, logs / scenario.name, t0) for b in BACKWARDS}
         runs.append((scenario, launches, {b: _collect(r) for b, r in launches.items()}))
+    print(f"\nmeasuring the memory held between B and W, both backwards, in this process "
+          f"(elapsed {time.perf_counter() - t0:.1f} s)", flush=True)
     memory = _memory()
 
     upstream_failing: list[tuple[str, dict[str, Any]]] = []
