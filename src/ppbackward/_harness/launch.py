@@ -1,8 +1,8 @@
 """Private: start the harness worker under torchrun, bounded in time, and read back per-rank verdicts.
 
 :func:`launch` runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m
-ppbackward._harness.worker ...`` with the *current* interpreter, in its own session
-(``start_new_session=True``), with ``OMP_NUM_THREADS=1``. torchrun's own output goes to
+ppbackward._harness.worker ...`` through ``ppbackward._torchrun`` (the one module that starts torchrun
+processes: the current interpreter, a session of its own, ``OMP_NUM_THREADS=1``). torchrun's own output goes to
 ``<out>/torchrun.log``; every worker writes ``<out>/rank<r>.log``, ``<out>/rank<r>.json`` (its verdict,
 rewritten after every case) and ``<out>/rank<r>.pid``.
 
@@ -12,16 +12,8 @@ The hang clock starts when every rank has written it (all started) and restarts 
 changes; ``timeout`` seconds without such progress is a hang. Until every rank has started, only the
 generous ``startup_timeout`` applies (a backstop for a rendezvous that never completes).
 
-Note [killing a hung launch]: on a hang the launcher first sends ``SIGUSR1`` to every worker, whose
-``faulthandler`` writes the Python stack of every thread into the worker's log from the signal handler
-(it works while the rank is blocked inside a gloo call), and waits until each log holds that dump (or the
-worker is gone; ``_DUMP_GRACE`` seconds at most). torchrun starts every worker in a session of its own,
-so killing torchrun's process group does not reach them. The launcher therefore (1) ``SIGKILL``\\ s each
-worker's process group, found from ``rank<r>.pid`` and checked to be a harness worker, (2) ``SIGTERM``\\ s
-torchrun's group and (3) ``SIGKILL``\\ s it after a grace period (:func:`_stop`; the schedule benchmark,
-``ppbackward._bench._schedule``, stops its launch the same way, with its own worker module). A worker
-that had not yet written its pid file is stopped by torchrun itself, which passes the ``SIGTERM`` on to
-its workers.
+A hung launch is stopped by ``ppbackward._torchrun.stop`` (Note [killing a hung launch] there): every
+worker's stack dumped to its log, then every process of the launch killed.
 
 :class:`LaunchResult` then answers "did every rank report, and did every case pass", and formats what
 went wrong as one block per failing case (each failing rank's failures, traceback and log excerpt),
@@ -33,22 +25,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from ppbackward._torchrun import alive, dump_stacks, start, stop, tail, torchrun_command
 
 __all__ = ["LaunchResult", "alive", "launch"]
 
 WORKER_MODULE = "ppbackward._harness.worker"
 _TAIL = 40  # log lines shown per rank
 _CASE_LOG = 20  # log lines shown per rank for one case
-_GRACE_S = 5.0  # between SIGTERM and SIGKILL of torchrun
-_DUMP_GRACE_S = 30.0  # most a worker gets to write its stack dump (Note [killing a hung launch])
-_DUMP_MARK = "(most recent call first)"  # faulthandler's header line of every thread's stack
 _POLL_S = 0.5
 
 
@@ -56,14 +45,6 @@ def _src_root() -> str:
     import ppbackward
 
     return str(Path(ppbackward.__file__).resolve().parents[1])
-
-
-def _tail(path: Path, lines: int = _TAIL) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return f"<no log at {path}>"
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def _indent(text: str, prefix: str = "    ") -> str:
@@ -95,7 +76,7 @@ class LaunchResult:
         return self.out_dir / f"rank{rank}.log"
 
     def log_tail(self, rank: int, lines: int = _TAIL) -> str:
-        return _tail(self.log_path(rank), lines)
+        return tail(self.log_path(rank), lines)
 
     def case_ids(self) -> list[str]:
         """Case ids in run order, as reported by any rank."""
@@ -178,7 +159,7 @@ class LaunchResult:
         lines.append(f"  command: {' '.join(self.command)}")
         lines.append(f"  output: {self.out_dir}")
         lines.append("  torchrun log tail:")
-        lines.append(_indent(_tail(self.out_dir / "torchrun.log", 15)))
+        lines.append(_indent(tail(self.out_dir / "torchrun.log", 15)))
         for rank in range(self.world_size):
             lines.append(f"  rank {rank} log tail ({self.log_path(rank)}):")
             lines.append(_indent(self.log_tail(rank)))
@@ -243,98 +224,6 @@ class LaunchResult:
 
 # ----------------------------------------------------------------------------------------------------
 # launching
-
-
-def _is_worker(pid: int, module: str = WORKER_MODULE) -> bool:
-    """Whether process ``pid`` runs ``module`` (in its command line): a pid file's pid not yet reused."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return sys.platform != "linux"  # no /proc: trust the pid file written moments ago
-    return module.encode() in cmdline
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie waiting for its parent."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return sys.platform != "linux"
-
-
-def _worker_pids(out_dir: Path, module: str = WORKER_MODULE) -> dict[int, int]:
-    """``{rank: pid}`` of every worker of ``module`` that wrote ``out_dir/rank<r>.pid`` and is still that worker."""
-    found = {}
-    for pid_file in sorted(out_dir.glob("rank*.pid")):
-        try:
-            rank, pid = int(pid_file.stem[len("rank") :]), int(pid_file.read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if _is_worker(pid, module):
-            found[rank] = pid
-    return found
-
-
-def _dump_stacks(out_dir: Path, grace: float = _DUMP_GRACE_S) -> None:
-    """``SIGUSR1`` every worker and wait until each log holds its stack dump (Note [killing a hung launch])."""
-    pending: dict[int, tuple[int, int]] = {}  # rank -> (pid, log size when the dump was first seen; -1: not yet)
-    for rank, pid in _worker_pids(out_dir).items():
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            continue
-        pending[rank] = (pid, -1)
-    deadline = time.monotonic() + grace
-    while pending and time.monotonic() < deadline:
-        time.sleep(0.1)
-        for rank, (pid, seen_at) in list(pending.items()):
-            log = out_dir / f"rank{rank}.log"
-            try:
-                size = log.stat().st_size
-                text = log.read_text(errors="replace") if seen_at < 0 else ""
-            except OSError:
-                size, text = -1, ""
-            if not alive(pid) or (seen_at >= 0 and size == seen_at):
-                del pending[rank]  # gone, or its dump is complete (the log stopped growing)
-            elif seen_at >= 0 or _DUMP_MARK in text:
-                pending[rank] = (pid, size)
-
-
-def _kill_workers(out_dir: Path, module: str = WORKER_MODULE) -> None:
-    """SIGKILL the session of every worker of ``module`` that wrote a pid file (Note [killing a hung launch])."""
-    for pid in _worker_pids(out_dir, module).values():
-        try:
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, signal.SIGKILL)
-            else:
-                os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _stop(proc: subprocess.Popen[Any], out_dir: Path, module: str = WORKER_MODULE) -> None:
-    """Kill torchrun ``proc`` (started in a session of its own) and every worker of ``module`` that wrote
-    ``out_dir/rank<r>.pid``; returns once ``proc`` exited, or after ``2 * _GRACE_S`` seconds at most
-    (Note [killing a hung launch])."""
-    _kill_workers(out_dir, module)
-    for sig, wait in ((signal.SIGTERM, _GRACE_S), (signal.SIGKILL, _GRACE_S)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    _kill_workers(out_dir, module)  # a worker started while torchrun was being stopped
 
 
 def _read_verdict(path: Path) -> dict[str, Any] | None:
@@ -499,28 +388,14 @@ def launch(
     for old in [*out.glob("rank*.*"), out / "torchrun.log"]:
         old.unlink(missing_ok=True)
     startup = max(300.0, timeout) if startup_timeout is None else startup_timeout
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "--max-restarts=0",
-        "-m",
-        WORKER_MODULE,
-        "--out",
-        str(out),
-        "--launched-at",
-        f"{time.time():.3f}",
-        *worker_args,
-    ]
-    full_env = dict(os.environ)
-    full_env.update(
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(p for p in (_src_root(), full_env.get("PYTHONPATH", "")) if p),
+    command = torchrun_command(
+        nproc, WORKER_MODULE, ["--out", str(out), "--launched-at", f"{time.time():.3f}", *worker_args]
     )
-    full_env.update(env or {})
+    full_env = {
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (_src_root(), os.environ.get("PYTHONPATH", "")) if p),
+        **(env or {}),
+    }
     t0 = time.monotonic()
     progress: list[str] = []
 
@@ -529,20 +404,16 @@ def launch(
         on_case(case_id, per_rank)  # type: ignore[misc]
 
     reporter = _CaseReporter(out, nproc, None if on_case is None else seen, on_wait)
-    with open(out / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-            start_new_session=True,
-        )
-        try:
-            hang = _wait(proc, out, nproc, timeout, startup, reporter)
-            if hang is not None:
-                _dump_stacks(out)
-                _stop(proc, out)
-        except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
-            _dump_stacks(out, grace=2.0)
-            _stop(proc, out)
-            raise
+    proc = start(command, out / "torchrun.log", full_env)
+    try:
+        hang = _wait(proc, out, nproc, timeout, startup, reporter)
+        if hang is not None:
+            dump_stacks(out, WORKER_MODULE)
+            stop(proc, out, WORKER_MODULE)
+    except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
+        dump_stacks(out, WORKER_MODULE, grace=2.0)
+        stop(proc, out, WORKER_MODULE)
+        raise
     return LaunchResult(
         command=command,
         out_dir=out,
