@@ -268,7 +268,7 @@ def test_format_and_to_dict():
     assert OUT_BYTES == 64  # sizes used across these tests
 
 
-# -- leaks the gc cannot see (Note [leaks the gc cannot see] in ppbackward/leaks/_life.py) -----------
+# -- leaks the gc cannot see (Note [leaks the gc cannot see] in ppbackward/leaks/_node_watches.py) -----------
 
 
 def _identity_hooks():

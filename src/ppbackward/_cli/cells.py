@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from ppbackward._harness.diagnose import ORDER, diagnose, kind_of
+from ppbackward._text_table import format_table
 
 __all__: list[str] = []  # private module
 
@@ -262,11 +263,4 @@ def table(
                 continue
             oks = cell_ok(values)
             lines_.append([label, backward, *(format_cell(c, values, oks[c]) for c in COLUMNS)])
-    full = [header, *(r for r in lines_ if len(r) == len(header))]
-    widths = [max(len(r[i]) for r in full) for i in range(len(header))]
-    widths[0] = max([widths[0], *(len(r[0]) for r in lines_)])
-
-    def line(r: list[str]) -> str:
-        return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip()
-
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in lines_)])
+    return format_table(header, lines_)

@@ -91,7 +91,7 @@ class ActivationReport:
         bytes_freed_only_by_gc: bytes of the unique storages of ``freed_only_by_gc``.
         bytes_held_after_gc: bytes of the unique storages of ``held_after_gc``.
         collected: whether the report ran ``gc.collect()`` first.
-        nodes: autograd nodes created in the block (Note [leaks the gc cannot see] in ``_life.py``).
+        nodes: autograd nodes created in the block (Note [leaks the gc cannot see] in ``_node_watches.py``).
         nodes_freed_only_by_gc: of those, how many a gc run freed (a reference cycle held them).
         nodes_held_after_gc: the names of those still alive (after the report's collection, with
             ``collect=True``): held by a live reference or by a cycle inside C++ that the gc cannot

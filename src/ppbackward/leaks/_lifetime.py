@@ -45,7 +45,7 @@ from ppbackward.leaks._activations import (
     SavedActivation,
 )
 from ppbackward.leaks._chains import format_holders, holder_chain
-from ppbackward.leaks._life import _LifeWatches
+from ppbackward.leaks._node_watches import _LifeWatches
 from ppbackward.leaks._saved_hooks import _hooks_enabled, _OpMode, _peek_sequence_nr, _top_hooks, _unpack
 from ppbackward.leaks._storage import _storage_key, _tensor_storages
 from ppbackward.leaks._watch import _Watch, _WatchMap
@@ -105,7 +105,7 @@ class ActivationTracker:
         self._names: dict[int, str] = {}
         self._pending: dict[int, list[_Record]] = {}
         self._frames: list[list[tuple[_Record, list[Any]]]] = []  # pending leaves per running op
-        # Note [leaks the gc cannot see] in _life.py: the nodes created in the block, and what user pack
+        # Note [leaks the gc cannot see] in _node_watches.py: the nodes created in the block, and what user pack
         # hooks returned
         self._nodes = _LifeWatches(f"ppbackward.leaks.track_activations:{id(self)}")
         self._packed = _LifeWatches("")
