@@ -15,6 +15,7 @@ Exit code 0 only when ppbackward passes every cell; upstream's failures are repo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import importlib.util
 import json
@@ -351,6 +352,131 @@ def _memory_lines(memory: dict[str, Any]) -> list[str]:
     return lines
 
 
+@dataclasses.dataclass
+class _ScenarioRun:
+    """One scenario's two launches and their cells (``{backward: {case id: cell values}}``)."""
+
+    scenario: Any
+    launches: dict[str, Any]
+    results: dict[str, dict[str, dict[str, Any]]]
+
+
+@dataclasses.dataclass
+class _Tally:
+    """What the tables found, for the verdict."""
+
+    upstream_failing: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    ours_bad: list[str] = dataclasses.field(default_factory=list)
+    launch_failed: list[str] = dataclasses.field(default_factory=list)
+    ours_ran: int = 0
+    skipped: int = 0
+
+    def launch_failures(self, backward: str) -> list[str]:
+        return [p.removeprefix(f"{backward} ") for p in self.launch_failed if p.startswith(f"{backward} ")]
+
+
+def _launch_all(args: argparse.Namespace, scenarios: list[Any], only: list[str] | None, logs: Path,
+                t0: float) -> list[_ScenarioRun]:
+    runs = []
+    for scenario in scenarios:
+        print(f"\nscenario {scenario.name} ({scenario.layout}): {scenario.title}", flush=True)
+        launches = {b: _run_backward(b, scenario, args, only, logs / scenario.name, t0) for b in BACKWARDS}
+        runs.append(_ScenarioRun(scenario, launches, {b: _collect(r) for b, r in launches.items()}))
+    return runs
+
+
+def _print_scenario(run: _ScenarioRun, only: list[str] | None, tally: _Tally) -> None:
+    """One scenario's table, its launch problems and ppbackward's failures; adds what it found to ``tally``."""
+    scenario, launches, results = run.scenario, run.launches, run.results
+    cases = list(dict.fromkeys([*results["upstream"], *results["ppbackward"]]))
+    cases = [c for c in cases if only is None or c.split("/")[0] in only]
+    print(f"\n{scenario.name} ({scenario.layout}): {scenario.title}")
+    print(cells.table(results, [(c, _row_label(c, scenario)) for c in cases], BACKWARDS))
+    for backward, result in launches.items():
+        problems = result.launch_problems()
+        if problems:
+            tally.launch_failed.append(f"{backward} {scenario.name}: {problems[0].splitlines()[0]}")
+            print(f"{backward}: the launch itself failed:\n{result.format_launch()}\n")
+    ours = results["ppbackward"]
+    ran = [c for c in cases if ours.get(c, {}).get("status") != "skip"]
+    bad = [c for c in cases if ours.get(c, {}).get("status") not in ("pass", "skip")]
+    tally.ours_ran += len(ran)
+    tally.skipped += len(cases) - len(ran)
+    tally.ours_bad += [f"{scenario.name}/{c}" for c in bad]
+    if bad and not launches["ppbackward"].launch_problems():
+        print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
+    for case in cases:
+        values = results["upstream"].get(case, {})
+        if values.get("status") not in ("pass", "skip"):
+            tally.upstream_failing.append((f"{scenario.name} {_row_label(case, scenario)}", values))
+
+
+def _print_upstream_footnotes(tally: _Tally, logs: Path, keep: bool) -> None:
+    if not tally.upstream_failing:
+        return
+    print("\ntorch's own backward failed, by kind (why, and the public report; the rows; one failure as recorded):")
+    footnotes = cells.by_kind(tally.upstream_failing)
+    print("\n".join(footnotes))
+    notes = []
+    if any(" B pinned)" in line for line in footnotes):
+        notes.append('"B pinned": bytes of the tensors found in the cycles')
+    if any("exception: " in line for line in footnotes):
+        where = f"{logs}/<scenario>" if keep else "--logs DIR keeps them in <DIR>/<scenario>"
+        notes.append(f"full tracebacks: {where}/upstream/rank<r>.json, cases[].error")
+    if notes:
+        print(f"  ({'; '.join(notes)})")
+
+
+def _verdict(tally: _Tally, memory: dict[str, Any], passed: bool, memory_ok: bool) -> str:
+    """``ppbackward PASS on ...; torch's own backward failed ...``: the two halves of the verdict line."""
+    ours_launch = tally.launch_failures("ppbackward")
+    if ours_launch:
+        outcome = f"FAIL: its launch failed ({ours_launch[0]})"
+    elif passed:
+        outcome = f"PASS on {tally.ours_ran}/{tally.ours_ran} cases and memory"
+    else:
+        what = [f"{len(tally.ours_bad)}/{tally.ours_ran} cases"] if tally.ours_bad else []
+        what += [] if memory_ok else ["memory"]
+        outcome = f"FAIL on {' and '.join(what)}"
+    upstream_launch = tally.launch_failures("upstream")
+    upstream = (
+        f"torch's own launch failed ({upstream_launch[0]})"
+        if upstream_launch
+        else f"torch's own backward failed {len(tally.upstream_failing)}/{tally.ours_ran}"
+    )
+    upstream += f", held {memory['upstream']['held_over_floor']:.2f}x what W reads"
+    if tally.skipped:
+        upstream += f"; {tally.skipped} skipped (reasons in the tables)"
+    return f"ppbackward {outcome}; {upstream}"
+
+
+def _write_json(path: str, args: argparse.Namespace, runs: list[_ScenarioRun], memory: dict[str, Any],
+                passed: bool, verdict: str, logs: Path | None) -> None:
+    payload = {
+        "torch": torch.__version__,
+        "backend": args.backend,
+        "device": args.device,
+        "steps": args.steps,
+        "scenarios": {
+            r.scenario.name: {
+                "title": r.scenario.title,
+                "nproc": r.scenario.nproc,
+                "dp": r.scenario.dp,
+                "models": list(r.scenario.models),
+                "wraps": list(r.scenario.wraps),
+                "results": r.results,
+                "launch_problems": {b: launch.launch_problems() for b, launch in r.launches.items()},
+            }
+            for r in runs
+        },
+        "memory": memory,
+        "passed": passed,
+        "verdict": verdict,
+        "logs": None if logs is None else str(logs),
+    }
+    Path(path).write_text(json.dumps(payload, indent=1))
+
+
 def run(args: argparse.Namespace) -> int:
     """The ``check`` command; returns the process exit code."""
     scenarios, only = _validate(args)
@@ -361,107 +487,28 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="ppbackward-check-"))
-    runs: list[tuple[Any, dict[str, Any], dict[str, dict[str, dict[str, Any]]]]] = []
-    for scenario in scenarios:
-        print(f"\nscenario {scenario.name} ({scenario.layout}): {scenario.title}", flush=True)
-        launches = {b: _run_backward(b, scenario, args, only, logs / scenario.name, t0) for b in BACKWARDS}
-        runs.append((scenario, launches, {b: _collect(r) for b, r in launches.items()}))
+    runs = _launch_all(args, scenarios, only, logs, t0)
     print(f"\nmeasuring the memory held between B and W, both backwards, in this process "
           f"(elapsed {time.perf_counter() - t0:.1f} s)", flush=True)
     memory = _memory()
-
-    upstream_failing: list[tuple[str, dict[str, Any]]] = []
-    ours_bad: list[str] = []
-    ours_ran = skipped = 0
-    launch_failed: list[str] = []
-    for scenario, launches, results in runs:
-        cases = list(dict.fromkeys([*results["upstream"], *results["ppbackward"]]))
-        cases = [c for c in cases if only is None or c.split("/")[0] in only]
-        print(f"\n{scenario.name} ({scenario.layout}): {scenario.title}")
-        print(cells.table(results, [(c, _row_label(c, scenario)) for c in cases], BACKWARDS))
-        for backward, result in launches.items():
-            problems = result.launch_problems()
-            if problems:
-                launch_failed.append(f"{backward} {scenario.name}: {problems[0].splitlines()[0]}")
-                print(f"{backward}: the launch itself failed:\n{result.format_launch()}\n")
-        ours = results["ppbackward"]
-        ran = [c for c in cases if ours.get(c, {}).get("status") != "skip"]
-        bad = [c for c in cases if ours.get(c, {}).get("status") not in ("pass", "skip")]
-        ours_ran += len(ran)
-        skipped += len(cases) - len(ran)
-        ours_bad += [f"{scenario.name}/{c}" for c in bad]
-        if bad and not launches["ppbackward"].launch_problems():
-            print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
-        for case in cases:
-            values = results["upstream"].get(case, {})
-            if values.get("status") not in ("pass", "skip"):
-                upstream_failing.append((f"{scenario.name} {_row_label(case, scenario)}", values))
+    tally = _Tally()
+    for scenario_run in runs:
+        _print_scenario(scenario_run, only, tally)
     print()
     for line in _memory_lines(memory):
         print(line)
     elapsed = time.perf_counter() - t0
     memory_ok = _memory_ok(memory["ppbackward"])
-    ours_launch = [p for p in launch_failed if p.startswith("ppbackward ")]
-    passed = not ours_bad and not ours_launch and memory_ok
+    passed = not tally.ours_bad and not tally.launch_failures("ppbackward") and memory_ok
     keep = bool(args.logs) or not passed
-    if upstream_failing:
-        print("\ntorch's own backward failed, by kind (why, and the public report; the rows; one failure as recorded):")
-        footnotes = cells.by_kind(upstream_failing)
-        print("\n".join(footnotes))
-        notes = []
-        if any(" B pinned)" in line for line in footnotes):
-            notes.append('"B pinned": bytes of the tensors found in the cycles')
-        if any("exception: " in line for line in footnotes):
-            where = f"{logs}/<scenario>" if keep else "--logs DIR keeps them in <DIR>/<scenario>"
-            notes.append(f"full tracebacks: {where}/upstream/rank<r>.json, cases[].error")
-        if notes:
-            print(f"  ({'; '.join(notes)})")
-    if ours_launch:
-        outcome = f"FAIL: its launch failed ({ours_launch[0].removeprefix('ppbackward ')})"
-    elif passed:
-        outcome = f"PASS on {ours_ran}/{ours_ran} cases and memory"
-    else:
-        what = [f"{len(ours_bad)}/{ours_ran} cases"] if ours_bad else []
-        what += [] if memory_ok else ["memory"]
-        outcome = f"FAIL on {' and '.join(what)}"
-    upstream_launch = [p for p in launch_failed if p.startswith("upstream ")]
-    upstream = (
-        f"torch's own launch failed ({upstream_launch[0].removeprefix('upstream ')})"
-        if upstream_launch
-        else f"torch's own backward failed {len(upstream_failing)}/{ours_ran}"
-    )
-    upstream += f", held {memory['upstream']['held_over_floor']:.2f}x what W reads"
-    if skipped:
-        upstream += f"; {skipped} skipped (reasons in the tables)"
+    _print_upstream_footnotes(tally, logs, keep)
     if not keep:
         shutil.rmtree(logs, ignore_errors=True)  # a passing run leaves nothing behind; --logs keeps them
     where = f"logs: {logs}" if keep else "logs deleted; --logs DIR keeps them"
-    verdict = f"VERDICT: ppbackward {outcome}; {upstream} ({elapsed:.0f} s; {where})"
+    verdict = f"VERDICT: {_verdict(tally, memory, passed, memory_ok)} ({elapsed:.0f} s; {where})"
     print(verdict)
     if args.json:
-        payload = {
-            "torch": torch.__version__,
-            "backend": args.backend,
-            "device": args.device,
-            "steps": args.steps,
-            "scenarios": {
-                s.name: {
-                    "title": s.title,
-                    "nproc": s.nproc,
-                    "dp": s.dp,
-                    "models": list(s.models),
-                    "wraps": list(s.wraps),
-                    "results": results,
-                    "launch_problems": {b: r.launch_problems() for b, r in launches.items()},
-                }
-                for s, launches, results in runs
-            },
-            "memory": memory,
-            "passed": passed,
-            "verdict": verdict,
-            "logs": str(logs) if keep else None,
-        }
-        Path(args.json).write_text(json.dumps(payload, indent=1))
+        _write_json(args.json, args, runs, memory, passed, verdict, logs if keep else None)
     return 0 if passed else 1
 
 
