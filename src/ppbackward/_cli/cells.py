@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from ppbackward._harness.diagnose import ORDER, diagnose, kind_of
+from ppbackward._harness.records import StepMeasures
 from ppbackward._text_table import format_table
 
 __all__: list[str] = []  # private module
@@ -67,17 +68,16 @@ def progress_status_of(per_rank: dict[int, dict[str, Any]]) -> str:
     return progress_status({"status": "fail", "failures": failures})
 
 
-def _step_metrics(step: dict[str, Any]) -> dict[str, Any]:
+def _step_metrics(step: StepMeasures) -> dict[str, Any]:
     """The value each column compares across ranks and steps (the largest is shown: Note [worst cell])."""
-    hooks = step["hooks"]
     return {
-        "garbage": step["garbage"]["tensors"] + step["garbage"]["nodes"],
-        "gc-only": step["lifetime"]["bytes_freed_only_by_gc"],
-        "held": step["lifetime"]["bytes_held_after_gc"],
-        "max|dg|": step["numerics"]["max_abs_grad_err"],
+        "garbage": step.garbage,
+        "gc-only": step.bytes_freed_only_by_gc,
+        "held": step.bytes_held_after_gc,
+        "max|dg|": step.max_abs_grad_err,
         # furthest from expected first; among equals, a rank that expects hook calls over one with no
         # trainable parameter (0/0 says nothing about the hooks): Note [worst cell]
-        "hooks": (abs(hooks["fired"] - hooks["expected"]), hooks["expected"] > 0),
+        "hooks": (abs(step.hooks_fired - step.hooks_expected), step.hooks_expected > 0),
     }
 
 
@@ -111,7 +111,7 @@ def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
     records = {rank: r for rank, r in per_rank.items() if r}
     failures = [f"rank {rank}, {f}" for rank, r in records.items() for f in r.get("failures", [])]
     status = {r.get("status") for r in records.values()}
-    steps = [(rank, s) for rank, r in records.items() for s in r.get("steps", [])]
+    steps = [(rank, StepMeasures.from_record(s)) for rank, r in records.items() for s in r.get("steps", [])]
     findings = _findings(records)
     if not steps:
         if status == {"skip"}:
@@ -122,19 +122,21 @@ def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
     for rank, step in steps:
         for column, value in _step_metrics(step).items():
             if column not in best or value > best[column]:
-                best[column], worst[column] = value, (rank, step["step"])
+                best[column], worst[column] = value, (rank, step.step)
     hooks_rank, hooks_step = worst["hooks"]
-    hooks = next(s["hooks"] for r, s in steps if r == hooks_rank and s["step"] == hooks_step)
-    step_seconds = [sum(s["seconds"] for s in r["steps"]) / len(r["steps"]) for r in records.values() if r.get("steps")]
+    hooks = next(s for r, s in steps if r == hooks_rank and s.step == hooks_step)
+    seconds: dict[int, list[float]] = {}
+    for rank, step in steps:
+        seconds.setdefault(rank, []).append(step.seconds)
     return {
         "status": "pass" if status == {"pass"} else "fail",
         "garbage": best["garbage"],
         "bytes_freed_only_by_gc": best["gc-only"],
         "bytes_held_after_step": best["held"],
         "max_abs_grad_err": best["max|dg|"],
-        "hooks_fired": hooks["fired"],
-        "hooks_expected": hooks["expected"],
-        "step_seconds": max(step_seconds),
+        "hooks_fired": hooks.hooks_fired,
+        "hooks_expected": hooks.hooks_expected,
+        "step_seconds": max(sum(s) / len(s) for s in seconds.values()),
         "worst": {column: list(where) for column, where in worst.items()},
         "wrap": next((r.get("wrap", "none") for r in records.values()), "none"),
         "failures": failures,
