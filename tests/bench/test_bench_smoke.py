@@ -5,7 +5,7 @@ and that its memory figures are consistent (W cannot read more than B left alive
 asserted anywhere: timings are the benchmark's output, not a test criterion. Last, the torchrun
 launcher's timeout path: one short-lived process group, no schedule actually run, and a fake launch
 whose worker runs in a session of its own, as torchrun's do (Note [killing a hung launch] in
-``ppbackward._harness.launch``).
+``ppbackward._torchrun``).
 """
 
 from __future__ import annotations
