@@ -7,7 +7,8 @@ whose :func:`main` this package re-exports (``ppbackward bench``, ``python -m pp
 ``_memory`` (saved activations held between B and W against what W reads), ``_loop`` (one stage
 pair's microbatch loop in a zero-bubble schedule's order), ``_alloc`` (the allocator's work),
 ``_scaling`` (graph analysis time against graph size), ``_profile`` (where the time of B and W goes),
-``_schedule`` and ``_schedule_worker`` (schedule steps under torchrun), ``_report`` (targets, tables,
+``_schedule`` and ``_schedule_worker`` (schedule steps under torchrun), ``_split`` and ``_replay`` (the
+split's cost per microbatch-stage, and a schedule step replayed from it: ``--split``), ``_report`` (targets, tables,
 JSON). Method and results: ``docs/performance.md``.
 """
 

@@ -37,13 +37,14 @@ def _command(tmp: Path, repeats: int, nproc: int) -> list[str]:
     return torchrun_command(nproc, WORKER, ["--out", str(tmp / "schedule.json"), "--repeats", str(repeats)])
 
 
-def run_schedule(repeats: int = 8, timeout_s: float = 300.0, nproc: int = 2) -> dict[str, Any]:
+def run_schedule(repeats: int = 8, timeout_s: float = 300.0, nproc: int = 2, d_model: int = 128) -> dict[str, Any]:
     """Run the worker under torchrun and return rank 0's JSON result.
 
     Args:
         repeats: timed steps per schedule variant.
         timeout_s: seconds (wall clock, from the launch) before torchrun and every worker are killed.
         nproc: ranks to start, all on this machine.
+        d_model: width of every stage's encoder layers.
 
     Raises:
         ScheduleBenchError: non-zero exit, no result, or ``timeout_s`` exceeded (every worker's session
@@ -52,7 +53,7 @@ def run_schedule(repeats: int = 8, timeout_s: float = 300.0, nproc: int = 2) -> 
     with tempfile.TemporaryDirectory(prefix="ppbackward-bench-") as name:
         tmp = Path(name)
         out, log_path = tmp / "schedule.json", tmp / "torchrun.log"
-        cmd = _command(tmp, repeats, nproc)
+        cmd = _command(tmp, repeats, nproc) + ([] if d_model == 128 else ["--d-model", str(d_model)])
         proc = start(cmd, log_path)
         try:
             proc.wait(timeout=timeout_s)

@@ -68,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule-timeout", type=float, default=300.0,
         help="seconds before the torchrun process group is killed (default 300)",
     )
+    p.add_argument(
+        "--split", action="store_true",
+        help="only the split's cost (issue 22): B, W, B+W against one full backward per microbatch-stage on "
+        "--configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and with "
+        "--schedule the real torchrun step; targets and verdicts",
+    )
+    p.add_argument("--device", default="cpu", help="device of the --split measurement: cpu (default) or cuda")
+    p.add_argument("--schedule-d-model", type=int, default=128, help="d_model of the --schedule stages (default 128)")
     p.add_argument("--no-scaling", action="store_true", help="skip the graph-analysis scaling sweep")
     p.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes profile")
     p.add_argument("--profile-config", default="16x64x16", help="configuration profiled (default 16x64x16)")
@@ -91,6 +99,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
     repeats = args.repeats if args.repeats is not None else (20 if args.quick else 100)
     if repeats < 1 or args.schedule_repeats < 1:
         parser.error("--repeats and --schedule-repeats must be >= 1")
+    if args.schedule_d_model < 4 or args.schedule_d_model % 4:
+        parser.error(f"--schedule-d-model {args.schedule_d_model}: must be a positive multiple of 4 (nhead)")
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device!r}: cpu or cuda (cuda:N)")
     if args.json:
         problem = output_file_problem(args.json)
         if problem:
@@ -98,7 +110,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
     from ppbackward._bench import _models  # torch.nn only: the parse itself needs no measurement module
 
     try:
-        configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(args.configs)
+        if args.split:  # --split reads its own configurations (ppbackward._bench._split.CONFIGS for 'all')
+            configs = [] if args.configs == "all" else _models.parse_configs(args.configs)
+        else:
+            configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(args.configs)
         profile_config = _models.parse_configs(args.profile_config)[0]
     except ValueError as e:
         parser.error(str(e))
@@ -193,7 +208,8 @@ def _measure_schedule(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     _log("bench: schedule step under torchrun ...")
     try:
         result = _schedule.run_schedule(
-            repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout
+            repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout,
+            d_model=args.schedule_d_model,
         )
     except _schedule.ScheduleBenchError as e:
         return {"error": str(e)}, True
@@ -243,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     # torch.profiler (allocator counts, profile) logs every start and stop to stderr unless told not to
     os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     import torch
+
+    if args.split:
+        from ppbackward._bench import _split
+
+        return _split.run(args, _meta(argv))
 
     from ppbackward._bench import _report
 
