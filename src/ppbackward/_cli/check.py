@@ -59,6 +59,11 @@ class CheckError(Exception):
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds ``(default: X)`` only where the help text does not already say what the default is."""
 
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("exit codes:"):  # the epilog is a table: keep its lines
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if action.default is None or "(default" in text:
