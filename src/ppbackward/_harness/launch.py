@@ -282,10 +282,10 @@ def _worker_pids(out_dir: Path, module: str = WORKER_MODULE) -> dict[int, int]:
     return found
 
 
-def _dump_stacks(out_dir: Path, grace: float = _DUMP_GRACE_S) -> None:
+def _dump_stacks(out_dir: Path, grace: float = _DUMP_GRACE_S, module: str = WORKER_MODULE) -> None:
     """``SIGUSR1`` every worker and wait until each log holds its stack dump (Note [killing a hung launch])."""
     pending: dict[int, tuple[int, int]] = {}  # rank -> (pid, log size when the dump was first seen; -1: not yet)
-    for rank, pid in _worker_pids(out_dir).items():
+    for rank, pid in _worker_pids(out_dir, module).items():
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
@@ -415,6 +415,8 @@ def launch(
     env: dict[str, str] | None = None,
     on_case: Callable[[dict[str, Any]], None] | None = None,
     startup_timeout: float | None = None,
+    module: str = WORKER_MODULE,
+    python: str | None = None,
 ) -> LaunchResult:
     """Run the harness worker on ``nproc`` ranks; a hang is stopped in bounded time (Note [hang clock]).
 
@@ -431,6 +433,12 @@ def launch(
             it (polled from ``rank0.json`` twice a second): progress for a command line.
         startup_timeout: seconds for every rank to start (write its first verdict) before the launch is
             killed; default ``max(300, timeout)``: a backstop, never reached on a healthy machine.
+        module: the worker module torchrun starts (default the harness worker). Another module must keep
+            the harness worker's protocol: take ``--out DIR --launched-at T`` first, write
+            ``rank<r>.pid``, ``rank<r>.json`` (``{"cases": [...], "complete", "fatal"}``) once started and
+            after every case, and dump its stacks on ``SIGUSR1`` (the torchtitan test's worker does).
+        python: the interpreter that runs torchrun and the workers (default: this one); ppbackward comes
+            from this checkout through ``PYTHONPATH`` either way.
 
     Returns:
         A :class:`LaunchResult`; it raises nothing for a failed, crashed or hung launch.
@@ -441,14 +449,14 @@ def launch(
         old.unlink(missing_ok=True)
     startup = max(300.0, timeout) if startup_timeout is None else startup_timeout
     command = [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
         "-m",
-        WORKER_MODULE,
+        module,
         "--out",
         str(out),
         "--launched-at",
@@ -478,11 +486,11 @@ def launch(
         try:
             hang = _wait(proc, out, nproc, timeout, startup, reporter)
             if hang is not None:
-                _dump_stacks(out)
-                _stop(proc, out)
+                _dump_stacks(out, module=module)
+                _stop(proc, out, module)
         except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
-            _dump_stacks(out, grace=2.0)
-            _stop(proc, out)
+            _dump_stacks(out, grace=2.0, module=module)
+            _stop(proc, out, module)
             raise
     return LaunchResult(
         command=command,
