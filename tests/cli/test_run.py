@@ -139,7 +139,7 @@ def test_unsupported_torch_is_refused_before_the_target_starts(probe, tmp_path):
 def test_bad_usage_is_a_clear_error(tmp_path, args, message):
     result = _python("-m", "ppbackward.run", *args, cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.startswith(f"ppbackward.run: {message}\n"), result.stderr
+    assert result.stderr.startswith(f"ppbackward.run: {message}"), result.stderr
     assert result.stdout == ""
 
 
