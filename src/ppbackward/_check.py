@@ -65,14 +65,14 @@ def _parser() -> argparse.ArgumentParser:
         "--scenario", default=None, metavar="NAMES",
         help=f"comma-separated scenarios ({', '.join(SCENARIOS)}), 'all', or 'default' "
         f"(default: {','.join(DEFAULT)}; or the one --model names)",
-    )  # fmt: skip
+    )
     p.add_argument("--model", choices=list(MODELS), default=None, help="run one built-in model instead of scenarios")
     p.add_argument("--nproc", type=int, default=None, help="with --model: ranks to start (default: 2 x --dp)")
     p.add_argument("--dp", type=int, default=1, help="with --model: data-parallel degree (world = dp x pp ranks)")
     p.add_argument(
         "--wrap", choices=WRAPS, default=None,
         help="with --model: data-parallel wrapper of every stage module (default: ddp when --dp > 1, else none)",
-    )  # fmt: skip
+    )
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process-group backend")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r uses cuda:r")
     p.add_argument("--schedules", default="all", help="comma-separated schedule class names, or 'all'")
@@ -82,12 +82,12 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=300.0,
         help="seconds a launch may go without any rank finishing a case, once every rank has started; then "
         "every rank's stack is written to its log and the launch is killed",
-    )  # fmt: skip
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument(
         "--logs", metavar="DIR",
         help="keep the ranks' logs and verdicts in DIR (default: a temp dir, deleted when ppbackward passes)",
-    )  # fmt: skip
+    )
     # For the test suite and debugging: extra arguments for the harness worker (e.g. --hang-rank=1).
     p.add_argument("--worker-arg", action="append", default=[], help=argparse.SUPPRESS)
     return p
@@ -201,7 +201,7 @@ def _run_backward(backward: str, scenario: Any, args: argparse.Namespace, out_di
         # a case that fails on one rank leaves the others waiting for it: keep that wait short
         "--case-timeout", "10",
         *args.worker_arg,
-    ]  # fmt: skip
+    ]
 
     def progress(record: dict[str, Any]) -> None:
         seconds = record.get("seconds")

@@ -186,7 +186,7 @@ def by_kind(failing: list[tuple[str, dict[str, Any]]]) -> list[str]:
                 same = kind_of(body, {"wrap": values.get("wrap", "none")}) == finding["kind"]
                 block["example"] = (behind if same else finding["example"]).splitlines()[0]
     lines: list[str] = []
-    for key, block in sorted(blocks.items(), key=lambda item: ORDER.get(item[0], len(ORDER))):
+    for _kind, block in sorted(blocks.items(), key=lambda item: ORDER.get(item[0], len(ORDER))):
         lines.append(f"- {block['line']}")
         lines.append(f"    in: {', '.join(block['rows'])}")
         shown = re.sub(r"^rank \d+, (exception: )?", "", block["example"])
@@ -207,7 +207,9 @@ def short_reason(values: dict[str, Any] | None) -> str:
     return "FAIL: " + (first if len(first) <= 90 else first[:87] + "...")
 
 
-def table(results: dict[str, dict[str, dict[str, Any]]], rows: list[tuple[str, str]], backwards: tuple[str, ...]) -> str:
+def table(
+    results: dict[str, dict[str, dict[str, Any]]], rows: list[tuple[str, str]], backwards: tuple[str, ...]
+) -> str:
     """The table: one row per ``(case id, row label)`` and backward; a row without measurement spans the
     metric columns with :func:`short_reason`."""
     header = ["case", "backward", *COLUMNS]

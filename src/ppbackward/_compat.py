@@ -24,7 +24,7 @@ import ast
 import inspect
 import re
 import weakref
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -44,7 +44,7 @@ class UnsupportedTorchError(RuntimeError):
     """Raised by ``ppbackward.install()`` for a torch whose pipelining contract is unknown."""
 
 
-def torch_release(version: Optional[str] = None) -> tuple[int, int, int]:
+def torch_release(version: str | None = None) -> tuple[int, int, int]:
     """``(major, minor, patch)`` of ``version`` (default: the installed torch), no local part."""
     text = str(version if version is not None else torch.__version__)
     parts = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", text)
@@ -53,7 +53,7 @@ def torch_release(version: Optional[str] = None) -> tuple[int, int, int]:
     return (int(parts.group(1)), int(parts.group(2)), int(parts.group(3) or 0))
 
 
-def check_supported(version: Optional[str] = None) -> None:
+def check_supported(version: str | None = None) -> None:
     """Raise :class:`UnsupportedTorchError` unless ``version`` is in :data:`SUPPORTED_TORCH`."""
     text = version if version is not None else torch.__version__
     release = torch_release(text)
@@ -88,7 +88,7 @@ _LEGACY_SHAPE = StageShape(unpacks_by_length=True, b_on_first_stage=True)
 _TUPLE_SHAPE = StageShape(unpacks_by_length=False, b_on_first_stage=False)
 
 
-def probe_stage_shape(source: Optional[str] = None) -> Optional[StageShape]:
+def probe_stage_shape(source: str | None = None) -> StageShape | None:
     """Read the shape of a ``stage.py`` (see :class:`StageShape`) from its source.
 
     Args:
@@ -207,7 +207,7 @@ _CONTRACTS: tuple[Contract, ...] = (
 )
 
 
-def contract_for(version: Optional[str] = None) -> Contract:
+def contract_for(version: str | None = None) -> Contract:
     """The :class:`Contract` of ``version`` (default: the installed torch).
 
     Raises:
@@ -250,7 +250,7 @@ class Adapter(NamedTuple):
         return f"{self.contract.adapter}{owner} (torch {self.contract.name} contract)"
 
 
-def select_adapter(version: Optional[str] = None, shape: Optional[StageShape] = None) -> Adapter:
+def select_adapter(version: str | None = None, shape: StageShape | None = None) -> Adapter:
     """Choose the adapter for a torch version and ``stage.py`` shape.
 
     Args:
@@ -352,7 +352,7 @@ def legacy_stage_backward_input(stage_outputs, output_grads, input_values, weigh
                 _DETACHED_BY_B[id(t)] = t
         return split
     flat = flatten_outputs_and_grads(stage_outputs, output_grads)
-    result: list[Optional[torch.Tensor]] = [None] * len(input_values)
+    result: list[torch.Tensor | None] = [None] * len(input_values)
     wanted = [
         (i, v)
         for i, v in enumerate(input_values)
@@ -360,7 +360,7 @@ def legacy_stage_backward_input(stage_outputs, output_grads, input_values, weigh
     ]
     if flat.tensors and wanted:
         found = torch.autograd.grad(
-            flat.tensors,
+            flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
             [v for _, v in wanted],
             grad_outputs=flat.grads,
             retain_graph=True,
@@ -371,7 +371,7 @@ def legacy_stage_backward_input(stage_outputs, output_grads, input_values, weigh
     # Views as outputs: B detaches no view, and with no input it runs no engine call and releases
     # nothing, so the graph stays whole for the full backward at W time.
     with torch.enable_grad():
-        aliases = [t.view_as(t) for t in flat.tensors]
+        aliases = [t.view_as(t) for t in flat.tensors]  # type: ignore[union-attr, arg-type]  # all tensors here
     _, groups = _ours.stage_backward_input(aliases, flat.grads, [], weights)
     return tuple(result), groups
 

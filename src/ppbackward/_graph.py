@@ -25,7 +25,7 @@ upstream ``get_param_groups`` walks the reverse graph once per parameter (O(para
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -41,7 +41,7 @@ def _accumulate_grad_type() -> type:
 _ACCUMULATE_GRAD: type = _accumulate_grad_type()
 
 
-def is_accumulate_grad(node: Optional[Node]) -> bool:
+def is_accumulate_grad(node: Node | None) -> bool:
     """True when ``node`` is the ``AccumulateGrad`` node of a leaf tensor."""
     return type(node) is _ACCUMULATE_GRAD
 
@@ -114,7 +114,7 @@ class _Structure(NamedTuple):
     intermediates and W-only nodes (leaves included) by number, and the union-find of the groups."""
 
     nodes: list[Node]
-    index: dict[Node, int]
+    number: dict[Node, int]  # node -> its number in ``nodes``
     nexts: list[tuple]
     parents: list[list[int]]
     inter: set[int]
@@ -150,9 +150,9 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
     producers: dict[tuple[int, int], list[int]] = {}  # (node, input slot) -> W's nodes with an edge into it
     for i, edges in w_edges.items():
         for kid, nr in edges:
-            producers.setdefault((st.index[kid], nr), []).append(i)
+            producers.setdefault((st.number[kid], nr), []).append(i)
     chosen: set[int] = set()
-    todo = list(run_by_w) if seeds is None else [st.index[n] for n in seeds if st.index.get(n) in run_by_w]
+    todo = list(run_by_w) if seeds is None else [st.number[n] for n in seeds if st.number.get(n) in run_by_w]
     while todo:
         i = todo.pop()
         if i in chosen:
@@ -160,14 +160,14 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
         chosen.add(i)
         todo += [p for p in st.parents[i] if p in run_by_w and p not in chosen]  # its producers
         for kid, nr in w_edges[i]:
-            k = st.index[kid]
+            k = st.number[kid]
             if k not in chosen:  # every producer of the slot this edge feeds
                 todo += [p for p in producers[k, nr] if p not in chosen]
     frontier: dict[GradientEdge, tuple[GroupSpec, int]] = {}
     for i in sorted(chosen):
         seq = st.nodes[i]._sequence_nr()
         for kid, nr in w_edges[i]:
-            k = st.index[kid]
+            k = st.number[kid]
             if k not in chosen:
                 edge = GradientEdge(kid, nr)
                 group = _group(st.groups, st.union, k)
@@ -179,7 +179,7 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
 
 def _w_edges(st: _Structure, i: int) -> list[tuple[Node, int]]:
     """``(next node, input slot)`` of node ``i``'s edges into W-only nodes and weight leaves."""
-    return [(kid, nr) for kid, nr in st.nexts[i] if kid is not None and st.index[kid] in st.w_only]
+    return [(kid, nr) for kid, nr in st.nexts[i] if kid is not None and st.number[kid] in st.w_only]
 
 
 def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analysis:
@@ -249,7 +249,7 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         parent[i] = i
         intermediates.append((i, w_edges))
         for j in w_edges:
-            _union(parent, i, index[nf[j][0]])
+            _union(parent, i, index[nf[j][0]])  # type: ignore[index]  # w_edges: kid is not None
 
     groups: dict[int, GroupSpec] = {}
     for i, edge in enumerate(root_edges):

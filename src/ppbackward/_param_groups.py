@@ -26,7 +26,7 @@ class WeightSet(NamedTuple):
     parameters] in ``ppbackward.backward``)."""
 
     ids: frozenset[int]
-    count: int
+    n_weights: int
     sharded: bool
 
 
@@ -47,7 +47,7 @@ class ParamGroup(NamedTuple):
     ready: list[tuple[float, GradientEdge, torch.Tensor]]
     params: list[torch.Tensor]
 
-    def __getitem__(self, key):  # type: ignore[override]
+    def __getitem__(self, key):
         if isinstance(key, str):  # torch's param groups are dicts: param_group["grads"]
             raise _not_a_dict(key)
         return tuple.__getitem__(self, key)
@@ -75,7 +75,7 @@ class ParamGroups:
     See Note [param_groups hold no cycle] in this module.
     """
 
-    __slots__ = ("_groups", "_weight_ids", "_owners", "_pinned", "_consumed")
+    __slots__ = ("_consumed", "_groups", "_owners", "_pinned", "_weight_ids")
 
     def __init__(
         self,

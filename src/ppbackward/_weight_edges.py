@@ -24,19 +24,19 @@ class _Job:
 
     def __init__(self, calls: list) -> None:
         self.calls = calls
-        self.results: list[tuple] = []
+        self.results: list[list] = []
 
 
 class _CallIntermediates(torch.autograd.Function):
     """Calls the intermediates from inside an engine call: Note [W computes only weight edges]."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, job: _Job) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, anchor: torch.Tensor, job: _Job) -> torch.Tensor:
         ctx.job = job
         return anchor.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         job, ctx.job = ctx.job, None
         for node, grads, _ in job.calls:
             job.results.append(_call_node(node, grads))
@@ -53,7 +53,7 @@ def _call_node(node, grads: tuple) -> list:
     """
     if not isinstance(node, BackwardCFunction):
         return list(node(*grads))
-    metas = node._input_metadata
+    metas = node._input_metadata  # type: ignore[attr-defined]  # not in torch's stub
     full = [
         g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
         for g, m in zip(grads, metas)
@@ -81,7 +81,7 @@ def _conform(grad: torch.Tensor, node, slot: int) -> torch.Tensor:
     return grad
 
 
-def weight_edge_grads(calls: list) -> list[tuple]:
+def weight_edge_grads(calls: list) -> list[list]:
     """Call each intermediate on its captured gradients, computing only its weight edges.
 
     Note [W computes only weight edges]: an autograd node decides which of its outputs to compute
@@ -112,7 +112,7 @@ def weight_edge_grads(calls: list) -> list[tuple]:
     with torch.enable_grad():
         anchor = torch.zeros((), device=first.device, requires_grad=True)
         out = _CallIntermediates.apply(anchor, job)
-        torch.autograd.grad([out], [anchor, *targets], allow_unused=True)
+        torch.autograd.grad([out], [anchor, *targets], allow_unused=True)  # type: ignore[arg-type]
     for (node, _, w_edges), outs in zip(calls, job.results):
         nf = node.next_functions
         for i in w_edges:

@@ -10,7 +10,8 @@ container that will hold it (upstream's recursive ``extract_tensors_with_grads``
 pytorch/pytorch#136507). Tree walks use explicit stacks; the only hooks are capture hooks (a tensor
 hook on a non-leaf input in :func:`stage_backward`, a node pre-hook on each intermediate in B); each
 closes over a plain list, never over a node, a tensor with a ``grad_fn`` or a ``ParamGroups``, does
-not change the gradient, and its handle is removed in ``finally``. W registers no hook. With the gc disabled, every saved activation is therefore
+not change the gradient, and its handle is removed in ``finally``. W registers no hook. With the gc
+disabled, every saved activation is therefore
 freed by reference counting as soon as the last backward of its microbatch returns and the caller
 drops the outputs.
 
@@ -25,7 +26,7 @@ import contextlib
 import sys
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -80,8 +81,8 @@ def stage_backward(
     stage_output: Any,
     output_grads: Any,
     input_values: list[Any],
-    outputs_with_grads_idxs: Optional[list[int]] = None,
-) -> tuple[Optional[torch.Tensor], ...]:
+    outputs_with_grads_idxs: list[int] | None = None,
+) -> tuple[torch.Tensor | None, ...]:
     """Full backward of one stage for one microbatch: input grads plus parameter accumulation.
 
     Mirrors ``torch.distributed.pipelining._backward.stage_backward`` (torch 2.13) and fixes its
@@ -118,7 +119,7 @@ def stage_backward(
 
     # Leaf inputs: the engine accumulates into ``.grad``; park the caller's value and restore it.
     # Non-leaf inputs: a capture hook. See Note [no closure cycle].
-    parked: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+    parked: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     boxes: dict[int, list] = {}
     handles = []
     try:
@@ -130,8 +131,8 @@ def stage_backward(
                 box: list = []
                 boxes[id(t)] = box
                 handles.append(t.register_hook(_capture_hook(box)))
-        torch.autograd.backward(flat.tensors, grad_tensors=flat.grads)
-        found: dict[int, Optional[torch.Tensor]] = {}
+        torch.autograd.backward(flat.tensors, grad_tensors=flat.grads)  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
+        found: dict[int, torch.Tensor | None] = {}
         for key, (t, _) in parked.items():
             found[key] = t.grad
         for key, box in boxes.items():
@@ -141,7 +142,7 @@ def stage_backward(
             handle.remove()
         for t, previous in parked.values():
             t.grad = previous
-    result: list[Optional[torch.Tensor]] = [None] * len(input_values)
+    result: list[torch.Tensor | None] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = found[id(t)]
     return tuple(result)
@@ -152,13 +153,14 @@ def stage_backward_input(
     output_grads: Any,
     input_values: list[Any],
     weights: Iterable[torch.nn.Parameter],
-) -> tuple[tuple[Optional[torch.Tensor], ...], ParamGroups]:
+) -> tuple[tuple[torch.Tensor | None, ...], ParamGroups]:
     """B: the stage inputs' gradients now, everything weights need for W captured.
 
     Mirrors ``torch.distributed.pipelining._backward.stage_backward_input`` (torch 2.13). One engine
     call computes the input grads; a capture pre-hook on every *intermediate* (a node on an input
     path with an edge into a weight-only subgraph) records the gradient flowing into it, after any
-    tensor hook on that activation, and is removed before B returns. No parameter ``.grad`` is touched and no ``AccumulateGrad`` hook fires. The outputs
+    tensor hook on that activation, and is removed before B returns. No parameter ``.grad`` is touched
+    and no ``AccumulateGrad`` hook fires. The outputs
     that are neither leaves nor views are detached in place afterwards (as upstream,
     pytorch/pytorch#138119), freeing the output side of the graph that W does not need.
 
@@ -185,9 +187,9 @@ def stage_backward_input(
             return stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights)
     input_values = list(input_values)
     flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads, consumed=_DETACHED)
-    weights = _weights_list(weights)
+    weight_list = _weights_list(weights)
     wanted = _grad_inputs(input_values)
-    weight_ids = WeightSet(frozenset(map(id, weights)), len(weights), any(map(_is_dtensor, weights)))
+    weight_ids = WeightSet(frozenset(map(id, weight_list)), len(weight_list), any(map(_is_dtensor, weight_list)))
     if not flat.tensors:
         return tuple(None for _ in input_values), ParamGroups([], weight_ids)
 
@@ -212,7 +214,7 @@ def stage_backward_input(
     # send to W's nodes, at the frontier edges.
     boxes: list[list] = [[] for _ in deferred]
     handles = []
-    found: dict[int, Optional[torch.Tensor]] = {}
+    found: dict[int, torch.Tensor | None] = {}
     frontier: list = []
     # B must keep the graph for the C++ intermediates W calls again; otherwise it releases every node
     # it runs, as a full backward does (Note [hooked saved tensors run once])
@@ -226,8 +228,8 @@ def stage_backward_input(
         if grad_inputs or eager.frontier:
             with _leaf_hooks_muted(edge.node for _, edge, _ in eager.frontier):
                 results = torch.autograd.grad(
-                    flat.tensors,
-                    [*grad_inputs, *(edge for _, edge, _ in eager.frontier)],
+                    flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
+                    [*grad_inputs, *(edge for _, edge, _ in eager.frontier)],  # type: ignore[arg-type]
                     grad_outputs=flat.grads,
                     retain_graph=retain,
                     allow_unused=True,
@@ -251,7 +253,7 @@ def stage_backward_input(
         )
     owners = owners_needed(owners, groups)
     _detach_outputs(flat.tensors, used_nodes)
-    result: list[Optional[torch.Tensor]] = [None] * len(input_values)
+    result: list[torch.Tensor | None] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_ids, owners, pinned)
@@ -384,7 +386,7 @@ def stage_backward_weight(
     weights: Iterable[torch.nn.Parameter],
     param_groups: ParamGroups,
     retain_graph: bool = False,
-) -> tuple[Optional[torch.Tensor], ...]:
+) -> tuple[torch.Tensor | None, ...]:
     """W: accumulate the weights' gradients of one microbatch, through their ``AccumulateGrad``.
 
     Mirrors ``torch.distributed.pipelining._backward.stage_backward_weight`` (torch 2.13) and fixes
@@ -418,7 +420,7 @@ def stage_backward_weight(
         accumulating call (e.g. by a user hook) can leave the parameters accumulated before it, but
         never half-accumulates one: each gets exactly one ``AccumulateGrad`` call.
     """
-    weights = _weights_list(weights)
+    weight_list = _weights_list(weights)
     if not isinstance(param_groups, ParamGroups):
         raise BadType(
             "param_groups: expected the ppbackward.ParamGroups returned by "
@@ -429,7 +431,7 @@ def stage_backward_weight(
             "param_groups: already consumed by an earlier stage_backward_weight call; W runs once "
             "per microbatch"
         )
-    _check_same_weights(weights, param_groups._weight_ids)
+    _check_same_weights(weight_list, param_groups._weight_ids)
     try:
         for chunk in _chunks(param_groups._groups, _W_CHUNK_BYTES):
             _weight_chunk(chunk, retain_graph)
@@ -437,7 +439,7 @@ def stage_backward_weight(
         if not retain_graph:
             release_pinned(param_groups._pinned)  # Note [outputs detached after B]
         param_groups._release()
-    return tuple(w.grad for w in weights)
+    return tuple(w.grad for w in weight_list)
 
 
 # Note [W in chunks]: W's first engine call materialises the weight gradients of every intermediate it
@@ -447,7 +449,8 @@ def stage_backward_weight(
 # made, does not pay). W therefore runs its two engine calls per chunk of consecutive param groups
 # holding about ``_W_CHUNK_BYTES`` of parameters, so the temporaries of one chunk are freed before the
 # next is made and their memory is reused (16 layers, d 256, grads accumulating: W 45 -> 33 ms; 4 to
-# 32 MiB measure alike, 1 MiB is slower again: more engine calls). Exactness is kept: a param group's weight-only nodes and
+# 32 MiB measure alike, 1 MiB is slower again: more engine calls). Exactness is kept: a param group's
+# weight-only nodes and
 # parameters belong to it alone, so every gradient reaching one node is still summed in one engine
 # call in the order of Note [accumulation order], and each parameter still gets exactly one
 # ``AccumulateGrad`` call. A small stage is one chunk (two engine calls, as before).
@@ -478,7 +481,7 @@ def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
             for i in w_edges:
                 if outs[i] is not None:
                     nxt, nr = nf[i][:2]
-                    contributions.append((seq, GradientEdge(nxt, nr), outs[i]))
+                    contributions.append((seq, GradientEdge(nxt, nr), outs[i]))  # type: ignore[arg-type]  # nxt: set
         del outs
     if contributions:
         # Note [accumulation order]: a full backward adds the gradients reaching one node in
@@ -529,10 +532,10 @@ def _check_same_weights(weights: list[torch.Tensor], expected: WeightSet) -> Non
     unsharded parameters FSDP2's backward reads), whatever form W is given.
     """
     if expected.sharded or any(map(_is_dtensor, weights)):
-        if len(weights) != expected.count:
+        if len(weights) != expected.n_weights:
             raise BadValue(
                 f"weights: {len(weights)} parameter(s) given to stage_backward_weight, "
-                f"{expected.count} to stage_backward_input"
+                f"{expected.n_weights} to stage_backward_input"
             )
         return
     ids = [id(w) for w in weights]

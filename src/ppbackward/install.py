@@ -22,11 +22,11 @@ import contextlib
 import importlib
 import threading
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 from ppbackward._compat import Adapter, select_adapter
 
-__all__ = ["install", "uninstall", "is_installed", "installed", "active_adapter"]
+__all__ = ["active_adapter", "install", "installed", "is_installed", "uninstall"]
 
 _NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 _MODULES = ("torch.distributed.pipelining._backward", "torch.distributed.pipelining.stage")
@@ -86,7 +86,7 @@ def is_installed() -> bool:
     return bool(_originals)
 
 
-def active_adapter() -> Optional[Adapter]:
+def active_adapter() -> Adapter | None:
     """The adapter :func:`install` put in place (``adapter.name``, e.g.
     ``"native (torch 2.12-2.14 contract)"``), or ``None`` while not installed."""
     return _active[0] if _active else None

@@ -48,7 +48,7 @@ def _check_main(capsys, *args: str) -> tuple[int, str, str]:
         (["--steps", "0"], "--steps 0: need at least 1 step"),
         (["--timeout", "0"], "--timeout 0: must be positive (seconds)"),
     ],
-)  # fmt: skip
+)
 def test_check_bad_input_is_a_clear_error(capsys, args, message):
     rc, out, err = _check_main(capsys, *args)
     assert rc == 2, out + err
@@ -113,7 +113,7 @@ def test_every_column_is_the_worst_rank_and_step_and_the_footnote_quotes_that_ce
             "failures": ["step 0: " + hooks.format(8), "step 1: " + hooks.format(8)]},
         1: {"status": "fail", "steps": [_step(0, 16, 16), _step(1, 0, 16, garbage=0)],
             "failures": ["step 1: " + hooks.format(0)]},
-    }  # fmt: skip
+    }
     values = _check_cells.cell_values(per_rank)
     assert (values["hooks_fired"], values["hooks_expected"]) == (0, 16)  # rank 1, step 1: not a total
     assert values["worst"]["hooks"] == [1, 1]
@@ -124,7 +124,7 @@ def test_every_column_is_the_worst_rank_and_step_and_the_footnote_quotes_that_ce
 
 def test_footnotes_group_failures_by_kind_with_reason_report_rows_and_one_example():
     raised = {0: {"status": "error", "failures": ["exception: RuntimeError: Trying to backward through the graph a "
-                                                  "second time (or directly ...)"]}}  # fmt: skip
+                                                  "second time (or directly ...)"]}}
     hooks = {1: {"status": "fail", "steps": [_step(0, 0, 8)], "failures": ["step 0: hooks: fired 0 times, expected 8"]}}
     odd = {0: {"status": "error", "failures": ["exception: ValueError: something nobody has seen"]}}
     rows = [(name, _check_cells.cell_values(r)) for name, r in (("a S1", raised), ("a S2", hooks), ("b S1", odd))]
@@ -154,9 +154,9 @@ def test_memory_passes_only_at_most_what_w_reads_and_nothing_after_w():
     assert not _check._memory_ok({"held_over_floor": 1.01, "after_w_bytes": 0})
     assert not _check._memory_ok({"held_over_floor": 0.5, "after_w_bytes": 4})
     memory = {"stage": "s", **{b: {"held_bytes": 8, "floor_bytes": 4, "held_over_floor": 2.0, "after_w_bytes": 0}
-                               for b in _check.BACKWARDS}}  # fmt: skip
+                               for b in _check.BACKWARDS}}
     assert _check._memory_lines(memory)[1:] == ["    upstream: 8 B held, W reads 4 B: 2.00x",
-                                                "  ppbackward: 8 B held, W reads 4 B: 2.00x FAIL"]  # fmt: skip
+                                                "  ppbackward: 8 B held, W reads 4 B: 2.00x FAIL"]
 
 
 def test_progress_says_why_a_case_failed():
@@ -179,7 +179,7 @@ def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, 
     rc, text, err = _check_main(
         capsys, "--model", "mlp", "--schedules", "ScheduleGPipe,ScheduleZBVZeroBubble", "--steps", "1",
         "--json", str(out),
-    )  # fmt: skip
+    )
     assert rc == 0, text + err
     assert "[ppbackward] ScheduleZBVZeroBubble/mlp" in text and "elapsed" in text  # progress lines
     rows = {tuple(line.split()[:2]): line for line in text.splitlines() if line.startswith("Schedule")}
@@ -212,7 +212,7 @@ def test_check_hung_rank_fails_in_bounded_time_with_each_rank_s_stack(tmp_path, 
     rc, text, err = _check_main(
         capsys, "--model", "mlp", "--schedules", "ScheduleGPipe", "--steps", "1", "--timeout", "3",
         "--worker-arg=--hang-rank=1", "--logs", str(tmp_path),
-    )  # fmt: skip
+    )
     assert rc == 1, text + err
     assert "the launch itself failed" in text and "no rank made progress for 3s" in text
     assert "rank 1 log tail" in text and " in recv" in text and " in barrier" in text  # each rank's stack

@@ -24,7 +24,7 @@ from ppbackward._compat import torch_release
 
 TORCH_2_13 = (2, 13) <= torch_release()[:2] <= (2, 14)
 IMPLS = [pytest.param(pb, id="ppbackward"), pytest.param(upstream, id="torch", marks=pytest.mark.skipif(
-    not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.14"))]  # fmt: skip
+    not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.14"))]
 torch_2_13_only = pytest.mark.skipif(not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.14")
 
 

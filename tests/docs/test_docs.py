@@ -161,7 +161,7 @@ def _python_blocks() -> list[Block]:
          "stage_backward_weightweights-param_groups-retain_graphfalse--w"),
         ("The tracker: `track_activations`", "the-tracker-track_activations"),
     ],
-)  # fmt: skip
+)
 def test_slug_matches_github(heading, slug):
     assert _slug(heading) == slug
 
@@ -207,7 +207,7 @@ def _torchrun(script: Path, launch: str, folder: Path, env: dict[str, str]) -> s
     """``torchrun --standalone <launch before --> script <launch after -->`` in its own process group."""
     torchrun_args, _, script_args = launch.partition(" -- ")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *torchrun_args.split(),
-               str(script), *script_args.split()]  # fmt: skip
+               str(script), *script_args.split()]
     proc = subprocess.Popen(
         command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

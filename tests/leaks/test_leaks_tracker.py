@@ -79,7 +79,7 @@ def test_a_saved_output_is_not_kept_alive_by_the_tracker():
         (True, False, [("AddmmBackward0", (8, 16)), ("TanhBackward0", (2, 16)), ("AddmmBackward0", (2, 16)), ("AddmmBackward0", (16, 8))]),
         (False, True, [("AddmmBackward0", (2, 8)), ("TanhBackward0", (2, 16)), ("AddmmBackward0", (2, 16))]),
     ],
-)  # fmt: skip
+)
 def test_parameters_and_outside_leaves_are_excluded_by_default(include_parameters, include_leaves, expected):
     stage, x = make_stage(), make_input()  # x: a leaf that requires grad, like a stage input
     with track_activations(include_parameters=include_parameters, include_leaves=include_leaves) as tracker:

@@ -102,7 +102,7 @@ class _Launches:
             result = launch(  # on_case: record progress (LaunchResult.progress) as the launch runs
                 spec.nproc, list(spec.args), self.root / name, timeout=spec.timeout, env=dict(spec.env),
                 on_case=lambda r: None,
-            )  # fmt: skip
+            )
         except BaseException as e:  # the test that reads it reports the error
             future.set_exception(e)
         else:

@@ -318,7 +318,7 @@ def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_
 
 def test_a_rank_that_never_started_is_a_start_up_timeout(tmp_path: Path) -> None:
     result = _result(tmp_path, {0: {"complete": False, "cases": []}, 1: None}, returncode=-9,
-                     hang="startup", startup_timeout=300.0)  # fmt: skip
+                     hang="startup", startup_timeout=300.0)
     problems = "\n".join(result.launch_problems())
     assert "timed out: rank(s) 1 had not started 300s after the launch" in problems
 

@@ -19,7 +19,7 @@ import os
 import platform
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["main"]
 
@@ -40,24 +40,36 @@ def _parser() -> argparse.ArgumentParser:
         help="'all' (4,16 layers x d 64,256 x seq 16,128) or a comma-separated list of "
         "LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all)",
     )
-    p.add_argument("--repeats", type=int, default=None, help="max timed repeats per config (default 100; 20 with --quick)")
-    p.add_argument("--budget", type=float, default=20.0, help="seconds of timed repeats per config (the microbatch loop gets half as much again): N is lowered (not below 3) to fit (default 20)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="max timed repeats per config (default 100; 20 with --quick)"
+    )
+    p.add_argument(
+        "--budget", type=float, default=20.0,
+        help="seconds of timed repeats per config (the microbatch loop gets half as much again): N is lowered "
+        "(not below 3) to fit (default 20)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
-    p.add_argument("--quick", action="store_true", help="only 4x64x16, few repeats, small scaling sweep, no profile (smoke test, CI)")
+    p.add_argument(
+        "--quick", action="store_true",
+        help="only 4x64x16, few repeats, small scaling sweep, no profile (smoke test, CI)",
+    )
     p.add_argument(
         "--schedule", action="store_true",
         help="also time the schedule step under torchrun (2 ranks, gloo): Interleaved1F1B, InterleavedZeroBubble "
         "and ZBVZeroBubble with torch's backward and ppbackward's, with peak memory per rank",
-    )  # fmt: skip
+    )
     p.add_argument("--schedule-repeats", type=int, default=8, help="timed steps per schedule variant (default 8)")
-    p.add_argument("--schedule-timeout", type=float, default=300.0, help="seconds before the torchrun process group is killed (default 300)")
+    p.add_argument(
+        "--schedule-timeout", type=float, default=300.0,
+        help="seconds before the torchrun process group is killed (default 300)",
+    )
     p.add_argument("--no-scaling", action="store_true", help="skip the graph-analysis scaling sweep")
     p.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes profile")
     p.add_argument("--profile-config", default="16x64x16", help="configuration profiled (default 16x64x16)")
     return p
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         sha = subprocess.run(
@@ -66,7 +78,8 @@ def _git_commit() -> Optional[str]:
         if sha.returncode != 0:
             return None
         dirty = subprocess.run(
-            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", ".."], capture_output=True, text=True, timeout=10
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", ".."],
+            capture_output=True, text=True, timeout=10,
         )
         return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
@@ -92,7 +105,7 @@ def _meta(argv: list[str]) -> dict[str, Any]:
     }
 
 
-def _loadavg() -> Optional[float]:
+def _loadavg() -> float | None:
     """1-minute load average (other processes share the cores: a high value means noisy timings)."""
     try:
         return round(os.getloadavg()[0], 2)
@@ -104,7 +117,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the tables (stdout) and optionally write JSON.
 
     Args:
@@ -164,7 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "ratio_to_plain": {regime: {k: v / t["plain"] for k, v in t.items()} for regime, t in ms.items()},
                 "paired_ratio_median": paired, "loop": loop, "allocations": allocations,
                 "param_groups": groups, "grads_match": exact, "memory": memory,
-            })  # fmt: skip
+            })
         if not args.no_scaling:
             _log("bench: graph analysis scaling ...")
             depths = _scaling.QUICK_DEPTHS if args.quick else _scaling.DEPTHS

@@ -50,7 +50,7 @@ def _command(tmp: Path, repeats: int, nproc: int) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
         "-m", WORKER, "--out", str(tmp / "schedule.json"), "--repeats", str(repeats),
-    ]  # fmt: skip
+    ]
 
 
 def run_schedule(repeats: int = 8, timeout_s: float = 300.0, nproc: int = 2) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def run_schedule(repeats: int = 8, timeout_s: float = 300.0, nproc: int = 2) -> 
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True,
-            )  # fmt: skip
+            )
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

@@ -363,7 +363,7 @@ class _CaseReporter:
 
 def _progress_marks(out_dir: Path, nproc: int) -> tuple[tuple[int, int] | None, ...]:
     """``(mtime_ns, size)`` of every rank's verdict file, ``None`` where it does not exist yet."""
-    marks = []
+    marks: list[tuple[int, int] | None] = []
     for rank in range(nproc):
         try:
             st = (out_dir / f"rank{rank}.json").stat()

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -228,13 +228,13 @@ class _CountedScale(torch.autograd.Function):
     ``main_grad``): it must run once per microbatch, whatever the backward is split into."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor, calls: list) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, calls: list) -> torch.Tensor:
         ctx.save_for_backward(h, w)
         ctx.calls = calls
         return h * w
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         h, w = ctx.saved_tensors
         ctx.calls[0] += 1
         return grad * w, (grad * h).sum(0), None
@@ -295,7 +295,7 @@ class SACStage(nn.Module):
 
 
 def _side_effects_recompute(
-    stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int, shards: int
+    stages: Mapping[int, Any], reference: Sequence[Any], n_microbatches: int, shards: int
 ) -> list[str]:
     """Failures: a stage that recomputed its checkpointed region more often than a full backward of the
     same microbatches (the reference's count per shard: a rank runs one shard, the reference every one of
@@ -319,7 +319,7 @@ def _compile_blocks(module: nn.Module) -> nn.Module:
     """Compile the block's ``forward`` in place (an instance attribute: no ``OptimizedModule`` child,
     which the zero-bubble schedules refuse; ``nn.Module.compile`` does not compile here on torch 2.13)."""
     if isinstance(module, CompiledStage):
-        module.block.forward = torch.compile(module.block.forward, backend=COMPILE_BACKEND)
+        module.block.forward = torch.compile(module.block.forward, backend=COMPILE_BACKEND)  # type: ignore[method-assign]
     return module
 
 
@@ -329,7 +329,7 @@ def scaled_sum_squared_error(output: torch.Tensor, target: torch.Tensor) -> torc
 
 
 def _side_effects_custom_fn(
-    stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int, shards: int
+    stages: Mapping[int, Any], reference: Sequence[Any], n_microbatches: int, shards: int
 ) -> list[str]:
     """Failures: a stage whose custom Function's backward did not run exactly once per microbatch."""
     failures = []
@@ -567,7 +567,7 @@ def mean_reference(
         return results[0]
     grads: dict[str, torch.Tensor | None] = {}
     for name, first in results[0].grads.items():
-        grads[name] = None if first is None else sum(r.grads[name] for r in results) / len(results)  # type: ignore[misc]
+        grads[name] = None if first is None else sum(r.grads[name] for r in results) / len(results)  # type: ignore[misc, assignment]
     return ReferenceResult(losses=results[own].losses, grads=grads, shards=len(results))
 
 

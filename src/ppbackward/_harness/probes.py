@@ -217,7 +217,7 @@ def count_tensors(obj: Any, depth: int = 6) -> int:
     return 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def outputs_kept_on_every_stage() -> bool:
     """Whether the installed ``forward_one_chunk`` appends to ``output_chunks`` on every stage (torch 2.5).
 

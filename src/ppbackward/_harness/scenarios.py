@@ -46,7 +46,10 @@ SCENARIOS: dict[str, Scenario] = {
             "transformer", "transformer blocks: a parameter used by two ops, a frozen weight, a non-tensor kwarg",
             2, ("transformer",),
         ),
-        Scenario("lora", "frozen prefix + LoRA adapters on later stages, and on the last stage only", 2, ("lora", "lora-last")),
+        Scenario(
+            "lora", "frozen prefix + LoRA adapters on later stages, and on the last stage only", 2,
+            ("lora", "lora-last"),
+        ),
         Scenario("ddp", "pipeline x DDP on a 2-D mesh, one data shard per dp rank", 4, ("mlp",), dp=2, wraps=("ddp",)),
         Scenario(
             "fsdp", "pipeline x FSDP2 (fully_shard) on a 2-D mesh, with and without reshard_after_forward",
@@ -63,7 +66,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("tuple", "tuple boundaries, one a view from a multi-output node", 2, ("tuple",)),
         Scenario("ckpt", "non-reentrant activation checkpointing inside every stage", 2, ("ckpt",)),
     )
-}  # fmt: skip
+}
 
 #: What ``ppbackward check`` runs by default.
 DEFAULT: tuple[str, ...] = ("transformer", "lora", "ddp", "ac")

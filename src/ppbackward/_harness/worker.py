@@ -65,9 +65,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ppbackward._harness import gloo_p2p
+from ppbackward._harness import gloo_p2p, parallel, probes
 from ppbackward._harness import models as zoo
-from ppbackward._harness import parallel, probes
 from ppbackward._harness import schedules as sched
 
 __all__ = ["ATOL", "RTOL", "main"]
@@ -109,11 +108,12 @@ def select_backward(mode: str) -> dict[str, str]:
             ppbackward.uninstall()
     elif mode == "ppbackward":
         import ppbackward
-
         from ppbackward.install import active_adapter
 
         ppbackward.install()
         adapter = active_adapter()
+        if adapter is None:
+            raise RuntimeError("ppbackward.install() returned but reports no active adapter")
         for name in _NAMES:
             if getattr(stage_mod, name) is not adapter.functions[name]:
                 raise RuntimeError(f"ppbackward.install() did not replace pipelining.stage.{name}")
@@ -349,7 +349,7 @@ def _to_device(batch: zoo.Batch, device: torch.device) -> zoo.Batch:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _first_stage_check_drops_kwargs() -> bool:
     """Note [torch 2.5 kwargs check]: torch 2.5's ``_validate_fwd_input`` checks stage 0's positional
     inputs against its ``input_args`` minus one per keyword argument (``expected_args[: len(expected_args)
@@ -394,7 +394,7 @@ def run_case(
     seed: int,
     case_timeout: float,
     metadata: str = "dynamic",
-    device: torch.device = torch.device("cpu"),
+    device: torch.device | None = None,
     backend: str = "gloo",
     layout: parallel.Layout | None = None,
     wrap: str = "none",
@@ -408,6 +408,7 @@ def run_case(
     """
     from torch.distributed.pipelining import PipelineStage
 
+    device = device or torch.device("cpu")
     layout = layout or parallel.Layout(1, case.world_size)
     dp_rank, pp_rank = layout.coords(rank)
     record: dict[str, Any] = {
@@ -457,7 +458,7 @@ def run_case(
         # the probes run per step scan only what the step created (~100x faster with torch imported).
         # Semantics are unchanged: a cycle among new objects is found as before, and a new object
         # referenced from a frozen one is reachable, as it is.
-        for step in range(spec.warmup_steps):  # unmeasured (see ModelSpec.warmup_steps)
+        for _ in range(spec.warmup_steps):  # unmeasured (see ModelSpec.warmup_steps)
             warm = zoo.make_batch(spec, case.n_microbatches, seed=parallel.batch_seed(seed, 99, dp_rank))
             _run_unmeasured(schedule, ctx, _to_device(warm, device))
             del warm
@@ -500,7 +501,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--models", default="core",
         help=f"comma-separated models ({','.join(zoo.MODELS)}), or 'core' ({','.join(zoo.CORE_MODELS)}), "
         f"'training' ({','.join(zoo.TRAINING_MODELS)}) or 'all'",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--metadata",
         choices=("static", "dynamic"),
@@ -510,12 +511,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "whose PipelineStage requires input_args, and for DDP: Note [DDP and shape inference] in "
         "ppbackward._harness.diagnose)",
     )
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree: the world is dp pipelines of world/dp ranks")
+    p.add_argument(
+        "--dp", type=int, default=1, help="data-parallel degree: the world is dp pipelines of world/dp ranks"
+    )
     p.add_argument(
         "--wraps", default="none",
         help=f"comma-separated data-parallel wrappers of every stage module ({', '.join(parallel.WRAPS)}); "
         "each is a case of its own",
-    )  # fmt: skip
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r uses cuda:LOCAL_RANK")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process-group backend")
     p.add_argument("--steps", type=int, default=2)
@@ -524,12 +527,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--pg-timeout", type=float, default=300.0,
         help="world process-group timeout (s): the barriers between cases wait this long for a rank whose case is slow",
-    )  # fmt: skip
+    )
     p.add_argument("--case-timeout", type=float, default=30.0, help="per-case subgroup timeout (s)")
     p.add_argument(
         "--launched-at", type=float, default=None,
-        help="time.time() when the launcher started torchrun: scales the timeouts (Note [timeouts scale with start-up])",
-    )  # fmt: skip
+        help="time.time() when the launcher started torchrun: scales the timeouts "
+        "(Note [timeouts scale with start-up])",
+    )
     p.add_argument("--hang-rank", type=int, default=None, help="test only: this rank blocks in a recv forever")
     return p.parse_args(argv)
 
@@ -670,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
             record = run_case(
                 case, spec, rank, args.steps, args.seed, args.case_timeout, metadata, device, args.backend,
                 layout, wrap, mesh,
-            )  # fmt: skip
+            )
             record["seconds"] = round(time.perf_counter() - t0, 3)
             verdict["cases"].append(record)
             _write(verdict_path, verdict)

@@ -16,7 +16,8 @@ import shutil
 import subprocess
 import types
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -76,7 +77,7 @@ def _describe(obj: Any) -> str:
 _ATTRS = (
     "__dict__", "__self__", "__func__", "__closure__", "__defaults__", "__kwdefaults__", "__globals__",
     "cell_contents", "func", "args", "keywords", "_backward_hooks", "grad_fn", "f_locals", "metadata",
-)  # fmt: skip
+)
 
 
 def _edge_label(src: Any, dst: Any) -> str:

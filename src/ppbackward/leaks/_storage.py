@@ -7,7 +7,8 @@ storage (that is what it keeps alive).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ try:  # torch >= 2.1; wrapper subclasses (DTensor, Float8Tensor, ...) hold their
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper_subclass
 except ImportError:  # pragma: no cover - very old torch
 
-    def _is_wrapper_subclass(t: Any) -> bool:
+    def _is_wrapper_subclass(t: Any) -> bool:  # type: ignore[misc]
         return False
 
 
@@ -29,7 +30,7 @@ def _tensor_storages(t: torch.Tensor) -> list[Any]:
     nested) yield nothing.
     """
     if _is_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        names, _ = t.__tensor_flatten__()
         found: list[Any] = []
         for name in names:
             found.extend(_tensor_storages(getattr(t, name)))

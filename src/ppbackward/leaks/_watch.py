@@ -36,7 +36,7 @@ class _Watch:
         self.state = ALIVE
 
 
-class _WatchRef(weakref.ref):  # type: ignore[type-arg]
+class _WatchRef(weakref.ref):
     __slots__ = ("watch",)
     watch: _Watch
 
