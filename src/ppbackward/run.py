@@ -10,9 +10,9 @@
 interpreter itself would: ``sys.argv`` is ``[SCRIPT, ARGS...]`` (``[full path of MODULE's file,
 ARGS...]`` for ``-m``), ``sys.path[0]`` is the script's folder (the current directory for ``-m``), the
 target's ``SystemExit`` code is the exit code, and an exception is printed with the target's traceback
-(this module's and runpy's frames left out) and exit code 1. Everything after SCRIPT or MODULE is passed through untouched, options
-that look like ``ppbackward.run``'s own included. Under torchrun every rank runs this module, so every rank
-installs ppbackward before the target starts.
+(this module's and runpy's frames left out) and exit code 1. Everything after SCRIPT or MODULE is
+passed through untouched, options that look like ``ppbackward.run``'s own included. Under torchrun
+every rank runs this module, so every rank installs ppbackward before the target starts.
 
 A refusal -- the installed torch outside ``ppbackward.SUPPORTED_TORCH``, or a ``stage.py`` whose contract
 ppbackward does not know (:class:`ppbackward.UnsupportedTorchError`) -- is one line on stderr and exit
