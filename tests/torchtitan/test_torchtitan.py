@@ -185,7 +185,8 @@ def test_ppbackward_grads_equal_interleaved_1f1b(assets, reference, schedule, ch
         return
     assert run.result.ok, run.show()
     assert sorted(run.grads) == [1, 2], run.show()
-    assert _differences(run.grads, reference.grads, [1, 2]) == []
+    differences = _differences(run.grads, reference.grads, [1, 2])
+    assert differences == [], "\n".join(differences)
 
 
 def _assert_refused(run: Run) -> None:
@@ -212,9 +213,8 @@ def test_torch_zero_bubble_crashes_under_selective_checkpointing(assets, schedul
 def test_torch_zero_bubble_leaves_final_norm_grad_none(assets, reference, schedule):
     run = _run(assets, "torch", schedule, False, 1)
     assert run.result.ok, run.show()
-    assert _differences(run.grads, reference.grads, [1]) == [
-        "step 1 norm.weight: grad None, reference a tensor"
-    ]
+    differences = _differences(run.grads, reference.grads, [1])
+    assert differences == ["step 1 norm.weight: grad None, reference a tensor"], "\n".join(differences)
 
 
 if __name__ == "__main__":
