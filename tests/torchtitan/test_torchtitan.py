@@ -3,7 +3,7 @@
 Cost: the venv of ``scripts/newest_venv.sh`` (torch 2.15.0 + torchtitan 0.3.0, about 5.5 GB; built once,
 a few minutes, then reused), then 7 torchrun launches of 2 ranks (gloo, CPU) of torchtitan's
 ``llama3_debugmodel`` (float32, sequence length 64, 4 microbatches of 1, PP degree 2, 2 stages per rank):
-about 4 minutes on 2 idle cores with the venv in place (README, "How long they take").
+5.1-7.1 minutes measured on 2 busy cores (load average 7-9) with the venv in place (README).
 
 What runs (``titan_worker.py`` is the tests-only launcher: the CPU adaptations, a grad recorder, then
 torchtitan's ``train`` entry point, through ``ppbackward.run.main`` for ppbackward's runs):
