@@ -121,6 +121,7 @@ def _unknown_schedules(names: list[str], known: set[str]) -> str:
 
 def _scenarios(args: argparse.Namespace) -> list[Any]:
     """The scenarios to run: the named ones, or one made of ``--model`` (with ``--nproc``, ``--dp``, ``--wrap``)."""
+    from ppbackward._harness.parallel import WRAPS_WITHOUT_DP
     from ppbackward._harness.scenarios import Scenario, select
 
     if args.model is None:
@@ -143,7 +144,7 @@ def _scenarios(args: argparse.Namespace) -> list[Any]:
     if nproc % args.dp:
         raise CheckError(f"--nproc {nproc} is not a multiple of --dp {args.dp}")
     wrap = args.wrap or ("ddp" if args.dp > 1 else "none")
-    if wrap != "none" and args.dp == 1:
+    if wrap not in WRAPS_WITHOUT_DP and args.dp == 1:
         raise CheckError(f"--wrap {wrap} needs --dp 2 or more")
     title = f"{args.model} ({'pipeline only' if wrap == 'none' else f'pipeline x {wrap}'})"
     return [Scenario(args.model, title, nproc, (args.model,), dp=args.dp, wraps=(wrap,))]

@@ -10,10 +10,10 @@ container that will hold it (upstream's recursive ``extract_tensors_with_grads``
 pytorch/pytorch#136507). Tree walks use explicit stacks; the only hooks are capture hooks (a tensor
 hook on a non-leaf input in :func:`stage_backward`, a node pre-hook on each intermediate in B); each
 closes over a plain list, never over a node, a tensor with a ``grad_fn`` or a ``ParamGroups``, does
-not change the gradient, and its handle is removed in ``finally``. W registers no hook. With the gc
-disabled, every saved activation is therefore
-freed by reference counting as soon as the last backward of its microbatch returns and the caller
-drops the outputs.
+not change the gradient, and its handle is removed in ``finally``. W registers no hook on a node of
+the stage (one pre-hook on a node of its own, Note [W computes only weight edges]). With the gc
+disabled, every saved activation is therefore freed by reference counting as soon as the last
+backward of its microbatch returns and the caller drops the outputs.
 
 Note [no node mutation]: nothing writes ``node.metadata`` or any other state onto autograd nodes
 (upstream 2.5 stored reverse edges there, pytorch/pytorch#136678). Graph analysis keeps its state in

@@ -311,3 +311,25 @@ def test_nodes_freed_by_a_python_cycle_are_told_apart():
         del y, box
     rep = tracker.report()  # its collection frees the cycle, and the node with it
     assert rep.nodes == 1 and rep.nodes_freed_only_by_gc == 1 and rep.nodes_held_after_gc == []
+
+
+def test_storages_of_a_dtensor_are_its_local_tensors_not_its_mesh() -> None:
+    """DTensor's ``__tensor_flatten__`` lists ``device_mesh`` next to ``_local_tensor`` (torch 2.13): the
+    tracker opens only the inner tensors (it raised AttributeError on the mesh before issue 20's fix)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from ppbackward.leaks._storage import _tensor_storages
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        local = torch.randn(4)
+        dt = DTensor.from_local(local, init_device_mesh("cpu", (1,)), [Replicate()])
+        keys = [s.data_ptr() for s in _tensor_storages(dt)]
+        assert keys == [local.untyped_storage().data_ptr()]
+    finally:
+        if owned:
+            dist.destroy_process_group()

@@ -67,7 +67,7 @@ def test_model_stack_is_deterministic_and_its_reference_produces_grads(name: str
         for pa, pb in zip(ma.parameters(), mb.parameters()):
             assert torch.equal(pa, pb)
     batch = models.make_batch(spec, 2, seed=1)
-    ref = models.reference_step(a, batch, 2, spec.loss_fn)
+    ref = models.reference_step(a, batch, 2, spec.loss_of(a[-1]))
     assert len(ref.losses) == 2 and all(torch.isfinite(x) for x in ref.losses)
     trainable = [n for i, m in enumerate(a) for n, p in models.param_names(i, m) if p.requires_grad]
     assert trainable and all(ref.grads[n] is not None for n in trainable)
@@ -433,3 +433,28 @@ def test_findings_come_most_telling_first_and_once_per_kind() -> None:
     record = {"wrap": "ddp", "failures": ["step 0: hooks: a", "step 0: numerics: x outside", "step 0: replicas: r", "step 1: hooks: b"]}
     assert [f.kind.key for f in diagnose.diagnose(record)] == ["ddp-replicas", "grads-wrong", "hooks-skipped"]
     assert diagnose.diagnose({"failures": []}) == []
+
+
+def test_titan_chunked_loss_equals_the_unchunked_cross_entropy() -> None:
+    """torchtitan's chunked loss (issue 20): the loss and every grad (lm_head's accumulated inside the
+    loss, the rest through the custom Function) equal plain autograd of the whole cross-entropy."""
+    import torch.nn.functional as F
+
+    spec = models.get_model("titan")
+    chunked, plain = models.build_stages(spec, 2, seed=3), models.build_stages(spec, 2, seed=3)
+    batch = models.make_batch(spec, 1, seed=4)
+    ref = models.reference_step(chunked, batch, 1, spec.loss_of(chunked[-1]))
+    h = plain[1](plain[0](*batch.args))
+    want = batch.target.flatten(0, 1).softmax(-1)
+    loss = F.cross_entropy(plain[1].lm_head(h).flatten(0, 1), want, reduction="sum")
+    loss.backward()
+    assert torch.allclose(ref.losses[0], loss.detach())
+    for i, module in enumerate(plain):
+        for name, p in models.param_names(i, module):
+            assert torch.allclose(ref.grads[name], p.grad, atol=1e-6), name
+    assert ref.grads["stage1.norm.weight"] is not None
+
+
+def test_a_model_name_is_not_shadowed_by_a_group() -> None:
+    for name in models.MODELS:
+        assert models.model_names(name) == [name]

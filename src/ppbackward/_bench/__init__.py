@@ -63,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule-timeout", type=float, default=300.0,
         help="seconds before the torchrun process group is killed (default 300)",
     )
+    p.add_argument(
+        "--split", action="store_true",
+        help="only the split's cost (issue 22): B, W, B+W against one full backward per microbatch-stage on "
+        "--configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and with "
+        "--schedule the real torchrun step; targets and verdicts",
+    )
+    p.add_argument("--device", default="cpu", help="device of the --split measurement: cpu (default) or cuda")
+    p.add_argument("--schedule-d-model", type=int, default=128, help="d_model of the --schedule stages (default 128)")
     p.add_argument("--no-scaling", action="store_true", help="skip the graph-analysis scaling sweep")
     p.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes profile")
     p.add_argument("--profile-config", default="16x64x16", help="configuration profiled (default 16x64x16)")
@@ -134,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     import torch
 
+    if args.split:
+        from ppbackward._bench import _split
+
+        return _split.run(args, _meta(argv))
+
     from ppbackward._bench import _alloc, _impls, _loop, _memory, _models, _report, _scaling, _timing
 
     try:
@@ -194,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             _log("bench: schedule step under torchrun ...")
             try:
                 report["schedule"] = _schedule.run_schedule(
-                    repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout
+                    repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout,
+                    d_model=args.schedule_d_model,
                 )
                 failed = not report["schedule"]["grads_match"]
             except _schedule.ScheduleBenchError as e:

@@ -53,13 +53,14 @@ def _command(tmp: Path, repeats: int, nproc: int) -> list[str]:
     ]
 
 
-def run_schedule(repeats: int = 8, timeout_s: float = 300.0, nproc: int = 2) -> dict[str, Any]:
+def run_schedule(repeats: int = 8, timeout_s: float = 300.0, nproc: int = 2, d_model: int = 128) -> dict[str, Any]:
     """Run the worker under torchrun and return rank 0's JSON result.
 
     Args:
         repeats: timed steps per schedule variant.
         timeout_s: seconds (wall clock, from the launch) before torchrun and every worker are killed.
         nproc: ranks to start, all on this machine.
+        d_model: width of every stage's encoder layers.
 
     Raises:
         ScheduleBenchError: non-zero exit, no result, or ``timeout_s`` exceeded (every worker's session
@@ -68,7 +69,7 @@ def run_schedule(repeats: int = 8, timeout_s: float = 300.0, nproc: int = 2) -> 
     with tempfile.TemporaryDirectory(prefix="ppbackward-bench-") as name:
         tmp = Path(name)
         out, log_path = tmp / "schedule.json", tmp / "torchrun.log"
-        cmd = _command(tmp, repeats, nproc)
+        cmd = _command(tmp, repeats, nproc) + ([] if d_model == 128 else ["--d-model", str(d_model)])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(

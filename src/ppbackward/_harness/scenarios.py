@@ -59,6 +59,11 @@ SCENARIOS: dict[str, Scenario] = {
             "ac", "activation checkpointing: selective (several policies, nested) and plain, recomputations counted",
             2, ("sac", "ckpt"),
         ),
+        Scenario(
+            "titan", "torchtitan's shape: final RMSNorm, lm_head in a chunked loss, FSDP2 units as torchtitan's "
+            "(mesh of 1), with and without per-block selective checkpointing",
+            2, ("titan", "titan-sac"), wraps=("fsdp-titan",),
+        ),
         Scenario("compiled", "a torch.compile'd block (aot_eager) inside every stage", 2, ("compiled",)),
         Scenario("bf16", "bfloat16 autocast stages with a scaled loss", 2, ("bf16",)),
         Scenario("custom-fn", "a custom autograd.Function whose backward has a side effect", 2, ("custom-fn",)),

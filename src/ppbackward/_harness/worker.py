@@ -16,7 +16,8 @@ Per rank and per step of every case it records (numbers in ``<out>/rank<r>.json`
 4. **numerics** — each microbatch's loss and every local parameter's grad against a single-process
    reference of the same stack on the same microbatches (sum-reduced loss, ``scale_grads=False``),
    within ``|x - ref| <= ATOL + RTOL * |ref|`` elementwise (float32);
-5. **hooks** — ``register_post_accumulate_grad_hook`` calls: once per trainable parameter per microbatch.
+5. **hooks** — ``register_post_accumulate_grad_hook`` calls: once per trainable parameter per microbatch
+   (``ModelSpec.accumulations`` times for a parameter the model accumulates into more often: titan's ``lm_head``).
 
 ``--backward`` selects the stage backward: ``upstream`` (torch's own), ``ppbackward``
 (``ppbackward.install()``), or ``leaky:<module or path.py>`` (a test-only module whose ``install()``
@@ -283,17 +284,18 @@ def run_step(schedule: Any, ctx: StepContext, batch_box: list[zoo.Batch], ref: z
         failures += bad
     failures += ctx.spec.side_effects(ctx.modules, ctx.reference, n_microbatches, ref.shards)
     hooks = ctx.hooks
-    wrong = {n: c for n, c in hooks.calls.items() if c != n_microbatches}
+    want = {n: n_microbatches * ctx.spec.accumulations(n) for n in hooks.calls}
+    wrong = {n: c for n, c in hooks.calls.items() if c != want[n]}
     hook_record = {
         "fired": sum(hooks.calls.values()),
-        "expected": n_microbatches * len(hooks.calls),
+        "expected": sum(want.values()),
         "params_wrong": len(wrong),
     }
     if wrong:
         name, calls = next(iter(wrong.items()))
         failures.append(
             f"hooks: post-accumulate-grad hooks fired {hook_record['fired']} times, expected "
-            f"{hook_record['expected']} ({len(wrong)} parameters off, e.g. {name}: {calls} != {n_microbatches})"
+            f"{hook_record['expected']} ({len(wrong)} parameters off, e.g. {name}: {calls} != {want[name]})"
         )
     return {
         "seconds": seconds,
@@ -450,7 +452,8 @@ def run_case(
             PipelineStage(wrapped[i], i, case.num_stages, device, group=groups.pp, **meta[i]) for i in stage_ids
         ]
         del meta, wrapped
-        schedule = case.build(pp_stages, spec.loss_fn)
+        schedule = case.build(pp_stages, spec.loss_of(local.get(case.num_stages - 1)))
+        reference_loss = spec.loss_of(reference[-1])
         # FSDP2's autograd runs on unsharded copies of its parameters: hooks on the sharded ones never fire
         hooks = probes.HookCounter([] if wrap.startswith("fsdp") else named)
         ctx = StepContext(pp_stages, local, named, hooks, spec, case.n_microbatches, wrap, groups.dp, reference)
@@ -470,7 +473,7 @@ def run_case(
                 zoo.make_batch(spec, case.n_microbatches, seed=parallel.batch_seed(seed, step, d))
                 for d in range(layout.dp)
             ]
-            ref = zoo.mean_reference(reference, shards, case.n_microbatches, spec.loss_fn, own=dp_rank)
+            ref = zoo.mean_reference(reference, shards, case.n_microbatches, reference_loss, own=dp_rank)
             batch_box = [_to_device(shards[dp_rank], device)]
             del shards
             result = run_step(schedule, ctx, batch_box, ref)
