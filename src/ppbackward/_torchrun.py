@@ -36,10 +36,11 @@ _DUMP_GRACE_S = 30.0  # most a worker gets to write its stack dump (Note [killin
 _DUMP_MARK = "(most recent call first)"  # faulthandler's header line of every thread's stack
 
 
-def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node=N --max-restarts=0 -m module *args``."""
+def torchrun_command(nproc: int, module: str, args: list[str], python: str | None = None) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=N --max-restarts=0 -m module *args``,
+    with ``python`` the interpreter (default: this one)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "--max-restarts=0", "-m", module, *args,
     ]
 

@@ -360,6 +360,8 @@ def launch(
     on_case: OnCase | None = None,
     startup_timeout: float | None = None,
     on_wait: Callable[[str], None] | None = None,
+    module: str = WORKER_MODULE,
+    python: str | None = None,
 ) -> LaunchResult:
     """Run the harness worker on ``nproc`` ranks; a hang is stopped in bounded time (Note [hang clock]).
 
@@ -379,6 +381,12 @@ def launch(
             killed; default ``max(300, timeout)``: a backstop, never reached on a healthy machine.
         on_wait: called with one line saying what is running whenever ``QUIET_S`` seconds pass without
             a finished case (Note [progress says what runs]).
+        module: the worker module torchrun starts (default the harness worker). Another module must keep
+            the harness worker's protocol: take ``--out DIR --launched-at T`` first, write
+            ``rank<r>.pid``, ``rank<r>.json`` (``{"cases": [...], "complete", "fatal"}``) once started and
+            after every case, and dump its stacks on ``SIGUSR1`` (the torchtitan test's worker does).
+        python: the interpreter that runs torchrun and the workers (default: this one); ppbackward comes
+            from this checkout through ``PYTHONPATH`` either way.
 
     Returns:
         A :class:`LaunchResult`; it raises nothing for a failed, crashed or hung launch.
@@ -389,7 +397,7 @@ def launch(
         old.unlink(missing_ok=True)
     startup = max(300.0, timeout) if startup_timeout is None else startup_timeout
     command = torchrun_command(
-        nproc, WORKER_MODULE, ["--out", str(out), "--launched-at", f"{time.time():.3f}", *worker_args]
+        nproc, module, ["--out", str(out), "--launched-at", f"{time.time():.3f}", *worker_args], python=python
     )
     full_env = {
         "PYTHONUNBUFFERED": "1",
@@ -408,11 +416,11 @@ def launch(
     try:
         hang = _wait(proc, out, nproc, timeout, startup, reporter)
         if hang is not None:
-            dump_stacks(out, WORKER_MODULE)
-            stop(proc, out, WORKER_MODULE)
+            dump_stacks(out, module)
+            stop(proc, out, module)
     except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
-        dump_stacks(out, WORKER_MODULE, grace=2.0)
-        stop(proc, out, WORKER_MODULE)
+        dump_stacks(out, module, grace=2.0)
+        stop(proc, out, module)
         raise
     return LaunchResult(
         command=command,
