@@ -21,10 +21,10 @@ import sys
 import torch
 from hypothesis import HealthCheck, given, seed, settings
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "core"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root: ``tests`` is a package
 
-from helpers import clone_inputs, output_grads
-from test_random_stages import D, RandomStage, stage_st
+from tests.core.helpers import clone_inputs, output_grads
+from tests.core.test_random_stages import D, RandomStage, stage_st
 
 import ppbackward as pb
 

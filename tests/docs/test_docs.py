@@ -290,3 +290,15 @@ def test_make_figures_command_works_and_images_are_small(tmp_path):
     for name in committed:
         size = (ROOT / "docs" / "images" / name).stat().st_size
         assert size < MAX_IMAGE_BYTES, f"docs/images/{name} is {size} bytes (keep pictures < 200 KB)"
+
+
+def test_the_readme_states_the_rank_count_of_every_default_scenario():
+    """Issue 23: the README said check runs "2 ranks" though the ddp scenario runs 4."""
+    from ppbackward._harness.scenarios import DEFAULT, SCENARIOS
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = readme.split("`ppbackward check` runs every schedule", 1)[1].split(". ", 1)[0]
+    for n in sorted({SCENARIOS[name].nproc for name in DEFAULT}):
+        assert f"{n} ranks" in said or f"{n} for" in said, (n, said)
+    bigger = [name for name in DEFAULT if SCENARIOS[name].nproc > 2]
+    assert all(f"{name} scenario" in said for name in bigger), (bigger, said)

@@ -278,3 +278,20 @@ def test_report_before_exit_says_so():
     with check_tensor_leaks() as report:
         assert not report.done
         assert "has not exited yet" in report.format()
+
+
+def test_a_caught_leak_s_default_graph_folder_is_left_in_no_shared_temp_dir(_own_tempdir):
+    """Issue 23: the suite left ``ppbackward-leaks-*`` folders in the system temp dir; a leak test's default
+    folder is now inside pytest's own temp folders (tests/leaks/conftest.py), removed with them."""
+    import tempfile
+
+    assert tempfile.gettempdir() == _own_tempdir
+    with check_tensor_leaks(strict=False) as report:
+        a = torch.ones(3, requires_grad=True)
+        y = a * 2
+        holder = [y]
+        holder.append(holder)  # a cycle holding a tensor with a graph
+        del y, holder
+    assert report.num_tensors >= 1 and report.output_dir is not None
+    assert os.path.dirname(report.output_dir) == _own_tempdir
+    assert os.path.basename(report.output_dir).startswith("ppbackward-leaks-")

@@ -435,6 +435,47 @@ def test_findings_come_most_telling_first_and_once_per_kind() -> None:
     assert diagnose.diagnose({"failures": []}) == []
 
 
+def test_progress_reports_a_case_once_every_rank_has_it_and_says_what_runs_meanwhile(tmp_path: Path) -> None:
+    """Issue 23: progress came from rank 0 alone (``lora-last pass`` over a failing row) and froze 20-29 s
+    with no word of why (Note [progress says what runs]); no process, a fake clock: no timing involved."""
+    from ppbackward._harness.launch import _CaseReporter
+
+    now = [0.0]
+    seen: list[tuple[str, dict]] = []
+    said: list[str] = []
+    reporter = _CaseReporter(tmp_path, 2, lambda c, r: seen.append((c, r)), said.append, quiet_s=10.0,
+                             clock=lambda: now[0])
+
+    def write(rank: int, *cases: tuple[str, str]) -> None:
+        records = [{"id": c, "status": s} for c, s in cases]
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"cases": records}))
+
+    now[0] = 10.0
+    reporter.poll()
+    assert said == ["starting: 0/2 ranks have joined the process group"]
+    write(0)
+    write(1)
+    (tmp_path / "rank0.log").write_text("[rank 0] >>> ScheduleGPipe/lora-last\n")
+    now[0] = 15.0
+    reporter.poll()
+    assert len(said) == 1  # not quiet long enough yet
+    now[0] = 20.0
+    reporter.poll()
+    assert said[-1] == "still running ScheduleGPipe/lora-last (rank 0's log; 0 case(s) done)"
+    write(0, ("ScheduleGPipe/lora-last", "pass"))
+    reporter.poll()
+    assert seen == []  # rank 1 is still on it
+    write(1, ("ScheduleGPipe/lora-last", "fail"))
+    reporter.poll()
+    reporter.poll()
+    assert [(c, {r: v["status"] for r, v in per.items()}) for c, per in seen] == [
+        ("ScheduleGPipe/lora-last", {0: "pass", 1: "fail"})
+    ]  # once, with every rank's record
+    now[0] = 25.0
+    reporter.poll()
+    assert len(said) == 2  # a finished case restarted the quiet clock
+
+
 def test_titan_chunked_loss_equals_the_unchunked_cross_entropy() -> None:
     """torchtitan's chunked loss (issue 20): the loss and every grad (lm_head's accumulated inside the
     loss, the rest through the custom Function) equal plain autograd of the whole cross-entropy."""

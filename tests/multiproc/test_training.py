@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from multiproc_specs import LAUNCH_TEST_TIMEOUT, slow_params
+from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, slow_params
 from ppbackward._harness import models, parallel, schedules
 from ppbackward._harness.worker import case_id
 

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import pytest
 
-from multiproc_specs import LAUNCH_TEST_TIMEOUT
+from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT
 from ppbackward._compat import torch_release
 from ppbackward._harness import schedules
 from ppbackward._harness.diagnose import KINDS, diagnose
-from test_training import expected_cases
+from tests.multiproc.test_training import expected_cases
 
 SPLIT = {name for name, rule in schedules.RULES.items() if rule.split_backward}
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ppbackward._text_table import format_table
+
 __all__: list[str] = []  # private module
 
 MiB = float(2**20)
@@ -97,18 +99,6 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
-    """Plain-text table; the first ``left`` columns are left-aligned, the others right-aligned."""
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
-
-
 def _x(v: float) -> str:
     return f"{v:.2f}x"
 
@@ -129,7 +119,7 @@ def _memory_table(report: dict[str, Any], pick: Any, total: str) -> str:
             f"{p['held_bytes'] / MiB:.3f}", f"{p['floor_bytes'] / MiB:.3f}", _x(p["held_over_floor"]),
             f"{u['after_w_bytes']}/{p['after_w_bytes']}",
         ])
-    return _table(
+    return format_table(
         ["config", total, "up held", "up floor", "up held/floor", "pp held", "pp floor", "pp held/floor",
          "bytes after W up/pp"],
         rows,
@@ -164,7 +154,7 @@ def format_text(report: dict[str, Any]) -> str:
     parts.append(
         "\nTime: backward only, ms, min of N interleaved repeats; (x) = ratio to plain autograd.backward;"
         " regime first: every .grad None, accumulating: grads kept\n"
-        + _table(
+        + format_table(
             ["config", "regime", "N", "plain", "up B", "up W", "up B+W", "(x)", "pp B", "pp W", "pp B+W", "(x)",
              "pp full", "(x)", "pp/up", "groups up/pp", "exact"],
             rows, left=2,
@@ -184,7 +174,7 @@ def format_text(report: dict[str, Any]) -> str:
             f"\nMicrobatch loop: one rank's F, B, W of 2 stages (half the layers each) x {lp['microbatches']} "
             "microbatches in ScheduleInterleavedZeroBubble's order, grads accumulating, forwards included; "
             "ms, min of N; plain = full backward at B, nothing at W\n"
-            + _table(["config", "N", "plain", "upstream", "(x)", "ppbackward", "(x)", "pp/up"], rows)
+            + format_table(["config", "N", "plain", "upstream", "(x)", "ppbackward", "(x)", "pp/up"], rows)
         )
     rows = []
     for c in report["configs"]:
@@ -196,7 +186,7 @@ def format_text(report: dict[str, Any]) -> str:
             ])
     parts.append(
         "\nAllocator: allocations / MiB allocated during one backward (torch.profiler, profile_memory)\n"
-        + _table(["config", "regime", "plain", "upstream B+W", "ppbackward B+W", "ppbackward full"], rows, left=2)
+        + format_table(["config", "regime", "plain", "upstream B+W", "ppbackward B+W", "ppbackward full"], rows, left=2)
     )
     parts.append(
         "\nMemory: saved activations (MiB, unique storages, parameters excluded) alive between B and W;"
@@ -217,7 +207,9 @@ def format_text(report: dict[str, Any]) -> str:
         fit = scaling["fit"]
         parts.append(
             "\nGraph analysis (ppbackward._graph.analyze) vs graph size, d 64 s 16\n"
-            + _table(["layers", "nodes", "edges", "nodes+edges", "analyze us", "us/(node+edge)", "upstream us"], rows)
+            + format_table(
+                ["layers", "nodes", "edges", "nodes+edges", "analyze us", "us/(node+edge)", "upstream us"], rows
+            )
             + (
                 f"\nfit: t = {fit['intercept_us']:.0f} us + {fit['us_per_unit']:.3f} us x (nodes+edges), "
                 f"R^2 = {fit['r2']:.4f}; us/(node+edge) largest/smallest = {fit['per_unit_growth']:.2f}"
@@ -241,7 +233,7 @@ def format_text(report: dict[str, Any]) -> str:
             f"\nWhere the time goes ({prof['config']}, {prof['params']} parameters; plain backward: 1 engine call, "
             f"{pl['node_calls']} node calls, {pl['matmuls']} matmuls, {pl['accumulate_grad']} AccumulateGrad; "
             "times: cProfile, ms per call, inflated by profiling)\n"
-            + _table(
+            + format_table(
                 ["impl", "phase", "engine calls", "node calls", "matmuls", "AccumulateGrad", "total", "engine",
                  "analysis", "hooks", "python other"],
                 rows, left=2,
@@ -274,7 +266,7 @@ def format_text(report: dict[str, Any]) -> str:
                 f"microbatches of {sched['microbatch_size']}, static stage metadata; step ms = slowest rank, min of "
                 f"{sched['repeats']}, variants alternated; memory: max over ranks, MiB; grads match 1F1B/torch: "
                 f"{'yes' if sched['grads_match'] else 'NO'})\n"
-                + _table(
+                + format_table(
                     ["schedule", "backward", "step ms", "vs 1F1B", "pp/up", "peak RSS", "RSS growth", "saved peak"],
                     rows, left=2,
                 )
@@ -286,7 +278,7 @@ def format_text(report: dict[str, Any]) -> str:
     ]
     parts.append(
         "\nTargets (docs/performance.md); measured = ratio of minima (decides), median = median of per-repeat ratios\n"
-        + _table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
+        + format_table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
     )
     n_miss = sum(t["status"] == "MISS" for t in report["targets"])
     parts.append(f"{len(report['targets']) - n_miss} PASS, {n_miss} MISS")

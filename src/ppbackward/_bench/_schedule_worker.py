@@ -27,7 +27,7 @@ every rank by global stage index (the V placement puts on this rank a stage that
 puts on another), and every other variant's gradients are compared with it for every stage it holds;
 the verdict is reduced over ranks. Rank 0 writes the result as JSON to ``--out``; every rank writes
 its pid to ``rank<r>.pid`` next to it, for the launcher to kill it on a timeout (Note [killing a hung
-launch] in ``ppbackward._harness.launch``).
+launch] in ``ppbackward._torchrun``).
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=8)
     args = p.parse_args(argv)
     pid_file = Path(args.out).parent / f"rank{os.environ.get('RANK', '0')}.pid"
-    pid_file.write_text(str(os.getpid()))  # Note [killing a hung launch] in ppbackward._harness.launch
+    pid_file.write_text(str(os.getpid()))  # Note [killing a hung launch] in ppbackward._torchrun
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -26,6 +26,7 @@ import ppbackward.backward as _ours
 from ppbackward._bench._impls import UPSTREAM_B, UPSTREAM_W
 from ppbackward._bench._models import Config, Stage, build, reset_grads
 from ppbackward._bench._timing import REGIMES, _fit_repeats, _gc_paused, _rotations, prepare_regime
+from ppbackward._text_table import format_table
 
 __all__: list[str] = []  # private module
 
@@ -347,7 +348,7 @@ def format_run(report: dict[str, Any], rep: Any) -> str:
     ]
     parts.append(
         "\nTargets (issue 22; docs/performance.md); measured = ratio of minima, median = of per-repeat ratios\n"
-        + rep._table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
+        + format_table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
     )
     n_miss = sum(t["status"] == "MISS" for t in report["targets"])
     parts.append(f"{len(report['targets']) - n_miss} PASS, {n_miss} MISS")

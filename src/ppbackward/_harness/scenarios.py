@@ -6,7 +6,7 @@ over every schedule of the installed torch. :data:`DEFAULT` is what ``ppbackward
 ``--scenario``: on torch 2.13 it shows, side by side with torch's own backward, a shared parameter
 crashing torch's W (``transformer``), the frozen-prefix grads torch leaves ``None`` (``lora``), the DDP
 replicas it leaves apart (``ddp``) and selective activation checkpointing it refuses (``ac``), in about
-two minutes on 2 CPU cores; the bytes held between B and W are measured in process (``ppbackward._check``).
+two minutes on 2 CPU cores; the bytes held between B and W are measured in process (``ppbackward._cli.check``).
 """
 
 from __future__ import annotations

@@ -66,9 +66,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ppbackward._compat import torch_release
 from ppbackward._harness import gloo_p2p, parallel, probes
 from ppbackward._harness import models as zoo
 from ppbackward._harness import schedules as sched
+from ppbackward._install import NAMES
 
 __all__ = ["ATOL", "RTOL", "main"]
 
@@ -78,7 +80,6 @@ ATOL = 1e-6
 #: 2.6-3.1 s):
 #: Note [timeouts scale with start-up].
 REFERENCE_STARTUP_S = 3.0
-_NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 SCHEMA = 1
 
 
@@ -109,20 +110,19 @@ def select_backward(mode: str) -> dict[str, str]:
             ppbackward.uninstall()
     elif mode == "ppbackward":
         import ppbackward
-        from ppbackward.install import active_adapter
 
         ppbackward.install()
-        adapter = active_adapter()
+        adapter = ppbackward.active_adapter()
         if adapter is None:
             raise RuntimeError("ppbackward.install() returned but reports no active adapter")
-        for name in _NAMES:
+        for name in NAMES:
             if getattr(stage_mod, name) is not adapter.functions[name]:
                 raise RuntimeError(f"ppbackward.install() did not replace pipelining.stage.{name}")
     elif mode.startswith("leaky:"):
         _load_module(mode[len("leaky:") :]).install()
     else:
         raise ValueError(f"unknown --backward {mode!r}: expected upstream, ppbackward or leaky:<module>")
-    found = {name: getattr(stage_mod, name) for name in _NAMES}
+    found = {name: getattr(stage_mod, name) for name in NAMES}
     return {name: f"{fn.__module__}.{fn.__qualname__}" for name, fn in found.items()}
 
 
@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     explicit_metadata = args.metadata
     if args.metadata is None:
-        args.metadata = "static" if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6) else "dynamic"
+        args.metadata = "static" if torch_release()[:2] < (2, 6) else "dynamic"
     wraps = [w.strip() for w in args.wraps.split(",") if w.strip()]
     unknown_wraps = sorted(set(wraps) - set(parallel.WRAPS))
     if unknown_wraps or not wraps:
@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                     "recv_object_list, which calls Tensor.numpy(); install numpy or use --metadata static"
                 ) from None
         verdict["metadata"] = args.metadata
-        only = None if args.schedules == "all" else args.schedules.split(",")
+        only = None if args.schedules == "all" else [n.strip() for n in args.schedules.split(",") if n.strip()]
         known = set(sched.RULES) | set(sched.discover())
         unknown = sorted(set(only or ()) - known)
         if unknown:
