@@ -1,9 +1,6 @@
-"""Test-suite wide settings: tests/core and friends import their helpers by module name."""
-
-import os
-import sys
+"""Test-suite wide settings. ``tests`` is a package: shared helpers are imported by their full name
+(``from tests.core.stages import build``), and pytest puts the repository root on ``sys.path``."""
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "core"))
 torch.set_num_threads(1)

@@ -5,6 +5,7 @@ Public surface (see ``docs/api.md``):
 * :func:`stage_backward`, :func:`stage_backward_input`, :func:`stage_backward_weight` — drop-in
   replacements of the functions of the same names in ``torch.distributed.pipelining._backward``;
 * :func:`install`, :func:`uninstall`, :func:`is_installed`, :func:`installed` — swap them into torch;
+  :func:`active_adapter` — which adapter :func:`install` chose;
 * :class:`ParamGroups` — the opaque B→W hand-off; :class:`StageBackwardError` — a bad call (a
   ``RuntimeError``, and a ``ValueError`` or ``TypeError``); :class:`UnsupportedTorchError`;
   :class:`UntestedTorchWarning` (``install(allow_untested=True)`` on a torch newer than the newest known);
@@ -13,9 +14,9 @@ Public surface (see ``docs/api.md``):
 
 from ppbackward._compat import SUPPORTED_TORCH, UnsupportedTorchError, UntestedTorchWarning
 from ppbackward._errors import StageBackwardError
+from ppbackward._install import active_adapter, install, installed, is_installed, uninstall
 from ppbackward._param_groups import ParamGroups
 from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
-from ppbackward.install import install, installed, is_installed, uninstall
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "StageBackwardError",
     "UnsupportedTorchError",
     "UntestedTorchWarning",
+    "active_adapter",
     "install",
     "installed",
     "is_installed",

@@ -1,44 +1,12 @@
-"""Command line: ``ppbackward check`` (the main job) and ``ppbackward bench``.
-
-Also runnable as ``python -m ppbackward check``.
-"""
+"""``ppbackward`` / ``python -m ppbackward``: the command line (``ppbackward._cli``)."""
 
 from __future__ import annotations
 
 import sys
 
+from ppbackward._cli import main
+
 __all__ = ["main"]
-
-_USAGE = """usage: ppbackward {check,bench} [options]
-
-  check   run every pipeline schedule of the installed torch under torchrun, with torch's own stage
-          backward and with ppbackward; print leaks, activation lifetime, grads and hooks per schedule
-  bench   time and memory of the split backward, upstream vs ppbackward (one process)
-
-'ppbackward COMMAND --help' describes each command's options."""
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Dispatch to a command; returns the exit code."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    if not args:
-        print(_USAGE, file=sys.stderr)  # a usage error, like argparse's: stderr, exit code 2
-        return 2
-    if args[0] in ("-h", "--help"):
-        print(_USAGE)
-        return 0
-    command, rest = args[0], args[1:]
-    if command == "check":
-        from ppbackward._check import main as check_main
-
-        return check_main(rest)
-    if command == "bench":
-        from ppbackward._bench import main as bench_main
-
-        return bench_main(rest)
-    print(f"ppbackward: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
-    return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

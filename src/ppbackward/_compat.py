@@ -477,7 +477,7 @@ def legacy_stage_backward_input(stage_outputs, output_grads, input_values, weigh
     ]
     if flat.tensors and wanted:
         found = torch.autograd.grad(
-            flat.tensors,
+            flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
             [v for _, v in wanted],
             grad_outputs=flat.grads,
             retain_graph=True,
@@ -488,7 +488,7 @@ def legacy_stage_backward_input(stage_outputs, output_grads, input_values, weigh
     # Views as outputs: B detaches no view, and with no input it runs no engine call and releases
     # nothing, so the graph stays whole for the full backward at W time.
     with torch.enable_grad():
-        aliases = [t.view_as(t) for t in flat.tensors]
+        aliases = [t.view_as(t) for t in flat.tensors]  # type: ignore[union-attr, arg-type]  # all tensors here
     _, groups = _ours.stage_backward_input(aliases, flat.grads, [], weights)
     return tuple(result), groups
 

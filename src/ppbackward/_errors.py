@@ -27,3 +27,7 @@ class BadValue(StageBackwardError, ValueError):
 
 class BadType(StageBackwardError, TypeError):
     """An argument of the wrong type: a gradient that is not a tensor, a dtype, ``param_groups``."""
+
+
+class BadIndex(StageBackwardError, IndexError):
+    """An index out of range (``outputs_with_grads_idxs``): an ``IndexError``, as torch's own indexing raises."""

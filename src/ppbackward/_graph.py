@@ -25,7 +25,7 @@ upstream ``get_param_groups`` walks the reverse graph once per parameter (O(para
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -41,7 +41,7 @@ def _accumulate_grad_type() -> type:
 _ACCUMULATE_GRAD: type = _accumulate_grad_type()
 
 
-def is_accumulate_grad(node: Optional[Node]) -> bool:
+def is_accumulate_grad(node: Node | None) -> bool:
     """True when ``node`` is the ``AccumulateGrad`` node of a leaf tensor."""
     return type(node) is _ACCUMULATE_GRAD
 
@@ -90,7 +90,7 @@ class Analysis(NamedTuple):
 
     Attributes:
         groups: the param groups, first reached from the outputs first.
-        used_nodes: every node that some traversed node has an edge into. An output whose
+        used_nodes: the outputs' nodes that some traversed node has an edge into. An output whose
             ``grad_fn`` is in here feeds another op of the stage, which may have saved it: such an
             output must not be detached in place (see ``stage_backward_input``).
         b_only: the nodes B runs that W never runs (on an input path, not an intermediate, not
@@ -114,7 +114,7 @@ class _Structure(NamedTuple):
     intermediates and W-only nodes (leaves included) by number, and the union-find of the groups."""
 
     nodes: list[Node]
-    index: dict[Node, int]
+    number: dict[Node, int]  # node -> its number in ``nodes``
     nexts: list[tuple]
     parents: list[list[int]]
     inter: set[int]
@@ -150,9 +150,9 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
     producers: dict[tuple[int, int], list[int]] = {}  # (node, input slot) -> W's nodes with an edge into it
     for i, edges in w_edges.items():
         for kid, nr in edges:
-            producers.setdefault((st.index[kid], nr), []).append(i)
+            producers.setdefault((st.number[kid], nr), []).append(i)
     chosen: set[int] = set()
-    todo = list(run_by_w) if seeds is None else [st.index[n] for n in seeds if st.index.get(n) in run_by_w]
+    todo = list(run_by_w) if seeds is None else [st.number[n] for n in seeds if st.number.get(n) in run_by_w]
     while todo:
         i = todo.pop()
         if i in chosen:
@@ -160,14 +160,14 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
         chosen.add(i)
         todo += [p for p in st.parents[i] if p in run_by_w and p not in chosen]  # its producers
         for kid, nr in w_edges[i]:
-            k = st.index[kid]
+            k = st.number[kid]
             if k not in chosen:  # every producer of the slot this edge feeds
                 todo += [p for p in producers[k, nr] if p not in chosen]
     frontier: dict[GradientEdge, tuple[GroupSpec, int]] = {}
     for i in sorted(chosen):
         seq = st.nodes[i]._sequence_nr()
         for kid, nr in w_edges[i]:
-            k = st.index[kid]
+            k = st.number[kid]
             if k not in chosen:
                 edge = GradientEdge(kid, nr)
                 group = _group(st.groups, st.union, k)
@@ -179,7 +179,7 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
 
 def _w_edges(st: _Structure, i: int) -> list[tuple[Node, int]]:
     """``(next node, input slot)`` of node ``i``'s edges into W-only nodes and weight leaves."""
-    return [(kid, nr) for kid, nr in st.nexts[i] if kid is not None and st.index[kid] in st.w_only]
+    return [(kid, nr) for kid, nr in st.nexts[i] if kid is not None and st.number[kid] in st.w_only]
 
 
 def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analysis:
@@ -192,39 +192,84 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
     Returns:
         An :class:`Analysis`.
     """
-    # Pass 1 (Note [linear analysis]): BFS from the outputs; ``next_functions`` is read once per
-    # node (each read builds a tuple). Input nodes are not expanded: the stage ends there.
+    nodes, index, nexts, parents, leaves = _walk(root_edges, input_nodes)
+    reaches_input = _sweep_up(parents, [index[n] for n in input_nodes if n in index])
+    w_only, inter = _weight_side(parents, leaves, reaches_input)
+    parent, intermediates = _union_groups(nexts, index, w_only, inter)
+
+    groups: dict[int, GroupSpec] = {}
+    for i, edge in enumerate(root_edges):
+        k = index[edge.node]
+        if k in w_only:
+            _group(groups, parent, k).root_edges.append(i)
+    for i, w_edges in intermediates:  # BFS order: outputs side first
+        _group(groups, parent, i).intermediates.append((nodes[i], w_edges))
+    for i in leaves:
+        _group(groups, parent, i).leaves.append(nodes[i])
+    roots = {index[edge.node] for edge in root_edges}
+    used = {nodes[i] for i in roots if parents[i]}
+    b_only = [nodes[i] for i in reaches_input if i not in inter and nodes[i] not in input_nodes]
+    leaf_set = set(leaves)
+    w_nodes = [nodes[i] for i in sorted(w_only) if i not in leaf_set]
+    consumers: dict[int, None] = {}
+    for i in roots:
+        for p in parents[i]:
+            if p in inter or p in w_only:
+                consumers[p] = None
+    structure = _Structure(nodes, index, nexts, parents, inter, w_only, parent, groups)
+    return Analysis(list(groups.values()), used, b_only, w_nodes, [nodes[i] for i in consumers], structure)
+
+
+def _walk(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> tuple:
+    """Pass 1 (Note [linear analysis]): BFS from the outputs, numbering nodes, recording their edges
+    (``next_functions`` is read once per node: each read builds a tuple) and parent lists, and the
+    ``AccumulateGrad`` nodes that are not input nodes (the weight leaves). Input nodes are not
+    expanded: the stage ends there."""
     index: dict[Node, int] = {}
     nodes: list[Node] = []
-    nexts: list[tuple] = []
     for edge in root_edges:
         if edge.node not in index:
             index[edge.node] = len(nodes)
             nodes.append(edge.node)
-    for node in nodes:  # grows while iterated: a BFS queue
-        nf = () if node in input_nodes else node.next_functions
+    nexts: list[tuple] = []
+    parents: list[list[int]] = [[] for _ in nodes]
+    leaves: list[int] = []
+    acc = _ACCUMULATE_GRAD
+    for i, node in enumerate(nodes):  # grows while iterated: a BFS queue
+        if node in input_nodes:
+            nexts.append(())
+            continue
+        if type(node) is acc:
+            leaves.append(i)
+        nf = node.next_functions
         nexts.append(nf)
         for kid, _ in nf:
-            if kid is not None and kid not in index:
-                index[kid] = len(nodes)
+            if kid is None:
+                continue
+            k = index.get(kid)
+            if k is None:
+                k = index[kid] = len(nodes)
                 nodes.append(kid)
-    # Pass 2: parent lists; the nodes that reach an input (a sweep up from the input nodes); the
-    # W-only nodes (a sweep up from the weight leaves that stops at nodes reaching an input: those
-    # parents are the intermediates).
-    parents: list[list[int]] = [[] for _ in nodes]
-    for i, nf in enumerate(nexts):
-        for kid, _ in nf:
-            if kid is not None:
-                parents[index[kid]].append(i)
-    reaches_input = set()
-    todo = [index[n] for n in input_nodes if n in index]
-    reaches_input.update(todo)
+                parents.append([])
+            parents[k].append(i)
+    return nodes, index, nexts, parents, leaves
+
+
+def _sweep_up(parents: list[list[int]], start: list[int]) -> set[int]:
+    """Pass 2: ``start`` and every node with a path into it (a sweep up the parent lists)."""
+    seen = set(start)
+    todo = list(start)
     while todo:
         for p in parents[todo.pop()]:
-            if p not in reaches_input:
-                reaches_input.add(p)
+            if p not in seen:
+                seen.add(p)
                 todo.append(p)
-    leaves = [i for i, n in enumerate(nodes) if type(n) is _ACCUMULATE_GRAD and i not in reaches_input]
+    return seen
+
+
+def _weight_side(parents: list[list[int]], leaves: list[int], reaches_input: set[int]) -> tuple[set[int], set[int]]:
+    """Pass 2, continued: the W-only nodes (a sweep up from the weight leaves that stops at nodes
+    reaching an input: those parents are the intermediates), and the intermediates."""
     w_only = set(leaves)
     inter: set[int] = set()
     todo = list(leaves)
@@ -235,8 +280,12 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
             elif p not in w_only:
                 w_only.add(p)
                 todo.append(p)
+    return w_only, inter
 
-    # Pass 3: union-find over the edges into W-only nodes.
+
+def _union_groups(nexts: list[tuple], index: dict[Node, int], w_only: set[int], inter: set[int]) -> tuple:
+    """Pass 3: union-find over the edges into W-only nodes; each intermediate (by number, sorted)
+    with the indices of its ``next_functions`` that lead into W-only nodes."""
     parent: dict[int, int] = {i: i for i in w_only}
     for i in w_only:
         for kid, _ in nexts[i]:
@@ -250,28 +299,7 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         intermediates.append((i, w_edges))
         for j in w_edges:
             _union(parent, i, index[nf[j][0]])
-
-    groups: dict[int, GroupSpec] = {}
-    for i, edge in enumerate(root_edges):
-        k = index[edge.node]
-        if k in w_only:
-            _group(groups, parent, k).root_edges.append(i)
-    for i, w_edges in intermediates:  # BFS order: outputs side first
-        _group(groups, parent, i).intermediates.append((nodes[i], w_edges))
-    for i in leaves:
-        if i in w_only:
-            _group(groups, parent, i).leaves.append(nodes[i])
-    used = {nodes[i] for i, ps in enumerate(parents) if ps}
-    b_only = [nodes[i] for i in reaches_input if i not in inter and nodes[i] not in input_nodes]
-    leaf_set = set(leaves)
-    w_nodes = [nodes[i] for i in sorted(w_only) if i not in leaf_set]
-    consumers: dict[int, None] = {}
-    for edge in root_edges:
-        for p in parents[index[edge.node]]:
-            if p in inter or p in w_only:
-                consumers[p] = None
-    structure = _Structure(nodes, index, nexts, parents, inter, w_only, parent, groups)
-    return Analysis(list(groups.values()), used, b_only, w_nodes, [nodes[i] for i in consumers], structure)
+    return parent, intermediates
 
 
 def _group(groups: dict[int, GroupSpec], parent: dict[int, int], i: int) -> GroupSpec:

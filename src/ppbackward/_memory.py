@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import Optional
 
 import torch
 from torch.autograd.graph import Node
@@ -37,7 +36,7 @@ def _saved_tensors_of(node: Node) -> list[torch.Tensor]:
 
 
 def saved_storages(
-    roots: Iterable[Optional[Node]], exclude: Iterable[torch.Tensor] = (), stop: Iterable[Node] = ()
+    roots: Iterable[Node | None], exclude: Iterable[torch.Tensor] = (), stop: Iterable[Node] = ()
 ) -> SavedStorages:
     """Storages saved by every node reachable from ``roots`` (not below ``stop`` nodes).
 

@@ -20,7 +20,7 @@ are unaffected. No cycle: the owners are autograd nodes, which never refer back.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -31,25 +31,25 @@ __all__ = ["candidate_owners", "custom_nodes_need_owner", "owners_needed"]
 
 class _Clone(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 
 class _Mul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * w
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         return grad, grad
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def custom_nodes_need_owner() -> bool:
     """True when a custom Function node that B's ``ParamGroups`` references can die before W.
 
@@ -91,9 +91,10 @@ def _owner(t: torch.Tensor) -> Node:
     """A C++ node whose only edge leads to ``t``'s ``grad_fn``: a view where the layout has views,
     else a clone (sparse tensors; the clone's memory is freed at once, only its node is kept)."""
     try:
-        return t.view_as(t).grad_fn
+        owner = t.view_as(t).grad_fn
     except (RuntimeError, NotImplementedError):
-        return t.clone().grad_fn
+        owner = t.clone().grad_fn
+    return cast(Node, owner)  # t requires grad: its view and clone have a grad_fn
 
 
 def candidate_owners(outputs: list[Any]) -> tuple[Node, ...]:

@@ -9,14 +9,31 @@ counting the moment its owner drops it, and :meth:`ParamGroups._release` (called
 happens) empties it, so that after W it references no node, tensor or hook at all. Upstream
 (pytorch/pytorch#136584) kept intermediates and grads in dicts that the hooks on those intermediates
 referenced: a cycle that pinned activations until the gc ran.
+
+Note [W claims param_groups first]: W marks its ``ParamGroups`` consumed before it runs anything
+(:meth:`ParamGroups._claim`, under a lock), not when it is done. A second W on the same object that
+starts while the first is still running (from a post-accumulate-grad hook the first one fires, or from
+another thread) is refused instead of accumulating every gradient a second time; torch's W fails there
+too (a ``KeyError``, its dicts already emptied).
+
+Note [captured gradients are checked at W]: B keeps the gradients it captured by reference (no copy:
+that would double what a stage holds between B and W). A caller that changes one in place after B (a
+stage reusing its receive buffer for the next microbatch, an in-place op between B and W) would
+silently change what W accumulates; torch's split has the same hole. So B records each captured
+gradient's version counter (``Tensor._version``, bumped by every in-place op on the tensor or a view
+of its storage) and the shape of every parameter W accumulates into, and W compares both before it
+runs anything (:meth:`ParamGroups._check_unchanged`): a few integer reads per intermediate.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+from ppbackward._errors import BadValue, StageBackwardError
 
 __all__ = ["ParamGroups"]
 
@@ -26,7 +43,7 @@ class WeightSet(NamedTuple):
     parameters] in ``ppbackward.backward``)."""
 
     ids: frozenset[int]
-    count: int
+    n_weights: int
     sharded: bool
 
 
@@ -47,7 +64,7 @@ class ParamGroup(NamedTuple):
     ready: list[tuple[float, GradientEdge, torch.Tensor]]
     params: list[torch.Tensor]
 
-    def __getitem__(self, key):  # type: ignore[override]
+    def __getitem__(self, key):
         if isinstance(key, str):  # torch's param groups are dicts: param_group["grads"]
             raise _not_a_dict(key)
         return tuple.__getitem__(self, key)
@@ -75,7 +92,7 @@ class ParamGroups:
     See Note [param_groups hold no cycle] in this module.
     """
 
-    __slots__ = ("_groups", "_weight_ids", "_owners", "_pinned", "_consumed")
+    __slots__ = ("_consumed", "_groups", "_owners", "_pinned", "_shapes", "_versions", "_weight_ids")
 
     def __init__(
         self,
@@ -89,11 +106,37 @@ class ParamGroups:
         self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
         self._pinned = pinned or []  # Note [outputs detached after B] (ppbackward._saved)
         self._consumed = False
+        # Note [captured gradients are checked at W]
+        self._versions = [(g, g._version) for group in groups for g in _captured(group)]
+        self._shapes = [(p, p.shape) for group in groups for p in group.params]
 
     @property
     def consumed(self) -> bool:
-        """True once ``stage_backward_weight`` has run (or failed) with this object."""
+        """True once ``stage_backward_weight`` has started (or failed after its argument checks) with
+        this object."""
         return self._consumed
+
+    def _claim(self) -> bool:
+        """Mark consumed; ``False`` if an earlier call already did (Note [W claims param_groups first])."""
+        with _CLAIM_LOCK:
+            if self._consumed:
+                return False
+            self._consumed = True
+            return True
+
+    def _check_unchanged(self, weights: list[torch.Tensor]) -> None:
+        """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
+        are checked at W]); ``weights`` (W's) name the parameters."""
+        for grad, version in self._versions:
+            if grad._version != version:
+                raise _changed_gradient(self._groups, grad, version)
+        for p, shape in self._shapes:
+            if p.shape != shape:
+                where = next((f"weights[{i}]" for i, w in enumerate(weights) if w is p), "a leaf of the stage")
+                raise BadValue(
+                    f"{where}: parameter of shape {tuple(shape)} at stage_backward_input now has shape "
+                    f"{tuple(p.shape)} (changed in place between B and W); W accumulates nothing"
+                )
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -115,4 +158,35 @@ class ParamGroups:
         self._groups = []
         self._owners = ()
         self._pinned = []
+        self._versions = []
+        self._shapes = []
         self._consumed = True
+
+
+_CLAIM_LOCK = threading.Lock()
+
+
+def _captured(group: ParamGroup):
+    """The gradient tensors B captured for ``group``."""
+    for _, grads, _ in group.intermediates:
+        yield from (g for g in grads if g is not None)
+    for _, _, grad in group.ready:
+        yield grad
+
+
+def _changed_gradient(groups: list[ParamGroup], grad: torch.Tensor, version: int) -> StageBackwardError:
+    where = "a gradient"
+    for group in groups:
+        for node, grads, _ in group.intermediates:
+            for i, g in enumerate(grads):
+                if g is grad:
+                    where = f"the gradient B captured for {node.name()}'s input {i}"
+        for _, edge, g in group.ready:
+            if g is grad:
+                where = f"the gradient B captured for the edge into {edge.node.name()} (input {edge.output_nr})"
+    return StageBackwardError(
+        f"param_groups: {where} ({grad.dtype} {list(grad.shape)}) was modified in place after "
+        f"stage_backward_input (version {version} -> {grad._version}); W would accumulate the changed "
+        "values. Keep a microbatch's output gradients (e.g. a receive buffer) unchanged until its W; "
+        "W accumulates nothing"
+    )

@@ -70,6 +70,15 @@ def _saved_attrs(node: Node) -> tuple[str, ...]:
     return attrs
 
 
+def _copy_slices_type() -> type | None:
+    base = torch.zeros(2, requires_grad=True).clone()
+    base[0].mul_(2.0)
+    return type(base.grad_fn) if type(base.grad_fn).__name__ == "CopySlices" else None
+
+
+_COPY_SLICES = _copy_slices_type()
+
+
 def _drop(_tensor):
     return None
 
@@ -86,6 +95,8 @@ def _kind(raw: object) -> str | None:
     unpack = getattr(raw, "unpack_hook", None)
     if unpack is None or getattr(unpack, "_ppbackward_transparent", False):
         return None
+    if unpack is _refuse or unpack is _unpin:  # an earlier B's own (Note [B claims its outputs])
+        return "released"
     if _CHECKPOINT_HOLDER is not None and isinstance(raw.data, _CHECKPOINT_HOLDER):  # type: ignore[attr-defined]
         return "recompute"
     return "held"
@@ -102,21 +113,43 @@ def _saved_items(node: Node) -> Iterator[Any]:
         yield from saved if isinstance(saved, (list, tuple)) else (saved,)
 
 
+def _saved_values(node: Node) -> Iterator[Any]:
+    """The raw value of each of ``node``'s ``_raw_saved_*`` attributes (a ``SavedTensor``, a list of
+    them, or ``None``); nothing from an attribute already freed. The attribute names are read once per
+    node type (``_ATTRS``), so a node type that saves nothing costs one dict lookup."""
+    attrs = _ATTRS.get(type(node))
+    if attrs is None:
+        attrs = _saved_attrs(node)
+    for attr in attrs:
+        try:
+            yield getattr(node, attr)
+        except RuntimeError:  # already freed
+            continue
+
+
+_RANK = {"recompute": 1, "held": 2, "released": 3}  # what hook_kinds keeps for a node: the highest
+
+
 def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
-    """The nodes with hooked saved tensors (Note [hooked saved tensors run once]): ``"held"`` where any
-    of them is held through a hook other than a checkpoint's, else ``"recompute"`` (also every
-    ``CopySlices``, whose saved tensors are hidden). ``{}`` on a torch that does not expose the hooks
-    (``HOOKS_VISIBLE``)."""
+    """The nodes with hooked saved tensors (Note [hooked saved tensors run once]): ``"released"`` where an
+    earlier B released or pinned one of them (Note [B claims its outputs] in ``ppbackward.backward``),
+    else ``"held"`` where any of them is held through a hook other than a checkpoint's, else
+    ``"recompute"`` (also every ``CopySlices``, whose saved tensors are hidden). ``{}`` on a torch that
+    does not expose the hooks (``HOOKS_VISIBLE``). One read of each saved attribute; items without an
+    unpack hook (the common case) cost one attribute read each."""
     if not HOOKS_VISIBLE:
         return {}
     kinds: dict[Node, str] = {}
     for node in nodes:
-        if type(node).__name__ == "CopySlices":  # its saved tensors are out of Python's sight
+        if type(node) is _COPY_SLICES:  # its saved tensors are out of Python's sight
             kinds.setdefault(node, "recompute")
-        for item in _saved_items(node):
-            kind = _kind(item)
-            if kind == "held" or (kind and node not in kinds):
-                kinds[node] = kind
+        for value in _saved_values(node):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if getattr(item, "unpack_hook", None) is None:
+                    continue
+                kind = _kind(item)
+                if kind and _RANK[kind] > _RANK.get(kinds.get(node, ""), 0):
+                    kinds[node] = kind
     return kinds
 
 
@@ -131,14 +164,13 @@ def release_saved_tensors(nodes: Iterable[Node]) -> int:
     """
     released = 0
     for node in nodes:
-        for item in _saved_items(node):
-            if item is None or not hasattr(item, "register_hooks"):
-                continue
-            try:
-                item.register_hooks(_drop, _refuse)
-            except RuntimeError:  # already has hooks, or undefined / freed
-                continue
-            released += 1
+        for value in _saved_values(node):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                try:
+                    item.register_hooks(_drop, _refuse)
+                except (RuntimeError, AttributeError):  # already has hooks, undefined / freed, or None
+                    continue
+                released += 1
     return released
 
 

@@ -76,6 +76,11 @@ def _check_like(grad: torch.Tensor, like: Any, path: str, what: str) -> torch.Te
         raise BadType(f"{path}: grad dtype {grad.dtype} != {what} dtype {like.dtype}")
     if grad.device != like.device:
         raise BadValue(f"{path}: grad device {grad.device} != {what} device {like.device}")
+    layout = getattr(like, "layout", torch.strided)  # a node's input metadata has none: strided
+    if layout == torch.strided and grad.layout != layout:
+        # a sparse gradient for a dense output: the engine would fail deep inside ('aten::view' for
+        # 'SparseCPU'); a dense gradient for a sparse output is fine, as for autograd
+        raise BadType(f"{path}: grad layout {grad.layout} != {what} layout {layout}")
     return grad
 
 

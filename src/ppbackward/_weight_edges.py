@@ -6,6 +6,8 @@ Note [W computes only weight edges] below and Note [accumulation order] in ``ppb
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
@@ -17,30 +19,21 @@ _ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", Non
 
 
 class _Job:
-    """The intermediates W must call, and what they returned. Referenced only by the ctx of one
-    ``_CallIntermediates`` node for the duration of one engine call (Note [no closure cycle])."""
+    """The intermediates W must call, and what they returned; called as the pre-hook of the one-element
+    anchor's ``CloneBackward0`` node, from inside W's first engine call (Note [W computes only weight
+    edges]). Referenced only by that node's hook dict, for the duration of one engine call, and by
+    :func:`weight_edge_grads` (Note [no closure cycle]: it holds no node that references it)."""
 
     __slots__ = ("calls", "results")
 
     def __init__(self, calls: list) -> None:
         self.calls = calls
-        self.results: list[tuple] = []
+        self.results: list[list] = []
 
-
-class _CallIntermediates(torch.autograd.Function):
-    """Calls the intermediates from inside an engine call: Note [W computes only weight edges]."""
-
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, job: _Job) -> torch.Tensor:  # type: ignore[override]
-        ctx.job = job
-        return anchor.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        job, ctx.job = ctx.job, None
-        for node, grads, _ in job.calls:
-            job.results.append(_call_node(node, grads))
-        return None, None
+    def __call__(self, _grad_outputs: tuple) -> None:
+        calls, self.calls = self.calls, []
+        for node, grads, _ in calls:
+            self.results.append(_call_node(node, grads))
 
 
 def _call_node(node, grads: tuple) -> list:
@@ -53,7 +46,7 @@ def _call_node(node, grads: tuple) -> list:
     """
     if not isinstance(node, BackwardCFunction):
         return list(node(*grads))
-    metas = node._input_metadata
+    metas = node._input_metadata  # type: ignore[attr-defined]  # not in torch's stub
     full = [
         g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
         for g, m in zip(grads, metas)
@@ -70,10 +63,11 @@ def _call_node(node, grads: tuple) -> list:
     return result
 
 
-def _conform(grad: torch.Tensor, node, slot: int) -> torch.Tensor:
-    """Shape, dtype and device of ``grad`` as the engine would deliver it to ``node``'s ``slot``
-    (its ``validate_outputs`` step): broadcast gradients summed back, dtype and device cast."""
-    meta = node._input_metadata[slot]
+def _conform(grad: torch.Tensor, edge: GradientEdge) -> torch.Tensor:
+    """``grad`` shaped as the engine would deliver it into ``edge`` (its ``validate_outputs`` step):
+    broadcast gradients summed back, dtype and device cast. Only for the public-call fallback of
+    :func:`accumulate`, whose Python checks refuse what the engine would shape."""
+    meta = edge.node._input_metadata[edge.output_nr]
     if tuple(grad.shape) != tuple(meta.shape):
         grad = grad.sum_to_size(meta.shape)
     if grad.dtype != meta.dtype or grad.device != meta.device:
@@ -81,7 +75,7 @@ def _conform(grad: torch.Tensor, node, slot: int) -> torch.Tensor:
     return grad
 
 
-def weight_edge_grads(calls: list) -> list[tuple]:
+def weight_edge_grads(calls: list) -> list[list]:
     """Call each intermediate on its captured gradients, computing only its weight edges.
 
     Note [W computes only weight edges]: an autograd node decides which of its outputs to compute
@@ -91,12 +85,17 @@ def weight_edge_grads(calls: list) -> list[tuple]:
     nodes. The edges back towards the stage input (the input-gradient work B already did) are
     skipped, so W does only the deferred weight work (e.g. ``grad_out^T @ input`` of a linear
     layer), never re-runs a node of the input side and never walks it. The call is an
-    ``autograd.grad`` from a one-element anchor through ``_CallIntermediates``, whose backward calls
-    the nodes; it accumulates nothing and registers no hook.
+    ``autograd.grad`` from a clone of a one-element anchor, whose ``CloneBackward0`` node (W's own,
+    made for this call) has a pre-hook that calls the nodes (:class:`_Job`; a custom
+    ``autograd.Function`` did this before, at 0.08 ms per ``apply``); it accumulates nothing, and the
+    hook is removed when the call returns, whatever happens. No hook touches a node of the stage.
 
     Returns:
-        For each call, what the node returned (aligned with its ``next_functions``), each gradient
-        of a weight edge already shaped as the engine would deliver it (``_conform``).
+        For each call, what the node returned (aligned with its ``next_functions``), as the node
+        returned it: :func:`accumulate` hands every weight-edge gradient to the engine as a root, and
+        the engine shapes roots as it shapes a node's outputs in a full backward (``validate_outputs``:
+        broadcast gradients summed back, dtype and device cast), in C++ (Note [W roots are validated by
+        the engine]).
     """
     job = _Job(calls)
     targets: list[GradientEdge] = []
@@ -109,27 +108,57 @@ def weight_edge_grads(calls: list) -> list[tuple]:
                 seen.add(edge)
                 targets.append(edge)
     first = next(g for _, grads, _ in calls for g in grads if g is not None)
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():  # W may be called under either
         anchor = torch.zeros((), device=first.device, requires_grad=True)
-        out = _CallIntermediates.apply(anchor, job)
-        torch.autograd.grad([out], [anchor, *targets], allow_unused=True)
-    for (node, _, w_edges), outs in zip(calls, job.results):
-        nf = node.next_functions
-        for i in w_edges:
-            if outs[i] is not None:
-                outs[i] = _conform(outs[i], *nf[i][:2])
+        out = anchor.clone()
+    handle = out.grad_fn.register_prehook(job)  # type: ignore[union-attr]  # a clone of a leaf has one
+    try:
+        if _ENGINE_RUN_BACKWARD is None:
+            torch.autograd.grad([out], [anchor, *targets], allow_unused=True)  # type: ignore[arg-type]
+        else:  # what torch.autograd.grad ends in, without its per-input Python checks (49 inputs here)
+            _ENGINE_RUN_BACKWARD((out,), (torch.ones_like(out),), False, False, (anchor, *targets), True, False)
+    finally:
+        handle.remove()
+    if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+        _check_nan(calls, job.results)
     return job.results
+
+
+def _check_nan(calls: list, results: list[list]) -> None:
+    """Under ``torch.autograd.detect_anomaly()``, raise as the engine does for a node that returned NaN.
+
+    Note [anomaly mode names W's nodes]: W calls the intermediates itself, not through the engine, so the
+    engine's anomaly check never sees their outputs; a NaN they produce would first be seen as an input of
+    the accumulating call and blamed on its ``GraphRoot``. So W checks them here, with the engine's message
+    and the forward traceback the engine prints (from the node's anomaly metadata). Off outside anomaly mode.
+    """
+    for (node, _, w_edges), outs in zip(calls, results):
+        for i in w_edges:
+            if outs[i] is not None and torch.isnan(outs[i]).any():
+                trace = node.metadata.get("traceback_")
+                if trace:
+                    warnings.warn(
+                        f"Error detected in {node.name()}. Traceback of forward call that caused the error:\n"
+                        + "".join(trace),
+                        stacklevel=2,
+                    )
+                raise RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
 
 
 def accumulate(roots: list, grads: list, params: list, retain_graph: bool) -> None:
     """``torch.autograd.backward(roots, grads, inputs=params)``, without its per-root Python checks.
 
-    Every gradient here already has its root's shape, dtype and device (``_conform``, or the output
-    checks of ``ppbackward._tree``), so W goes straight to the engine entry point that
-    ``torch.autograd.backward`` itself ends in (about 1 ms less per 300 roots); on a torch without
-    it, the public call.
+    Note [W roots are validated by the engine]: the engine's ``execute`` runs ``validate_outputs`` on
+    its roots against the metadata of the slots they lead into, the step a full backward runs on
+    every node's outputs before adding them into the next node's input buffer: a gradient of a
+    broadcast operand is summed back to its shape (``at::sum_to``), dtype and device are cast. W's
+    roots are exactly such node outputs (or gradients already checked by ``ppbackward._tree``), so W
+    hands them over unshaped and goes straight to the engine entry point that
+    ``torch.autograd.backward`` itself ends in (without its per-root Python checks; about 1 ms less
+    per 300 roots); on a torch without it, the public call.
     """
     if _ENGINE_RUN_BACKWARD is None:
+        grads = [_conform(g, edge) for edge, g in zip(roots, grads)]
         torch.autograd.backward(roots, grad_tensors=grads, inputs=params, retain_graph=retain_graph)
     else:
         _ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(params), True, True)

@@ -10,9 +10,10 @@ container that will hold it (upstream's recursive ``extract_tensors_with_grads``
 pytorch/pytorch#136507). Tree walks use explicit stacks; the only hooks are capture hooks (a tensor
 hook on a non-leaf input in :func:`stage_backward`, a node pre-hook on each intermediate in B); each
 closes over a plain list, never over a node, a tensor with a ``grad_fn`` or a ``ParamGroups``, does
-not change the gradient, and its handle is removed in ``finally``. W registers no hook. With the gc disabled, every saved activation is therefore
-freed by reference counting as soon as the last backward of its microbatch returns and the caller
-drops the outputs.
+not change the gradient, and its handle is removed in ``finally``. W registers no hook on a node of
+the stage (one pre-hook on a node of its own, Note [W computes only weight edges]). With the gc
+disabled, every saved activation is therefore freed by reference counting as soon as the last
+backward of its microbatch returns and the caller drops the outputs.
 
 Note [no node mutation]: nothing writes ``node.metadata`` or any other state onto autograd nodes
 (upstream 2.5 stored reverse edges there, pytorch/pytorch#136678). Graph analysis keeps its state in
@@ -23,20 +24,21 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
-from ppbackward._errors import BadType, BadValue, StageBackwardError
+from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
 from ppbackward._graph import EagerWork, analyze, eager_work, gradient_edge, is_accumulate_grad
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
 from ppbackward._saved import hook_kinds, pin_saved_inputs, release_pinned, release_saved_tensors
-from ppbackward._tree import flatten_outputs_and_grads
+from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
 from ppbackward._weight_edges import accumulate, weight_edge_grads
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -80,8 +82,8 @@ def stage_backward(
     stage_output: Any,
     output_grads: Any,
     input_values: list[Any],
-    outputs_with_grads_idxs: Optional[list[int]] = None,
-) -> tuple[Optional[torch.Tensor], ...]:
+    outputs_with_grads_idxs: list[int] | None = None,
+) -> tuple[torch.Tensor | None, ...]:
     """Full backward of one stage for one microbatch: input grads plus parameter accumulation.
 
     Mirrors ``torch.distributed.pipelining._backward.stage_backward`` (torch 2.13) and fixes its
@@ -108,8 +110,7 @@ def stage_backward(
             been run or accumulated then.
     """
     if outputs_with_grads_idxs is not None:  # deprecated upstream, used by torch's compiler path: no warning
-        stage_output = [stage_output[i] for i in outputs_with_grads_idxs]
-        output_grads = [output_grads[i] for i in outputs_with_grads_idxs]
+        stage_output, output_grads = _select_outputs(stage_output, output_grads, outputs_with_grads_idxs)
     input_values = list(input_values)
     flat = flatten_outputs_and_grads(stage_output, output_grads, consumed=_DETACHED)
     wanted = _grad_inputs(input_values)
@@ -118,7 +119,7 @@ def stage_backward(
 
     # Leaf inputs: the engine accumulates into ``.grad``; park the caller's value and restore it.
     # Non-leaf inputs: a capture hook. See Note [no closure cycle].
-    parked: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+    parked: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     boxes: dict[int, list] = {}
     handles = []
     try:
@@ -130,8 +131,8 @@ def stage_backward(
                 box: list = []
                 boxes[id(t)] = box
                 handles.append(t.register_hook(_capture_hook(box)))
-        torch.autograd.backward(flat.tensors, grad_tensors=flat.grads)
-        found: dict[int, Optional[torch.Tensor]] = {}
+        torch.autograd.backward(flat.tensors, grad_tensors=flat.grads)  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
+        found: dict[int, torch.Tensor | None] = {}
         for key, (t, _) in parked.items():
             found[key] = t.grad
         for key, box in boxes.items():
@@ -141,10 +142,21 @@ def stage_backward(
             handle.remove()
         for t, previous in parked.values():
             t.grad = previous
-    result: list[Optional[torch.Tensor]] = [None] * len(input_values)
+    result: list[torch.Tensor | None] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = found[id(t)]
     return tuple(result)
+
+
+def _select_outputs(stage_output: Any, output_grads: Any, idxs: list[int]) -> tuple[list[Any], list[Any]]:
+    """The top-level outputs and grads ``outputs_with_grads_idxs`` selects, or a clear error naming the index."""
+    for name, seq in (("stage_output", stage_output), ("output_grads", output_grads)):
+        if not isinstance(seq, (tuple, list)):  # indexed as torch does, whatever it is
+            continue
+        for i in idxs:
+            if not isinstance(i, int) or not -len(seq) <= i < len(seq):
+                raise BadIndex(f"outputs_with_grads_idxs: index {i!r} is out of range for {name} of length {len(seq)}")
+    return [stage_output[i] for i in idxs], [output_grads[i] for i in idxs]
 
 
 def stage_backward_input(
@@ -152,13 +164,14 @@ def stage_backward_input(
     output_grads: Any,
     input_values: list[Any],
     weights: Iterable[torch.nn.Parameter],
-) -> tuple[tuple[Optional[torch.Tensor], ...], ParamGroups]:
+) -> tuple[tuple[torch.Tensor | None, ...], ParamGroups]:
     """B: the stage inputs' gradients now, everything weights need for W captured.
 
     Mirrors ``torch.distributed.pipelining._backward.stage_backward_input`` (torch 2.13). One engine
     call computes the input grads; a capture pre-hook on every *intermediate* (a node on an input
     path with an edge into a weight-only subgraph) records the gradient flowing into it, after any
-    tensor hook on that activation, and is removed before B returns. No parameter ``.grad`` is touched and no ``AccumulateGrad`` hook fires. The outputs
+    tensor hook on that activation, and is removed before B returns. No parameter ``.grad`` is touched
+    and no ``AccumulateGrad`` hook fires. The outputs
     that are neither leaves nor views are detached in place afterwards (as upstream,
     pytorch/pytorch#138119), freeing the output side of the graph that W does not need.
 
@@ -185,12 +198,19 @@ def stage_backward_input(
             return stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights)
     input_values = list(input_values)
     flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads, consumed=_DETACHED)
-    weights = _weights_list(weights)
+    weight_list = _weights_list(weights)
     wanted = _grad_inputs(input_values)
-    weight_ids = WeightSet(frozenset(map(id, weights)), len(weights), any(map(_is_dtensor, weights)))
+    weight_ids = WeightSet(frozenset(map(id, weight_list)), len(weight_list), any(map(_is_dtensor, weight_list)))
     if not flat.tensors:
         return tuple(None for _ in input_values), ParamGroups([], weight_ids)
+    with _outputs_claimed(flat.tensors):  # Note [B claims its outputs]
+        return _backward_input(flat, output_grads is not None, input_values, wanted, weight_ids)
 
+
+def _backward_input(
+    flat: FlatOutputs, grads_given: bool, input_values: list[Any], wanted: list, weight_ids: WeightSet
+) -> tuple[tuple[torch.Tensor | None, ...], ParamGroups]:
+    """B's work once its arguments are checked and its outputs claimed (see :func:`stage_backward_input`)."""
     grad_inputs = _unique(t for _, t in wanted)
     input_nodes = {gradient_edge(t).node for t in grad_inputs}
     root_edges = [gradient_edge(t) for t in flat.tensors]
@@ -212,7 +232,7 @@ def stage_backward_input(
     # send to W's nodes, at the frontier edges.
     boxes: list[list] = [[] for _ in deferred]
     handles = []
-    found: dict[int, Optional[torch.Tensor]] = {}
+    found: dict[int, torch.Tensor | None] = {}
     frontier: list = []
     # B must keep the graph for the C++ intermediates W calls again; otherwise it releases every node
     # it runs, as a full backward does (Note [hooked saved tensors run once])
@@ -226,8 +246,8 @@ def stage_backward_input(
         if grad_inputs or eager.frontier:
             with _leaf_hooks_muted(edge.node for _, edge, _ in eager.frontier):
                 results = torch.autograd.grad(
-                    flat.tensors,
-                    [*grad_inputs, *(edge for _, edge, _ in eager.frontier)],
+                    flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
+                    [*grad_inputs, *(edge for _, edge, _ in eager.frontier)],  # type: ignore[arg-type]
                     grad_outputs=flat.grads,
                     retain_graph=retain,
                     allow_unused=True,
@@ -245,16 +265,45 @@ def stage_backward_input(
         if retain:  # else B's engine call released every node it ran
             release_saved_tensors([*b_only, *(n for n in deferred if isinstance(n, BackwardCFunction)), *eager.nodes])
         # Note [outputs detached after B]: given a loss, B cannot tell the stage outputs from the rest
-        at_risk = consumers if output_grads is not None else [*inter, *w_only]
+        at_risk = consumers if grads_given else [*inter, *w_only]
         pinned = pin_saved_inputs(
             n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in eager.nodes
         )
     owners = owners_needed(owners, groups)
     _detach_outputs(flat.tensors, used_nodes)
-    result: list[Optional[torch.Tensor]] = [None] * len(input_values)
+    result: list[torch.Tensor | None] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_ids, owners, pinned)
+
+
+# Note [B claims its outputs]: B registers the outputs it was given (by id, under a lock) before it runs
+# anything and unregisters them when it returns. A second B on the same outputs while the first is
+# still running (from a hook the first one fires, or from another thread) is refused before it runs
+# anything; a later one finds them detached (``_DETACHED``) or their graph released by the first B
+# (``hook_kinds``: "released"), and is refused too. Either way the first microbatch's W is untouched.
+_IN_B: dict[Any, Any] = {}
+_IN_B_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _outputs_claimed(outputs: list[Any]) -> Iterator[None]:
+    keys = [(id(t.node), t.output_nr) if isinstance(t, GradientEdge) else id(t) for t in outputs]
+    with _IN_B_LOCK:
+        for i, key in enumerate(keys):
+            if key in _IN_B:
+                raise StageBackwardError(
+                    f"stage_outputs_or_loss: differentiable output {i} is being backpropagated by another "
+                    "stage_backward_input call, still running (B called from a hook it fired, or from another "
+                    "thread); a microbatch's outputs go through backward once"
+                )
+        _IN_B.update(zip(keys, outputs))
+    try:
+        yield
+    finally:
+        with _IN_B_LOCK:
+            for key in keys:
+                _IN_B.pop(key, None)
 
 
 def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> EagerWork:
@@ -264,6 +313,13 @@ def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> Eager
     kinds = hook_kinds([*b_only, *inter, *w_only])
     if not kinds:
         return _NO_EAGER_WORK
+    released = next((node for node, kind in kinds.items() if kind == "released"), None)
+    if released is not None:  # Note [B claims its outputs]
+        raise StageBackwardError(
+            "stage_outputs_or_loss: the graph of these outputs was already backpropagated by an earlier "
+            f"stage_backward_input (it released or pinned what {released.name()} saved); a microbatch's "
+            "outputs go through backward once. Nothing was run: that microbatch's W is intact"
+        )
     if any(kinds.get(node) == "held" for node in (*b_only, *inter)):
         return eager_work(analysis, None)
     recompute = [node for node in (*inter, *w_only) if kinds.get(node) == "recompute"]
@@ -384,7 +440,7 @@ def stage_backward_weight(
     weights: Iterable[torch.nn.Parameter],
     param_groups: ParamGroups,
     retain_graph: bool = False,
-) -> tuple[Optional[torch.Tensor], ...]:
+) -> tuple[torch.Tensor | None, ...]:
     """W: accumulate the weights' gradients of one microbatch, through their ``AccumulateGrad``.
 
     Mirrors ``torch.distributed.pipelining._backward.stage_backward_weight`` (torch 2.13) and fixes
@@ -418,27 +474,32 @@ def stage_backward_weight(
         accumulating call (e.g. by a user hook) can leave the parameters accumulated before it, but
         never half-accumulates one: each gets exactly one ``AccumulateGrad`` call.
     """
-    weights = _weights_list(weights)
+    weight_list = _weights_list(weights)
     if not isinstance(param_groups, ParamGroups):
         raise BadType(
             "param_groups: expected the ppbackward.ParamGroups returned by "
             f"ppbackward.stage_backward_input, got {type(param_groups).__name__}"
         )
     if param_groups.consumed:
-        raise StageBackwardError(
-            "param_groups: already consumed by an earlier stage_backward_weight call; W runs once "
-            "per microbatch"
-        )
-    _check_same_weights(weights, param_groups._weight_ids)
+        raise StageBackwardError(_CONSUMED)
+    _check_same_weights(weight_list, param_groups._weight_ids)
+    if not param_groups._claim():  # Note [W claims param_groups first]
+        raise StageBackwardError(_CONSUMED)
     try:
+        param_groups._check_unchanged(weight_list)  # Note [captured gradients are checked at W]
         for chunk in _chunks(param_groups._groups, _W_CHUNK_BYTES):
             _weight_chunk(chunk, retain_graph)
     finally:
         if not retain_graph:
             release_pinned(param_groups._pinned)  # Note [outputs detached after B]
         param_groups._release()
-    return tuple(w.grad for w in weights)
+    return tuple(w.grad for w in weight_list)
 
+
+_CONSUMED = (
+    "param_groups: already consumed by an earlier stage_backward_weight call (finished, or still running: "
+    "W called from a hook it fired, or from another thread); W runs once per microbatch"
+)
 
 # Note [W in chunks]: W's first engine call materialises the weight gradients of every intermediate it
 # covers, all alive at once until the accumulating call consumes them. Over a whole stage that is a
@@ -447,7 +508,8 @@ def stage_backward_weight(
 # made, does not pay). W therefore runs its two engine calls per chunk of consecutive param groups
 # holding about ``_W_CHUNK_BYTES`` of parameters, so the temporaries of one chunk are freed before the
 # next is made and their memory is reused (16 layers, d 256, grads accumulating: W 45 -> 33 ms; 4 to
-# 32 MiB measure alike, 1 MiB is slower again: more engine calls). Exactness is kept: a param group's weight-only nodes and
+# 32 MiB measure alike, 1 MiB is slower again: more engine calls). Exactness is kept: a param group's
+# weight-only nodes and
 # parameters belong to it alone, so every gradient reaching one node is still summed in one engine
 # call in the order of Note [accumulation order], and each parameter still gets exactly one
 # ``AccumulateGrad`` call. A small stage is one chunk (two engine calls, as before).
@@ -478,7 +540,7 @@ def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
             for i in w_edges:
                 if outs[i] is not None:
                     nxt, nr = nf[i][:2]
-                    contributions.append((seq, GradientEdge(nxt, nr), outs[i]))
+                    contributions.append((seq, GradientEdge(nxt, nr), outs[i]))  # type: ignore[arg-type]  # nxt: set
         del outs
     if contributions:
         # Note [accumulation order]: a full backward adds the gradients reaching one node in
@@ -529,10 +591,10 @@ def _check_same_weights(weights: list[torch.Tensor], expected: WeightSet) -> Non
     unsharded parameters FSDP2's backward reads), whatever form W is given.
     """
     if expected.sharded or any(map(_is_dtensor, weights)):
-        if len(weights) != expected.count:
+        if len(weights) != expected.n_weights:
             raise BadValue(
                 f"weights: {len(weights)} parameter(s) given to stage_backward_weight, "
-                f"{expected.count} to stage_backward_input"
+                f"{expected.n_weights} to stage_backward_input"
             )
         return
     ids = [id(w) for w in weights]

@@ -13,7 +13,8 @@ report when a tensor or an autograd node leaked. A test that already failed keep
 
 from __future__ import annotations
 
-from typing import Any, Generator
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 

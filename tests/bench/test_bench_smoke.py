@@ -5,7 +5,7 @@ and that its memory figures are consistent (W cannot read more than B left alive
 asserted anywhere: timings are the benchmark's output, not a test criterion. Last, the torchrun
 launcher's timeout path: one short-lived process group, no schedule actually run, and a fake launch
 whose worker runs in a session of its own, as torchrun's do (Note [killing a hung launch] in
-``ppbackward._harness.launch``).
+``ppbackward._torchrun``).
 """
 
 from __future__ import annotations
@@ -126,6 +126,35 @@ def test_bad_configs_are_a_usage_error(bad):
     with pytest.raises(SystemExit) as info:
         main(["--configs", bad])
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "-5", "--quick"], "--budget -5: must be a positive number of seconds"),
+        (["--budget", "nan"], "--budget nan: must be a positive number of seconds"),
+        (["--schedule-timeout", "0"], "--schedule-timeout 0: must be a positive number of seconds"),
+        (["--json", "/nonexistent/b.json"], "--json /nonexistent/b.json: its folder /nonexistent does not exist"),
+        (["--repeats", "0"], "--repeats and --schedule-repeats must be >= 1"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_is_measured(capsys, args, message):
+    """Issues 21 and 23: ``--budget -5`` ran a minute, ``--json`` to a missing folder failed after the run."""
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_bad_option_imports_no_measurement_module():
+    """Issue 23: a bad bench option took 6-7 s (check: 1-2 s); the options are now checked before any
+    measurement module (pipelining, the profiler, torchrun) is imported."""
+    code = (
+        "import sys\nfrom ppbackward._cli.bench import main\n"
+        "try:\n    main(['--budget', '-5', '--configs', '4x64x16'])\nexcept SystemExit as e:\n    print(e.code)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('ppbackward._bench.')))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split("\n")[:2] == ["2", "[]"], proc.stdout + proc.stderr
 
 
 def _running(pattern: str) -> list[str]:

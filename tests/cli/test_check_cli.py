@@ -18,7 +18,8 @@ import tempfile
 import pytest
 import torch
 
-from ppbackward import _check, _check_cells
+from ppbackward._cli import cells as _check_cells
+from ppbackward._cli import check as _check
 from ppbackward.__main__ import main
 
 
@@ -47,13 +48,37 @@ def _check_main(capsys, *args: str) -> tuple[int, str, str]:
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["--steps", "0"], "--steps 0: need at least 1 step"),
         (["--timeout", "0"], "--timeout 0: must be positive (seconds)"),
+        # issue 21: values checked against sane bounds and the machine before any launch
+        (["--timeout", "nan"], "--timeout nan: must be a finite number of seconds"),
+        (["--timeout", "inf"], "--timeout inf: must be a finite number of seconds"),
+        (["--timeout", "1e-9"], "--timeout 1e-09: must be between 1 and 86400 seconds"),
+        (["--steps", "100000"], "--steps 100000: at most 1000 measured steps per case"),
+        (["--microbatches", "1000000"], "--microbatches 1000000: at most 1024 per step"),
+        (["--model", "mlp", "--nproc", str(4 * max(os.cpu_count() or 1, 2) + 2)],
+         f"--nproc {4 * max(os.cpu_count() or 1, 2) + 2}: more than 4 ranks per CPU core"),
+        # issue 21: output paths checked before anything runs
+        (["--json", "/nonexistent/o.json"], "--json /nonexistent/o.json: its folder /nonexistent does not exist"),
+        (["--json", "/"], "--json /: is a directory"),
+        (["--logs", "/dev/null"], "--logs /dev/null: exists and is not a directory"),
+        # issue 23: a name with spaces around it is still checked (and stripped, see below)
+        (["--schedules", "ScheduleGPipe, ScheduleNope"], "unknown schedule(s) ScheduleNope; known: "),
     ],
-)  # fmt: skip
+)
 def test_check_bad_input_is_a_clear_error(capsys, args, message):
     rc, out, err = _check_main(capsys, *args)
     assert rc == 2, out + err
     assert f"ppbackward check: error: {message}" in err
     assert "launching" not in out
+
+
+def test_check_unknown_schedules_message_is_bounded(capsys):
+    """1,000 unknown names used to give a 10,120-character message; five are listed, then how many more."""
+    names = [f"ScheduleNope{i}" for i in range(1000)]
+    rc, out, err = _check_main(capsys, "--schedules", ",".join(names))
+    assert rc == 2, out + err
+    line = next(line for line in err.splitlines() if line.startswith("ppbackward check: error: "))
+    assert "ScheduleNope0, ScheduleNope1, ScheduleNope2, ScheduleNope3, ScheduleNope4, and 995 more; known: " in line
+    assert len(line) < 1000
 
 
 def test_check_without_torchrun_is_a_clear_error(monkeypatch, capsys):
@@ -63,6 +88,31 @@ def test_check_without_torchrun_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch.distributed.run" else real(name, *a))
     assert _check.main([]) == 2
     assert "has no torch.distributed / torchrun" in capsys.readouterr().err
+
+
+def test_schedule_names_are_stripped_before_they_reach_the_workers():
+    """Issue 23: ``--schedules "ScheduleGPipe, Schedule1F1B"`` was validated stripped but passed raw to the
+    workers, whose launches then failed (a user's typo reported as a ppbackward failure)."""
+    from ppbackward._harness.scenarios import SCENARIOS
+
+    only = _check._schedule_names(" ScheduleGPipe, Schedule1F1B ,")
+    assert only == ["ScheduleGPipe", "Schedule1F1B"]
+    args = _check._parser().parse_args(["--schedules", "ScheduleGPipe, Schedule1F1B"])
+    worker = _check.worker_args("ppbackward", SCENARIOS["mlp"], args, only)
+    assert worker[worker.index("--schedules") + 1] == "ScheduleGPipe,Schedule1F1B"
+    assert _check._schedule_names("all") is None
+    everything = _check.worker_args("upstream", SCENARIOS["mlp"], _check._parser().parse_args([]), None)
+    assert everything[everything.index("--schedules") + 1] == "all"
+
+
+def test_help_lists_exit_codes_and_the_models_of_each_scenario(capsys):
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "exit codes: 0 ppbackward passed every cell" in text
+    assert " 1 ppbackward failed a cell, the memory check, or its launch" in text
+    assert " 2 a bad request or a machine that cannot run it (nothing was launched)" in text
+    assert "ac (models sac, ckpt)" in text and "lora (models lora, lora-last)" in text  # where sac lives
 
 
 def test_help_names_each_default_once(capsys):
@@ -113,7 +163,7 @@ def test_every_column_is_the_worst_rank_and_step_and_the_footnote_quotes_that_ce
             "failures": ["step 0: " + hooks.format(8), "step 1: " + hooks.format(8)]},
         1: {"status": "fail", "steps": [_step(0, 16, 16), _step(1, 0, 16, garbage=0)],
             "failures": ["step 1: " + hooks.format(0)]},
-    }  # fmt: skip
+    }
     values = _check_cells.cell_values(per_rank)
     assert (values["hooks_fired"], values["hooks_expected"]) == (0, 16)  # rank 1, step 1: not a total
     assert values["worst"]["hooks"] == [1, 1]
@@ -124,7 +174,7 @@ def test_every_column_is_the_worst_rank_and_step_and_the_footnote_quotes_that_ce
 
 def test_footnotes_group_failures_by_kind_with_reason_report_rows_and_one_example():
     raised = {0: {"status": "error", "failures": ["exception: RuntimeError: Trying to backward through the graph a "
-                                                  "second time (or directly ...)"]}}  # fmt: skip
+                                                  "second time (or directly ...)"]}}
     hooks = {1: {"status": "fail", "steps": [_step(0, 0, 8)], "failures": ["step 0: hooks: fired 0 times, expected 8"]}}
     odd = {0: {"status": "error", "failures": ["exception: ValueError: something nobody has seen"]}}
     rows = [(name, _check_cells.cell_values(r)) for name, r in (("a S1", raised), ("a S2", hooks), ("b S1", odd))]
@@ -154,9 +204,49 @@ def test_memory_passes_only_at_most_what_w_reads_and_nothing_after_w():
     assert not _check._memory_ok({"held_over_floor": 1.01, "after_w_bytes": 0})
     assert not _check._memory_ok({"held_over_floor": 0.5, "after_w_bytes": 4})
     memory = {"stage": "s", **{b: {"held_bytes": 8, "floor_bytes": 4, "held_over_floor": 2.0, "after_w_bytes": 0}
-                               for b in _check.BACKWARDS}}  # fmt: skip
+                               for b in _check.BACKWARDS}}
     assert _check._memory_lines(memory)[1:] == ["    upstream: 8 B held, W reads 4 B: 2.00x",
-                                                "  ppbackward: 8 B held, W reads 4 B: 2.00x FAIL"]  # fmt: skip
+                                                "  ppbackward: 8 B held, W reads 4 B: 2.00x FAIL"]
+
+
+def test_a_rank_with_no_trainable_parameter_is_not_the_hooks_cell():
+    """Issue 23: a LoRA row showed ``hooks 0/0 ok`` because the worst-rank rule picked the frozen rank."""
+    per_rank = {0: {"status": "pass", "steps": [_step(0, 0, 0)], "failures": []},
+                1: {"status": "pass", "steps": [_step(0, 8, 8)], "failures": []}}
+    values = _check_cells.cell_values(per_rank)
+    assert (values["hooks_fired"], values["hooks_expected"]) == (8, 8) and values["worst"]["hooks"] == [1, 0]
+    assert _check_cells.format_cell("hooks", values, _check_cells.cell_ok(values)["hooks"]) == "8/8 ok"
+    frozen = _check_cells.cell_values({0: per_rank[0], 1: per_rank[0]})  # every rank frozen: 0/0 it is
+    assert (frozen["hooks_fired"], frozen["hooks_expected"]) == (0, 0)
+    missed = {**per_rank, 2: {"status": "fail", "steps": [_step(0, 4, 8)], "failures": ["step 0: hooks: x"]}}
+    assert _check_cells.cell_values(missed)["worst"]["hooks"] == [2, 0]  # the furthest from expected wins
+
+
+def test_grads_none_say_so_instead_of_a_zero_difference_marked_fail():
+    """Issue 23: ``max|dg| 0.0e+00 FAIL`` where the pipeline left a trainable grad None."""
+    none = "step 0: numerics: 3.lora_a.grad is None in the pipeline but set in the reference"
+    values = _check_cells.cell_values({0: {"status": "pass", "steps": [_step(0, 0, 0)], "failures": []},
+                                       1: {"status": "fail", "steps": [_step(0, 8, 8)], "failures": [none]}})
+    ok = _check_cells.cell_ok(values)["max|dg|"]
+    assert not ok and _check_cells.format_cell("max|dg|", values, ok) == "grad None FAIL"
+    loss = {"status": "fail", "steps": [_step(0, 8, 8)], "failures": ["step 0: numerics: loss of microbatch 0 = 1.0"]}
+    values = _check_cells.cell_values({0: loss})
+    assert _check_cells.format_cell("max|dg|", values, False) == "loss FAIL"
+    measured = _step(0, 8, 8)
+    measured["numerics"]["max_abs_grad_err"] = 0.5
+    values = _check_cells.cell_values({0: {"status": "fail", "steps": [measured], "failures": ["step 0: numerics: w"]}})
+    assert _check_cells.format_cell("max|dg|", values, False) == "5.0e-01 FAIL"  # a measured difference shows
+
+
+def test_the_progress_line_says_what_the_row_will():
+    """Issue 23: the progress line said ``lora-last pass`` (rank 0's record) while the row said FAIL."""
+    frozen_rank = {"status": "pass", "failures": []}
+    last_rank = {"status": "fail", "failures": ["step 0: numerics: 3.w.grad is None in the pipeline but set"]}
+    assert _check_cells.progress_status_of({0: frozen_rank, 1: last_rank}) == "FAIL numerics"
+    assert _check_cells.progress_status_of({0: frozen_rank, 1: frozen_rank}) == "pass"
+    assert _check_cells.progress_status_of({0: {"status": "skip"}, 1: {"status": "skip"}}) == "skip"
+    raised = {"status": "error", "failures": ["exception: KeyError: 'x'"]}
+    assert _check_cells.progress_status_of({0: frozen_rank, 1: raised}) == "FAIL raised KeyError"
 
 
 def test_progress_says_why_a_case_failed():
@@ -179,7 +269,7 @@ def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, 
     rc, text, err = _check_main(
         capsys, "--model", "mlp", "--schedules", "ScheduleGPipe,ScheduleZBVZeroBubble", "--steps", "1",
         "--json", str(out),
-    )  # fmt: skip
+    )
     assert rc == 0, text + err
     assert "[ppbackward] ScheduleZBVZeroBubble/mlp" in text and "elapsed" in text  # progress lines
     rows = {tuple(line.split()[:2]): line for line in text.splitlines() if line.startswith("Schedule")}
@@ -212,7 +302,7 @@ def test_check_hung_rank_fails_in_bounded_time_with_each_rank_s_stack(tmp_path, 
     rc, text, err = _check_main(
         capsys, "--model", "mlp", "--schedules", "ScheduleGPipe", "--steps", "1", "--timeout", "3",
         "--worker-arg=--hang-rank=1", "--logs", str(tmp_path),
-    )  # fmt: skip
+    )
     assert rc == 1, text + err
     assert "the launch itself failed" in text and "no rank made progress for 3s" in text
     assert "rank 1 log tail" in text and " in recv" in text and " in barrier" in text  # each rank's stack

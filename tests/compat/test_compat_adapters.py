@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
-from stages import Double, Scale
+from tests.core.stages import Double, Scale
 from ppbackward import _compat, _node_owner
 
 
@@ -214,10 +214,10 @@ def test_b_takes_no_owner_where_torch_keeps_custom_nodes_alive():
 
 _DIRECT = """
 import sys, torch
-sys.path[:0] = [{here!r}, {core!r}]
+sys.path[:0] = [{root!r}]
 import ppbackward as pb
 from ppbackward import _node_owner
-from test_compat_adapters import _setup
+from tests.compat.test_compat_adapters import _setup
 if {unowned!r}:
     _node_owner.custom_nodes_need_owner = lambda: False
 stage, inputs, outs, grads = _setup(custom=True, weight_only=True)
@@ -231,8 +231,8 @@ print("W ran")
 def _direct_b_then_w(unowned: bool) -> subprocess.CompletedProcess:
     """Direct calls (no ``install()``), the outputs dropped between B and W, in a child process
     (without owners torch may crash outright)."""
-    tests = Path(__file__).resolve().parent.parent
-    code = _DIRECT.format(here=str(tests / "compat"), core=str(tests / "core"), unowned=unowned)
+    root = Path(__file__).resolve().parents[2]  # the repository: ``tests`` is a package in it
+    code = _DIRECT.format(root=str(root), unowned=unowned)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
 
 

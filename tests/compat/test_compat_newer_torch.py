@@ -15,8 +15,7 @@ from torch.distributed.pipelining import _backward as upstream_backward
 from torch.distributed.pipelining import stage as upstream_stage
 
 import ppbackward as pb
-from ppbackward import _compat
-from ppbackward.install import active_adapter
+from ppbackward import _compat, active_adapter
 
 NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 ENV = "PPBACKWARD_ALLOW_UNTESTED_TORCH"

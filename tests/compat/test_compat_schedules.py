@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
 import ppbackward as pb
-from stages import Double, Scale
+from tests.core.stages import Double, Scale
 from ppbackward import _compat
 
 N_MICROBATCHES = 2

@@ -16,8 +16,8 @@ from torch.distributed.pipelining import stage as upstream_stage
 
 import ppbackward as pb
 from ppbackward import _compat, _node_owner
-from ppbackward.install import active_adapter
-from stages import Double
+from ppbackward import active_adapter
+from tests.core.stages import Double
 
 NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 ROOT = Path(__file__).resolve().parents[2]

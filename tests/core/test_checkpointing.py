@@ -19,7 +19,7 @@ from torch.distributed.pipelining import _backward as upstream
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import ppbackward as pb
-from helpers import ATOL, RTOL
+from tests.core.helpers import ATOL, RTOL
 from ppbackward._compat import torch_release
 from ppbackward._saved import HOOKS_VISIBLE
 from ppbackward.leaks import track_activations

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ppbackward as pb
-from helpers import assert_grads_equal, assert_param_grads, clone_inputs, flat_pairs, output_grads
-from stages import DTYPE, _x
-from test_random_stages import RandomStage, stage_st
+from tests.core.helpers import assert_grads_equal, assert_param_grads, clone_inputs, flat_pairs, output_grads
+from tests.core.stages import DTYPE, _x
+from tests.core.test_random_stages import RandomStage, stage_st
 
 
 def _detach_every_output(out) -> None:

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import ppbackward as pb
-from stages import Scale
+from tests.core.stages import Scale
 
 
 class _FusedLinear(torch.autograd.Function):

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
-from helpers import clone_inputs, output_grads
-from stages import build
+from tests.core.helpers import clone_inputs, output_grads
+from tests.core.stages import build
 
 
 class TwoHeads(nn.Module):

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import ppbackward as pb
-from helpers import (
+from tests.core.helpers import (
     assert_grads_equal,
     assert_param_grads,
     clone_inputs,
     output_grads,
     reference,
 )
-from stages import ZOO, build
+from tests.core.stages import ZOO, build
 
 N_MICROBATCHES = 2
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 import ppbackward as pb
-from stages import Scale
+from tests.core.stages import Scale
 
 
 def _pair(seed: int = 0):

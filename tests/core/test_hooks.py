@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
-from helpers import clone_inputs, output_grads
-from stages import build
+from tests.core.helpers import clone_inputs, output_grads
+from tests.core.stages import build
 
 
 def _register_counters(module):
@@ -30,7 +30,7 @@ def _used_params(module, make_inputs):
     ref = copy.deepcopy(module)
     xs = clone_inputs(make_inputs(0))
     out = ref(*xs)
-    from helpers import flat_pairs
+    from tests.core.helpers import flat_pairs
 
     pairs = flat_pairs(out, output_grads(out))
     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

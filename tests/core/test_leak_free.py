@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
-from helpers import clone_inputs, output_grads
-from stages import ZOO, build
+from tests.core.helpers import clone_inputs, output_grads
+from tests.core.stages import ZOO, build
 
 
 def _garbage_of(fn, *args):

@@ -11,8 +11,8 @@ from torch.distributed.pipelining import _backward as upstream
 import ppbackward as pb
 from ppbackward import _saved
 from ppbackward._memory import alive_bytes, saved_storages, w_floor_bytes
-from helpers import clone_inputs, output_grads
-from stages import build
+from tests.core.helpers import clone_inputs, output_grads
+from tests.core.stages import build
 
 
 def _transformer():

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ppbackward as pb
-from helpers import assert_grads_equal, assert_param_grads, clone_inputs, output_grads, reference
+from tests.core.helpers import assert_grads_equal, assert_param_grads, clone_inputs, output_grads, reference
 
 D = 4
 OPS = ("linear", "scale", "tanh", "add", "mul", "split_cat", "unbind_stack", "cat_slice", "weight_only")

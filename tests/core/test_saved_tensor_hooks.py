@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import _backward as upstream
 
 import ppbackward as pb
-from helpers import ATOL, RTOL
+from tests.core.helpers import ATOL, RTOL
 from ppbackward._compat import torch_release
 from ppbackward._saved import HOOKS_VISIBLE
 from ppbackward.leaks import check_tensor_leaks, track_activations

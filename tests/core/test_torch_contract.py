@@ -27,7 +27,7 @@ from ppbackward._compat import torch_release
 TORCH_2_13 = (2, 13) <= torch_release()[:2] <= (2, 15)
 EDGE_ROOTS = torch_release()[:2] >= (2, 15)  # torch's _backward.py takes GradientEdge and None outputs
 IMPLS = [pytest.param(pb, id="ppbackward"), pytest.param(upstream, id="torch", marks=pytest.mark.skipif(
-    not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.15"))]  # fmt: skip
+    not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.15"))]
 torch_2_13_only = pytest.mark.skipif(not TORCH_2_13, reason="torch's side is pinned for torch 2.13-2.15")
 
 
@@ -278,3 +278,53 @@ def test_difference_w_with_dtensor_weights_checks_only_their_number():
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def test_difference_a_users_own_backward_through_the_stage_graph_after_b_fails():
+    """B releases the saved tensors W never reads (Note [release unread saved tensors]); torch's B retains
+    the whole graph, so a backward of the caller's own through it still runs there."""
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    h = mod[1](mod[0](x))  # an activation of the stage, not an output
+    pb.stage_backward_input((mod[2](h),), (torch.ones(3, 4),), [x], mod.parameters())
+    with pytest.raises(RuntimeError, match="ppbackward released this saved tensor after stage_backward_input"):
+        h.sum().backward()
+    if TORCH_2_13:
+        theirs = _stage()
+        y = x.detach().clone().requires_grad_()
+        g = theirs[1](theirs[0](y))
+        upstream.stage_backward_input((theirs[2](g),), (torch.ones(3, 4),), [y], theirs.parameters())
+        g.sum().backward()
+        assert theirs[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int64, torch.float64])
+def test_difference_an_output_gradient_of_another_dtype_is_refused(dtype):
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    grad = torch.ones(3, 4, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"stage_output\[0\]: grad dtype {dtype} != output dtype torch.float32"):
+        pb.stage_backward((mod(x),), (grad,), [x])
+    with pytest.raises(TypeError, match=rf"stage_output\[0\]: grad dtype {dtype} != output dtype torch.float32"):
+        pb.stage_backward_input((mod(x),), (grad,), [x], mod.parameters())
+    assert all(p.grad is None for p in mod.parameters())
+    (mine,) = pb.stage_backward((mod(x),), (grad.to(torch.float32),), [x])  # what a caller does instead
+    if TORCH_2_13:
+        theirs = _stage()
+        (dx,) = upstream.stage_backward((theirs(x),), (grad,), [x])  # the engine casts it
+        assert dx.dtype == torch.float32
+        torch.testing.assert_close(dx, mine, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mappings_that_are_not_dicts_are_skipped_as_torch_does(impl):
+    """Listed among the differences because it surprises: a ``UserDict`` (any non-dict mapping) is an opaque
+    leaf for both, so its tensors get no gradient, silently."""
+    from collections import UserDict
+
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = impl.stage_backward((UserDict(h=mod(x)),), (UserDict(h=torch.ones(3, 4)),), [x])
+    assert grads == (None,) and all(p.grad is None for p in mod.parameters())
+    (dx,) = impl.stage_backward(({"h": mod(x)},), ({"h": torch.ones(3, 4)},), [x])  # a dict takes part
+    assert dx is not None and all(p.grad is not None for p in mod.parameters())

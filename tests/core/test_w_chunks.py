@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import ppbackward.backward as backward
-import test_exactness
-import test_hooks
-import test_random_stages
-from stages import ZOO
+from tests.core import test_exactness
+from tests.core import test_hooks
+from tests.core import test_random_stages
+from tests.core.stages import ZOO
 
 
 @pytest.fixture

@@ -161,7 +161,7 @@ def _python_blocks() -> list[Block]:
          "stage_backward_weightweights-param_groups-retain_graphfalse--w"),
         ("The tracker: `track_activations`", "the-tracker-track_activations"),
     ],
-)  # fmt: skip
+)
 def test_slug_matches_github(heading, slug):
     assert _slug(heading) == slug
 
@@ -207,7 +207,7 @@ def _torchrun(script: Path, launch: str, folder: Path, env: dict[str, str]) -> s
     """``torchrun --standalone <launch before --> script <launch after -->`` in its own process group."""
     torchrun_args, _, script_args = launch.partition(" -- ")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *torchrun_args.split(),
-               str(script), *script_args.split()]  # fmt: skip
+               str(script), *script_args.split()]
     proc = subprocess.Popen(
         command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -290,3 +290,15 @@ def test_make_figures_command_works_and_images_are_small(tmp_path):
     for name in committed:
         size = (ROOT / "docs" / "images" / name).stat().st_size
         assert size < MAX_IMAGE_BYTES, f"docs/images/{name} is {size} bytes (keep pictures < 200 KB)"
+
+
+def test_the_readme_states_the_rank_count_of_every_default_scenario():
+    """Issue 23: the README said check runs "2 ranks" though the ddp scenario runs 4."""
+    from ppbackward._harness.scenarios import DEFAULT, SCENARIOS
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = readme.split("`ppbackward check` runs every schedule", 1)[1].split(". ", 1)[0]
+    for n in sorted({SCENARIOS[name].nproc for name in DEFAULT}):
+        assert f"{n} ranks" in said or f"{n} for" in said, (n, said)
+    bigger = [name for name in DEFAULT if SCENARIOS[name].nproc > 2]
+    assert all(f"{name} scenario" in said for name in bigger), (bigger, said)

@@ -166,6 +166,31 @@ def test_gc_state_is_restored_even_when_the_body_raises(debug, enabled):
         (gc.enable if old_enabled else gc.disable)()
 
 
+@pytest.mark.parametrize("collect_inside", [False, True], ids=["collected-on-exit", "collected-in-the-block"])
+def test_a_block_that_clears_the_gc_debug_flags_still_has_its_leak_caught(collect_inside):
+    """Note [checker survives the block's gc flags]: ``gc.set_debug(0)`` inside the block used to switch
+    ``DEBUG_SAVEALL`` off, so the leaked cycle was freed unseen and the report said ``ok``."""
+    old_debug = gc.get_debug()
+    gc.set_debug(gc.DEBUG_UNCOLLECTABLE)  # the caller's flags, to be restored on exit
+    try:
+        with check_tensor_leaks(strict=False, max_chains=0) as report:
+            gc.set_debug(0)
+            _make_cycle()
+            if collect_inside:
+                gc.collect()
+                assert gc.get_debug() == 0  # the block's own flags are back after each collection
+        assert report.num_tensors == 1 and not report.ok
+        assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
+        with check_tensor_leaks(strict=False, max_chains=0) as clean:  # negative control
+            gc.set_debug(0)
+            _clean_work()
+            gc.collect()
+        assert clean.ok and clean.num_tensors == 0 and clean.num_garbage == 0
+        assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
+    finally:
+        gc.set_debug(old_debug)
+
+
 def test_body_exception_wins_over_the_leak_and_carries_the_report():
     with pytest.raises(ValueError) as info:
         with check_tensor_leaks(max_chains=0) as report:
@@ -253,3 +278,20 @@ def test_report_before_exit_says_so():
     with check_tensor_leaks() as report:
         assert not report.done
         assert "has not exited yet" in report.format()
+
+
+def test_a_caught_leak_s_default_graph_folder_is_left_in_no_shared_temp_dir(_own_tempdir):
+    """Issue 23: the suite left ``ppbackward-leaks-*`` folders in the system temp dir; a leak test's default
+    folder is now inside pytest's own temp folders (tests/leaks/conftest.py), removed with them."""
+    import tempfile
+
+    assert tempfile.gettempdir() == _own_tempdir
+    with check_tensor_leaks(strict=False) as report:
+        a = torch.ones(3, requires_grad=True)
+        y = a * 2
+        holder = [y]
+        holder.append(holder)  # a cycle holding a tensor with a graph
+        del y, holder
+    assert report.num_tensors >= 1 and report.output_dir is not None
+    assert os.path.dirname(report.output_dir) == _own_tempdir
+    assert os.path.basename(report.output_dir).startswith("ppbackward-leaks-")

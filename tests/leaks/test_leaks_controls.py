@@ -23,7 +23,7 @@ import textwrap
 import pytest
 import torch
 
-import leaky_variants as lv
+from tests.leaks import leaky_variants as lv
 from ppbackward.leaks import TensorLeakError, check_tensor_leaks, track_activations
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from leaky_variants import HIDDEN_BYTES, OUT_BYTES, make_input, make_stage
+from tests.leaks.leaky_variants import HIDDEN_BYTES, OUT_BYTES, make_input, make_stage
 from ppbackward.leaks import (
     ActivationReport,
     ActivationTracker,
@@ -79,7 +79,7 @@ def test_a_saved_output_is_not_kept_alive_by_the_tracker():
         (True, False, [("AddmmBackward0", (8, 16)), ("TanhBackward0", (2, 16)), ("AddmmBackward0", (2, 16)), ("AddmmBackward0", (16, 8))]),
         (False, True, [("AddmmBackward0", (2, 8)), ("TanhBackward0", (2, 16)), ("AddmmBackward0", (2, 16))]),
     ],
-)  # fmt: skip
+)
 def test_parameters_and_outside_leaves_are_excluded_by_default(include_parameters, include_leaves, expected):
     stage, x = make_stage(), make_input()  # x: a leaf that requires grad, like a stage input
     with track_activations(include_parameters=include_parameters, include_leaves=include_leaves) as tracker:
@@ -268,7 +268,7 @@ def test_format_and_to_dict():
     assert OUT_BYTES == 64  # sizes used across these tests
 
 
-# -- leaks the gc cannot see (Note [leaks the gc cannot see] in ppbackward/leaks/_life.py) -----------
+# -- leaks the gc cannot see (Note [leaks the gc cannot see] in ppbackward/leaks/_node_watches.py) -----------
 
 
 def _identity_hooks():
@@ -311,3 +311,61 @@ def test_nodes_freed_by_a_python_cycle_are_told_apart():
         del y, box
     rep = tracker.report()  # its collection frees the cycle, and the node with it
     assert rep.nodes == 1 and rep.nodes_freed_only_by_gc == 1 and rep.nodes_held_after_gc == []
+
+
+class _Loop:
+    """A training loop that keeps a step's outputs on ``self`` (Lightning's ``self.outputs``)."""
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+
+    def step(self, w: torch.Tensor, x: torch.Tensor, keep: bool) -> None:
+        loss = (x * w).pow(2).sum()
+        self.outputs = [loss] if keep else []
+
+
+def test_print_of_a_report_is_readable_and_names_what_holds_a_kept_output():
+    """Issue 23: ``print(report)`` was a 2,000-character dataclass repr, and nothing said who holds the
+    tensor a step's kept output keeps alive (Note [holder chains])."""
+    w, x = torch.randn(4, requires_grad=True), torch.randn(4)
+    loop = _Loop()
+    with track_activations() as tracker:
+        loop.step(w, x, keep=True)
+    report = tracker.report()
+    assert str(report) == report.format()
+    assert len(report.held_after_gc) == 1 and report.held_after_gc[0].node_name == "PowBackward0"
+    (chain,) = report.held_by
+    lines = chain.splitlines()
+    assert lines[0] == "[0] Tensor float32[] on cpu, 4 bytes, grad_fn=SumBackward0"
+    assert lines[1] == "  <- [1] list (len 1) via [0]"
+    assert lines[2] == f"  <- [2] {__name__}._Loop object via .outputs"
+    assert "what holds the block's live outputs" in str(report) and "_Loop object via .outputs" in str(report)
+    assert report.to_dict()["held_by"] == [chain]
+    # negative control: the same step, its outputs not kept: nothing held, no chain
+    with track_activations() as tracker:
+        loop.step(w, x, keep=False)
+    report = tracker.report()
+    assert report.held_after_gc == [] and report.held_by == []
+    assert "what holds" not in str(report)
+
+
+def test_storages_of_a_dtensor_are_its_local_tensors_not_its_mesh() -> None:
+    """DTensor's ``__tensor_flatten__`` lists ``device_mesh`` next to ``_local_tensor`` (torch 2.13): the
+    tracker opens only the inner tensors (it raised AttributeError on the mesh before issue 20's fix)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from ppbackward.leaks._storage import _tensor_storages
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        local = torch.randn(4)
+        dt = DTensor.from_local(local, init_device_mesh("cpu", (1,)), [Replicate()])
+        keys = [s.data_ptr() for s in _tensor_storages(dt)]
+        assert keys == [local.untyped_storage().data_ptr()]
+    finally:
+        if owned:
+            dist.destroy_process_group()

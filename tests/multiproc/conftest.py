@@ -62,7 +62,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from multiproc_specs import LAUNCHES, launches_of
+from tests.multiproc.multiproc_specs import LAUNCHES, launches_of
 
 from ppbackward._harness.launch import LaunchResult, launch
 
@@ -101,8 +101,8 @@ class _Launches:
         try:
             result = launch(  # on_case: record progress (LaunchResult.progress) as the launch runs
                 spec.nproc, list(spec.args), self.root / name, timeout=spec.timeout, env=dict(spec.env),
-                on_case=lambda r: None,
-            )  # fmt: skip
+                on_case=lambda case_id, per_rank: None,
+            )
         except BaseException as e:  # the test that reads it reports the error
             future.set_exception(e)
         else:

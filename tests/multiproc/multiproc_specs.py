@@ -11,6 +11,7 @@ HERE = Path(__file__).resolve().parent
 LEAKY = str(HERE / "leaky_backward.py")
 TRAINING_ARGS = ("--models", "training")
 DP_ARGS = ("--models", "mlp,lora", "--dp", "2", "--wraps", "ddp,fsdp,fsdp-keep")
+TITAN_ARGS = ("--models", "titan,titan-sac", "--wraps", "none,fsdp-titan")  # issue 20
 CONTROL_ARGS = (
     "--schedules", "Schedule1F1B,ScheduleInterleavedZeroBubble", "--models", "mlp", "--metadata", "static"
 )
@@ -40,6 +41,9 @@ LAUNCHES: dict[str, LaunchSpec] = {
     "training-dp": LaunchSpec(4, ("--backward", "ppbackward", *DP_ARGS)),
     "upstream-training-ws2": LaunchSpec(2, ("--backward", "upstream", *TRAINING_ARGS, "--case-timeout", "6")),
     "upstream-training-dp": LaunchSpec(4, ("--backward", "upstream", *DP_ARGS, "--case-timeout", "6")),
+    # issue 20: torchtitan's shape (final norm, lm_head in the loss, its FSDP2 units), plain and as torchtitan shards it
+    "training-titan": LaunchSpec(2, ("--backward", "ppbackward", *TITAN_ARGS)),
+    "upstream-training-titan": LaunchSpec(2, ("--backward", "upstream", *TITAN_ARGS, "--case-timeout", "6")),
     # torch's own backward raises on some zero-bubble cases; its peers then wait for the case timeout
     # (6 s, scaled by the launch's measured start-up: Note [timeouts scale with start-up] in the worker)
     "upstream-ws2": LaunchSpec(2, ("--backward", "upstream", "--case-timeout", "6")),

@@ -31,7 +31,7 @@ PG_TIMEOUT = {"keep": 300, "pop": 5}
 
 def _run(mode: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "--max-restarts=0", str(PROBE), mode, str(PG_TIMEOUT[mode])]  # fmt: skip
+               "--max-restarts=0", str(PROBE), mode, str(PG_TIMEOUT[mode])]
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -67,7 +67,7 @@ def test_model_stack_is_deterministic_and_its_reference_produces_grads(name: str
         for pa, pb in zip(ma.parameters(), mb.parameters()):
             assert torch.equal(pa, pb)
     batch = models.make_batch(spec, 2, seed=1)
-    ref = models.reference_step(a, batch, 2, spec.loss_fn)
+    ref = models.reference_step(a, batch, 2, spec.loss_of(a[-1]))
     assert len(ref.losses) == 2 and all(torch.isfinite(x) for x in ref.losses)
     trainable = [n for i, m in enumerate(a) for n, p in models.param_names(i, m) if p.requires_grad]
     assert trainable and all(ref.grads[n] is not None for n in trainable)
@@ -318,7 +318,7 @@ def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_
 
 def test_a_rank_that_never_started_is_a_start_up_timeout(tmp_path: Path) -> None:
     result = _result(tmp_path, {0: {"complete": False, "cases": []}, 1: None}, returncode=-9,
-                     hang="startup", startup_timeout=300.0)  # fmt: skip
+                     hang="startup", startup_timeout=300.0)
     problems = "\n".join(result.launch_problems())
     assert "timed out: rank(s) 1 had not started 300s after the launch" in problems
 
@@ -433,3 +433,69 @@ def test_findings_come_most_telling_first_and_once_per_kind() -> None:
     record = {"wrap": "ddp", "failures": ["step 0: hooks: a", "step 0: numerics: x outside", "step 0: replicas: r", "step 1: hooks: b"]}
     assert [f.kind.key for f in diagnose.diagnose(record)] == ["ddp-replicas", "grads-wrong", "hooks-skipped"]
     assert diagnose.diagnose({"failures": []}) == []
+
+
+def test_progress_reports_a_case_once_every_rank_has_it_and_says_what_runs_meanwhile(tmp_path: Path) -> None:
+    """Issue 23: progress came from rank 0 alone (``lora-last pass`` over a failing row) and froze 20-29 s
+    with no word of why (Note [progress says what runs]); no process, a fake clock: no timing involved."""
+    from ppbackward._harness.launch import _CaseReporter
+
+    now = [0.0]
+    seen: list[tuple[str, dict]] = []
+    said: list[str] = []
+    reporter = _CaseReporter(tmp_path, 2, lambda c, r: seen.append((c, r)), said.append, quiet_s=10.0,
+                             clock=lambda: now[0])
+
+    def write(rank: int, *cases: tuple[str, str]) -> None:
+        records = [{"id": c, "status": s} for c, s in cases]
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"cases": records}))
+
+    now[0] = 10.0
+    reporter.poll()
+    assert said == ["starting: 0/2 ranks have joined the process group"]
+    write(0)
+    write(1)
+    (tmp_path / "rank0.log").write_text("[rank 0] >>> ScheduleGPipe/lora-last\n")
+    now[0] = 15.0
+    reporter.poll()
+    assert len(said) == 1  # not quiet long enough yet
+    now[0] = 20.0
+    reporter.poll()
+    assert said[-1] == "still running ScheduleGPipe/lora-last (rank 0's log; 0 case(s) done)"
+    write(0, ("ScheduleGPipe/lora-last", "pass"))
+    reporter.poll()
+    assert seen == []  # rank 1 is still on it
+    write(1, ("ScheduleGPipe/lora-last", "fail"))
+    reporter.poll()
+    reporter.poll()
+    assert [(c, {r: v["status"] for r, v in per.items()}) for c, per in seen] == [
+        ("ScheduleGPipe/lora-last", {0: "pass", 1: "fail"})
+    ]  # once, with every rank's record
+    now[0] = 25.0
+    reporter.poll()
+    assert len(said) == 2  # a finished case restarted the quiet clock
+
+
+def test_titan_chunked_loss_equals_the_unchunked_cross_entropy() -> None:
+    """torchtitan's chunked loss (issue 20): the loss and every grad (lm_head's accumulated inside the
+    loss, the rest through the custom Function) equal plain autograd of the whole cross-entropy."""
+    import torch.nn.functional as F
+
+    spec = models.get_model("titan")
+    chunked, plain = models.build_stages(spec, 2, seed=3), models.build_stages(spec, 2, seed=3)
+    batch = models.make_batch(spec, 1, seed=4)
+    ref = models.reference_step(chunked, batch, 1, spec.loss_of(chunked[-1]))
+    h = plain[1](plain[0](*batch.args))
+    want = batch.target.flatten(0, 1).softmax(-1)
+    loss = F.cross_entropy(plain[1].lm_head(h).flatten(0, 1), want, reduction="sum")
+    loss.backward()
+    assert torch.allclose(ref.losses[0], loss.detach())
+    for i, module in enumerate(plain):
+        for name, p in models.param_names(i, module):
+            assert torch.allclose(ref.grads[name], p.grad, atol=1e-6), name
+    assert ref.grads["stage1.norm.weight"] is not None
+
+
+def test_a_model_name_is_not_shadowed_by_a_group() -> None:
+    for name in models.MODELS:
+        assert models.model_names(name) == [name]

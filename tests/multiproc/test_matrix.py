@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from multiproc_specs import LAUNCH_TEST_TIMEOUT, LAUNCHES, slow_params
+from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, LAUNCHES, slow_params
 from ppbackward._harness import models, schedules
 from ppbackward._harness.probes import recv_buffers_kept_by_stage
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from multiproc_specs import LAUNCH_TEST_TIMEOUT, uses_launch
+from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, uses_launch
 
 
 def _cases(result):

@@ -7,8 +7,10 @@ ranks; and pipeline x data parallel on a 2-D mesh of 4 ranks (dp 2 x pp 2; Note 
 ``fully_shard``, and in ``fully_shard(reshard_after_forward=False)``, each dp rank on its own data shard.
 Every case of every schedule must pass every check on every rank (the single-pipeline ones, plus the
 grads against the reference of the mean of the per-shard losses, identical DDP replicas, and the custom
-Function's backward run once per microbatch). torch's own backward on the same launches:
-``test_training_upstream.py``.
+Function's backward run once per microbatch). A third launch (issue 20) runs torchtitan's shape
+(``titan``, ``titan-sac``: final RMSNorm, ``lm_head`` applied in a chunked loss with its own backward)
+plain and sharded as torchtitan shards it (``fsdp-titan``: Note [torchtitan's final norm] in
+``ppbackward._harness.models``). torch's own backward on the same launches: ``test_training_upstream.py``.
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ from typing import Any
 
 import pytest
 
-from multiproc_specs import LAUNCH_TEST_TIMEOUT, slow_params
+from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, slow_params
 from ppbackward._harness import models, parallel, schedules
 from ppbackward._harness.worker import case_id
 
 WRAPS = ("ddp", "fsdp", "fsdp-keep")
+TITAN_WRAPS = ("none", "fsdp-titan")
+LAUNCHES = ("training-ws2", "training-dp", "training-titan")
 
 
 def expected_cases(launch: str) -> list[str]:
     if launch == "training-ws2":
         return [case_id(c.name, m) for c in schedules.matrix(2) for m in models.TRAINING_MODELS]
+    if launch == "training-titan":
+        return [case_id(c.name, m, w) for c in schedules.matrix(2) for m in models.TITAN_MODELS for w in TITAN_WRAPS]
     return [case_id(c.name, m, w) for c in schedules.matrix(2) for m in ("mlp", "lora") for w in WRAPS]
 
 
@@ -53,7 +59,7 @@ def assert_measured(record: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
-@pytest.mark.parametrize("name", slow_params(["training-ws2", "training-dp"]))
+@pytest.mark.parametrize("name", slow_params(list(LAUNCHES)))
 def test_launch_reports_every_case_on_every_rank(name: str, launches) -> None:
     result = launches(name)
     assert result.complete, result.format_launch()
@@ -63,7 +69,7 @@ def test_launch_reports_every_case_on_every_rank(name: str, launches) -> None:
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
 @pytest.mark.parametrize(
-    ("name", "case"), slow_params([(n, c) for n in ("training-ws2", "training-dp") for c in expected_cases(n)])
+    ("name", "case"), slow_params([(n, c) for n in LAUNCHES for c in expected_cases(n)])
 )
 def test_case(name: str, case: str, launches) -> None:
     result = launches(name)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from multiproc_specs import LAUNCH_TEST_TIMEOUT, uses_launch
+from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, uses_launch
 from ppbackward._compat import torch_release
 from ppbackward._harness import schedules
 

@@ -1,201 +1,25 @@
 """``ppbackward bench``: the stage-backward benchmark of issue 6 (time and memory, upstream vs ours).
 
-Private package; its one entry point is :func:`main` (``ppbackward bench``,
-``python -m ppbackward._bench`` and ``benchmarks/bench_backward.py`` all call it). Modules:
+Private package of measurements; the command (options, validation, the run) is ``ppbackward._cli.bench``,
+whose :func:`main` this package re-exports (``ppbackward bench``, ``python -m ppbackward._bench`` and
+``benchmarks/bench_backward.py`` all call it). Modules:
 ``_models`` (configurations), ``_impls`` (the variants timed), ``_timing`` (interleaved min-of-N),
 ``_memory`` (saved activations held between B and W against what W reads), ``_loop`` (one stage
 pair's microbatch loop in a zero-bubble schedule's order), ``_alloc`` (the allocator's work),
 ``_scaling`` (graph analysis time against graph size), ``_profile`` (where the time of B and W goes),
-``_schedule`` and ``_schedule_worker`` (schedule steps under torchrun), ``_report`` (targets, tables,
+``_schedule`` and ``_schedule_worker`` (schedule steps under torchrun), ``_split`` and ``_replay`` (the
+split's cost per microbatch-stage, and a schedule step replayed from it: ``--split``), ``_report`` (targets, tables,
 JSON). Method and results: ``docs/performance.md``.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import platform
-import subprocess
-import sys
-from typing import Any, Optional
-
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ppbackward bench",
-        description=(
-            "Time and memory of the pipeline stage backward: plain autograd, torch's B+W, "
-            "ppbackward's B+W and full backward, side by side (one process, 1 thread), with grads None "
-            "and accumulating; a microbatch loop in zero-bubble order; the allocator's counts. "
-            "Method and results: docs/performance.md."
-        ),
-    )
-    p.add_argument(
-        "--configs",
-        default="all",
-        help="'all' (4,16 layers x d 64,256 x seq 16,128) or a comma-separated list of "
-        "LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all)",
-    )
-    p.add_argument("--repeats", type=int, default=None, help="max timed repeats per config (default 100; 20 with --quick)")
-    p.add_argument("--budget", type=float, default=20.0, help="seconds of timed repeats per config (the microbatch loop gets half as much again): N is lowered (not below 3) to fit (default 20)")
-    p.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
-    p.add_argument("--quick", action="store_true", help="only 4x64x16, few repeats, small scaling sweep, no profile (smoke test, CI)")
-    p.add_argument(
-        "--schedule", action="store_true",
-        help="also time the schedule step under torchrun (2 ranks, gloo): Interleaved1F1B, InterleavedZeroBubble "
-        "and ZBVZeroBubble with torch's backward and ppbackward's, with peak memory per rank",
-    )  # fmt: skip
-    p.add_argument("--schedule-repeats", type=int, default=8, help="timed steps per schedule variant (default 8)")
-    p.add_argument("--schedule-timeout", type=float, default=300.0, help="seconds before the torchrun process group is killed (default 300)")
-    p.add_argument("--no-scaling", action="store_true", help="skip the graph-analysis scaling sweep")
-    p.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes profile")
-    p.add_argument("--profile-config", default="16x64x16", help="configuration profiled (default 16x64x16)")
-    return p
+def main(argv: list[str] | None = None) -> int:
+    """``ppbackward bench``: see :func:`ppbackward._cli.bench.main`."""
+    from ppbackward._cli.bench import main as bench_main
 
+    return bench_main(argv)
 
-def _git_commit() -> Optional[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(
-            ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        if sha.returncode != 0:
-            return None
-        dirty = subprocess.run(
-            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", ".."], capture_output=True, text=True, timeout=10
-        )
-        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _meta(argv: list[str]) -> dict[str, Any]:
-    import torch
-
-    import ppbackward
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "ppbackward": ppbackward.__version__,
-        "ppbackward_commit": _git_commit(),
-        "argv": argv,
-        "loadavg_start": _loadavg(),
-    }
-
-
-def _loadavg() -> Optional[float]:
-    """1-minute load average (other processes share the cores: a high value means noisy timings)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Run the benchmark; print the tables (stdout) and optionally write JSON.
-
-    Args:
-        argv: command-line arguments without the program name (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        0 when every measurement ran (targets may be missed: that is reported, not an error);
-        1 when an implementation's gradients differ from plain autograd or the schedule run failed.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-
-    # torch.profiler (allocator counts, profile) logs every start and stop to stderr unless told not to
-    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
-    import torch
-
-    from ppbackward._bench import _alloc, _impls, _loop, _memory, _models, _report, _scaling, _timing
-
-    try:
-        configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(args.configs)
-        profile_cfg = _models.parse_configs(args.profile_config)[0]
-    except ValueError as e:
-        _parser().error(str(e))
-    repeats = args.repeats if args.repeats is not None else (20 if args.quick else 100)
-    if repeats < 1 or args.schedule_repeats < 1:
-        _parser().error("--repeats and --schedule-repeats must be >= 1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        report: dict[str, Any] = {"meta": _meta(argv), "configs": []}
-        for cfg in configs:
-            _log(f"bench: {cfg.name} ...")
-            stage = _models.build(cfg)
-            exact = _impls.grads_match(stage)
-            memory = {
-                impl: {**_memory.measure_split(impl, stage), "hooked": _memory.measure_hooked(impl, stage)}
-                for impl in ("upstream", "ppbackward")
-            }
-            groups = {}
-            for impl in ("upstream", "ppbackward"):
-                out = stage.model(stage.x)
-                g = _impls.run_b(impl, stage, out)
-                groups[impl] = len(g)
-                _impls.run_w(impl, stage, g)
-                del g, out
-            _models.reset_grads(stage)
-            budget = None if args.quick else args.budget
-            secs, n, paired = _timing.time_config(cfg, repeats, budget, stage)
-            ms = {regime: {k: v * 1e3 for k, v in t.items()} for regime, t in secs.items()}
-            _log(f"bench: {cfg.name} microbatch loop ...")
-            loop = _loop.time_loop(cfg, repeats, None if budget is None else budget / 2)
-            allocations = _alloc.measure(stage)
-            report["configs"].append({
-                "name": cfg.name, "label": cfg.label, "layers": cfg.layers, "d_model": cfg.d_model,
-                "seq": cfg.seq, "batch": cfg.batch, "nhead": cfg.nhead, "dim_feedforward": 4 * cfg.d_model,
-                "repeats": n, "time_ms": ms,
-                "ratio_to_plain": {regime: {k: v / t["plain"] for k, v in t.items()} for regime, t in ms.items()},
-                "paired_ratio_median": paired, "loop": loop, "allocations": allocations,
-                "param_groups": groups, "grads_match": exact, "memory": memory,
-            })  # fmt: skip
-        if not args.no_scaling:
-            _log("bench: graph analysis scaling ...")
-            depths = _scaling.QUICK_DEPTHS if args.quick else _scaling.DEPTHS
-            report["analysis_scaling"] = _scaling.measure(depths, repeats=3 if args.quick else 15)
-        if not (args.quick or args.no_profile):
-            from ppbackward._bench import _profile
-
-            _log(f"bench: profile {args.profile_config} ...")
-            report["profile"] = _profile.where_time_goes(profile_cfg)
-        failed = False
-        if args.schedule:
-            from ppbackward._bench import _schedule
-
-            _log("bench: schedule step under torchrun ...")
-            try:
-                report["schedule"] = _schedule.run_schedule(
-                    repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout
-                )
-                failed = not report["schedule"]["grads_match"]
-            except _schedule.ScheduleBenchError as e:
-                report["schedule"] = {"error": str(e)}
-                failed = True
-        report["targets"] = _report.targets(report)
-        report["meta"]["loadavg_end"] = _loadavg()
-    finally:
-        torch.set_num_threads(threads)
-    print(_report.format_text(report))
-    problem = _report.summary_line(report)
-    if problem:
-        print(problem)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return 1 if (problem or failed) else 0

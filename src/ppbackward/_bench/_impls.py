@@ -16,7 +16,7 @@ tuple of gradients, the list of inputs and an iterator over the parameters.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch.distributed.pipelining import _backward as _upstream
@@ -31,7 +31,10 @@ UPSTREAM_B = _upstream.stage_backward_input
 UPSTREAM_W = _upstream.stage_backward_weight
 
 VARIANTS = ("plain", "upstream", "ppbackward", "full")
-SPLIT = {"upstream": (UPSTREAM_B, UPSTREAM_W), "ppbackward": (_ours.stage_backward_input, _ours.stage_backward_weight)}
+SPLIT: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "upstream": (UPSTREAM_B, UPSTREAM_W),
+    "ppbackward": (_ours.stage_backward_input, _ours.stage_backward_weight),
+}
 
 
 def run_b(impl: str, stage: Stage, out: torch.Tensor) -> Any:
@@ -94,7 +97,7 @@ def grads_match(stage: Stage) -> dict[str, bool]:
 
     reset_grads(stage)
     run_variant("plain", stage)
-    ref, ref_x = snapshot(), stage.x.grad.clone()
+    ref, ref_x = snapshot(), cast(torch.Tensor, stage.x.grad).clone()
     verdict = {}
     for name in VARIANTS[1:]:
         reset_grads(stage)

@@ -15,7 +15,7 @@ repeats] in ``_timing``).
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -62,7 +62,9 @@ class _Loop:
         self.stages = [build(half, seed=s) for s in (0, 1)]
         gen = torch.Generator().manual_seed(3)
         shape = (cfg.batch, cfg.seq, cfg.d_model)
-        self.inputs = [[torch.randn(shape, generator=gen).requires_grad_() for _ in range(n_microbatches)] for _ in self.stages]
+        self.inputs = [
+            [torch.randn(shape, generator=gen).requires_grad_() for _ in range(n_microbatches)] for _ in self.stages
+        ]
         self.grads = [torch.randn(shape, generator=gen) for _ in self.stages]
         self.steps = plan(n_microbatches)
 
@@ -96,7 +98,7 @@ class _Loop:
 
 
 def time_loop(
-    cfg: Config, repeats: int, budget_s: Optional[float] = None, n_microbatches: int = MICROBATCHES
+    cfg: Config, repeats: int, budget_s: float | None = None, n_microbatches: int = MICROBATCHES
 ) -> dict[str, Any]:
     """Min-of-N seconds of the whole loop per variant, interleaved; and the plan it replays.
 

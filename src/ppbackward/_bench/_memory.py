@@ -58,7 +58,7 @@ def _key(t: torch.Tensor) -> _Key:
 class SavedRecorder:
     """Pack/unpack hooks that record which saved storages are read, per phase (module docstring)."""
 
-    __slots__ = ("refs", "unpacked", "phase", "skip")
+    __slots__ = ("phase", "refs", "skip", "unpacked")
 
     def __init__(self, skip: frozenset[int] = frozenset()) -> None:
         self.refs: list[tuple[weakref.ref, _Key]] = []

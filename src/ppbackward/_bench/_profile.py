@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import cProfile
+import functools
 import gc
 import pstats
 import re
@@ -62,8 +63,8 @@ def _count_run(stage: Stage, impl: str) -> dict[str, Any]:
         b = _events(lambda: box.append(run_b(impl, stage, out)))
         groups = box.pop()
         n_groups = len(groups)
-        w = _events(lambda: run_w(impl, stage, groups))
-        del groups
+        w = _events(functools.partial(run_w, impl, stage, groups))
+        del groups  # the partial above is gone too: nothing keeps the groups past W
     finally:
         reset_grads(stage)
     return {"param_groups": n_groups, "b": b, "w": w}
@@ -93,7 +94,7 @@ def _split(prof: cProfile.Profile, impl: str, reps: int) -> dict[str, float]:
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     total = engine = hooks = analysis = 0.0
     engine_calls = 0
-    for (filename, _, func), (_, ncalls, tottime, cumtime, _) in stats.items():
+    for (filename, _, func), (_, ncalls, _tottime, cumtime, _) in stats.items():
         fn = filename.replace("\\", "/")
         if func == "_engine_run_backward" and fn.endswith("autograd/graph.py"):
             engine += cumtime

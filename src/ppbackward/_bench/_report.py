@@ -6,7 +6,9 @@ with the measured ratio and the limit; nothing here is asserted by tests (timing
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
+
+from ppbackward._text_table import format_table
 
 __all__: list[str] = []  # private module
 
@@ -15,7 +17,7 @@ REGIMES = ("first", "accumulating")  # _timing.REGIMES, without importing torch
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
-def _target(name: str, where: str, value: float, limit: float, median: Optional[float] = None) -> dict[str, Any]:
+def _target(name: str, where: str, value: float, limit: float, median: float | None = None) -> dict[str, Any]:
     """One target row; ``value`` (ratio of minima) decides, ``median`` (paired) is shown beside it."""
     return {
         "target": name,
@@ -35,55 +37,73 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             r, pm = c["ratio_to_plain"][regime], c["paired_ratio_median"][regime]
             where = f"{c['label']}, {regime}"
             if c["layers"] == 16 and c["d_model"] == 256:
-                rows.append(_target("ppbackward B+W <= 1.15x plain (16 layers, d 256)", where, r["ppbackward_bw"], 1.15, pm["ppbackward_bw/plain"]))
+                rows.append(_target(
+                    "ppbackward B+W <= 1.15x plain (16 layers, d 256)", where, r["ppbackward_bw"], 1.15,
+                    pm["ppbackward_bw/plain"],
+                ))
             if c["layers"] == 16 and c["d_model"] == 64:
-                rows.append(_target("ppbackward B+W <= 2.0x plain (16 layers, d 64)", where, r["ppbackward_bw"], 2.0, pm["ppbackward_bw/plain"]))
+                rows.append(_target(
+                    "ppbackward B+W <= 2.0x plain (16 layers, d 64)", where, r["ppbackward_bw"], 2.0,
+                    pm["ppbackward_bw/plain"],
+                ))
     for regime in REGIMES:
         for c in report["configs"]:
             t, pm = c["time_ms"][regime], c["paired_ratio_median"][regime]
-            rows.append(_target("ppbackward B+W never slower than upstream B+W", f"{c['label']}, {regime}", t["ppbackward_bw"] / t["upstream_bw"], 1.0, pm["ppbackward_bw/upstream_bw"]))
+            rows.append(_target(
+                "ppbackward B+W never slower than upstream B+W", f"{c['label']}, {regime}",
+                t["ppbackward_bw"] / t["upstream_bw"], 1.0, pm["ppbackward_bw/upstream_bw"],
+            ))
     for c in report["configs"]:
         t = c["loop"]["time_ms"]
-        rows.append(_target("ppbackward microbatch loop never slower than upstream's", c["label"], t["ppbackward"] / t["upstream"], 1.0))
+        rows.append(_target(
+            "ppbackward microbatch loop never slower than upstream's", c["label"], t["ppbackward"] / t["upstream"], 1.0
+        ))
     sched = report.get("schedule")
     if sched and "step_ms" in sched:
         ms, mem = sched["step_ms"], sched["memory"]
         for zb in ZERO_BUBBLE:
             pp, up = f"{zb}/ppbackward", f"{zb}/upstream"
             where = f"{zb}, torchrun {sched['ranks']} ranks"
-            rows.append(_target("zero-bubble step (ppbackward) <= 1.0x Interleaved1F1B step (torch)", where, sched["ratio_to_1f1b"][pp], 1.0))
+            rows.append(_target(
+                "zero-bubble step (ppbackward) <= 1.0x Interleaved1F1B step (torch)", where,
+                sched["ratio_to_1f1b"][pp], 1.0,
+            ))
             rows.append(_target("zero-bubble step: ppbackward <= 0.9x torch's", where, ms[pp] / ms[up], 0.9))
-            rows.append(_target("zero-bubble peak live saved bytes: ppbackward <= torch's", where, mem[pp]["saved_peak_bytes"] / mem[up]["saved_peak_bytes"], 1.0))
+            rows.append(_target(
+                "zero-bubble peak live saved bytes: ppbackward <= torch's", where,
+                mem[pp]["saved_peak_bytes"] / mem[up]["saved_peak_bytes"], 1.0,
+            ))
     for regime in REGIMES:
         for c in report["configs"]:
-            rows.append(_target("full stage_backward within 5% of plain", f"{c['label']}, {regime}", c["ratio_to_plain"][regime]["full"], 1.05, c["paired_ratio_median"][regime]["full/plain"]))
+            rows.append(_target(
+                "full stage_backward within 5% of plain", f"{c['label']}, {regime}",
+                c["ratio_to_plain"][regime]["full"], 1.05, c["paired_ratio_median"][regime]["full/plain"],
+            ))
     for c in report["configs"]:
-        rows.append(_target("bytes held between B and W = bytes W reads (1.00x)", c["label"], c["memory"]["ppbackward"]["held_over_floor"], 1.0))
+        rows.append(_target(
+            "bytes held between B and W = bytes W reads (1.00x)", c["label"],
+            c["memory"]["ppbackward"]["held_over_floor"], 1.0,
+        ))
     for c in report["configs"]:
-        rows.append(_target("with saved-tensor hooks too: held = what W unpacks (1.00x)", c["label"], c["memory"]["ppbackward"]["hooked"]["held_over_floor"], 1.0))
+        rows.append(_target(
+            "with saved-tensor hooks too: held = what W unpacks (1.00x)", c["label"],
+            c["memory"]["ppbackward"]["hooked"]["held_over_floor"], 1.0,
+        ))
     fit = (report.get("analysis_scaling") or {}).get("fit") or {}
     if "per_unit_growth" in fit:
-        rows.append(_target("[bench check] analysis linear: us/(node+edge) largest/smallest <= 1.5", "1..32 layers" if len(report["analysis_scaling"]["points"]) > 3 else "quick", fit["per_unit_growth"], 1.5))
+        sweep = "1..32 layers" if len(report["analysis_scaling"]["points"]) > 3 else "quick"
+        rows.append(_target(
+            "[bench check] analysis linear: us/(node+edge) largest/smallest <= 1.5", sweep,
+            fit["per_unit_growth"], 1.5,
+        ))
     return rows
-
-
-def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
-    """Plain-text table; the first ``left`` columns are left-aligned, the others right-aligned."""
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def _x(v: float) -> str:
     return f"{v:.2f}x"
 
 
-def _mib(nbytes: Optional[int], digits: int = 1) -> str:
+def _mib(nbytes: int | None, digits: int = 1) -> str:
     return "-" if nbytes is None else f"{nbytes / MiB:.{digits}f}"
 
 
@@ -98,12 +118,12 @@ def _memory_table(report: dict[str, Any], pick: Any, total: str) -> str:
             f"{u['held_bytes'] / MiB:.3f}", f"{u['floor_bytes'] / MiB:.3f}", _x(u["held_over_floor"]),
             f"{p['held_bytes'] / MiB:.3f}", f"{p['floor_bytes'] / MiB:.3f}", _x(p["held_over_floor"]),
             f"{u['after_w_bytes']}/{p['after_w_bytes']}",
-        ])  # fmt: skip
-    return _table(
+        ])
+    return format_table(
         ["config", total, "up held", "up floor", "up held/floor", "pp held", "pp floor", "pp held/floor",
          "bytes after W up/pp"],
         rows,
-    )  # fmt: skip
+    )
 
 
 def format_text(report: dict[str, Any]) -> str:
@@ -125,19 +145,20 @@ def format_text(report: dict[str, Any]) -> str:
             rows.append([
                 c["label"], regime, str(c["repeats"]), f"{t['plain']:.2f}",
                 f"{t['upstream_b']:.2f}", f"{t['upstream_w']:.2f}", f"{t['upstream_bw']:.2f}", _x(r["upstream_bw"]),
-                f"{t['ppbackward_b']:.2f}", f"{t['ppbackward_w']:.2f}", f"{t['ppbackward_bw']:.2f}", _x(r["ppbackward_bw"]),
+                f"{t['ppbackward_b']:.2f}", f"{t['ppbackward_w']:.2f}", f"{t['ppbackward_bw']:.2f}",
+                _x(r["ppbackward_bw"]),
                 f"{t['full']:.2f}", _x(r["full"]), f"{t['ppbackward_bw'] / t['upstream_bw']:.2f}",
                 f"{c['param_groups']['upstream']}/{c['param_groups']['ppbackward']}",
                 "yes" if all(c["grads_match"].values()) else "NO",
-            ])  # fmt: skip
+            ])
     parts.append(
         "\nTime: backward only, ms, min of N interleaved repeats; (x) = ratio to plain autograd.backward;"
         " regime first: every .grad None, accumulating: grads kept\n"
-        + _table(
+        + format_table(
             ["config", "regime", "N", "plain", "up B", "up W", "up B+W", "(x)", "pp B", "pp W", "pp B+W", "(x)",
              "pp full", "(x)", "pp/up", "groups up/pp", "exact"],
             rows, left=2,
-        )  # fmt: skip
+        )
     )
     rows = []
     for c in report["configs"]:
@@ -146,25 +167,26 @@ def format_text(report: dict[str, Any]) -> str:
         rows.append([
             c["label"], str(lp["repeats"]), f"{t['plain']:.1f}", f"{t['upstream']:.1f}", _x(r["upstream"]),
             f"{t['ppbackward']:.1f}", _x(r["ppbackward"]), f"{t['ppbackward'] / t['upstream']:.2f}",
-        ])  # fmt: skip
+        ])
     if rows:
         lp = report["configs"][0]["loop"]
         parts.append(
             f"\nMicrobatch loop: one rank's F, B, W of 2 stages (half the layers each) x {lp['microbatches']} "
             "microbatches in ScheduleInterleavedZeroBubble's order, grads accumulating, forwards included; "
             "ms, min of N; plain = full backward at B, nothing at W\n"
-            + _table(["config", "N", "plain", "upstream", "(x)", "ppbackward", "(x)", "pp/up"], rows)
+            + format_table(["config", "N", "plain", "upstream", "(x)", "ppbackward", "(x)", "pp/up"], rows)
         )
     rows = []
     for c in report["configs"]:
         for regime in REGIMES:
             a = c["allocations"][regime]
             rows.append([c["label"], regime] + [
-                f"{a[v]['allocations']} / {a[v]['bytes'] / MiB:.2f}" for v in ("plain", "upstream", "ppbackward", "full")
-            ])  # fmt: skip
+                f"{a[v]['allocations']} / {a[v]['bytes'] / MiB:.2f}"
+                for v in ("plain", "upstream", "ppbackward", "full")
+            ])
     parts.append(
         "\nAllocator: allocations / MiB allocated during one backward (torch.profiler, profile_memory)\n"
-        + _table(["config", "regime", "plain", "upstream B+W", "ppbackward B+W", "ppbackward full"], rows, left=2)
+        + format_table(["config", "regime", "plain", "upstream B+W", "ppbackward B+W", "ppbackward full"], rows, left=2)
     )
     parts.append(
         "\nMemory: saved activations (MiB, unique storages, parameters excluded) alive between B and W;"
@@ -181,11 +203,13 @@ def format_text(report: dict[str, Any]) -> str:
             [str(p["layers"]), str(p["nodes"]), str(p["edges"]), str(p["size"]), f"{p['analyze_us']:.0f}",
              f"{p['us_per_unit']:.3f}", f"{p['upstream_us']:.0f}" if "upstream_us" in p else "-"]
             for p in scaling["points"]
-        ]  # fmt: skip
+        ]
         fit = scaling["fit"]
         parts.append(
             "\nGraph analysis (ppbackward._graph.analyze) vs graph size, d 64 s 16\n"
-            + _table(["layers", "nodes", "edges", "nodes+edges", "analyze us", "us/(node+edge)", "upstream us"], rows)
+            + format_table(
+                ["layers", "nodes", "edges", "nodes+edges", "analyze us", "us/(node+edge)", "upstream us"], rows
+            )
             + (
                 f"\nfit: t = {fit['intercept_us']:.0f} us + {fit['us_per_unit']:.3f} us x (nodes+edges), "
                 f"R^2 = {fit['r2']:.4f}; us/(node+edge) largest/smallest = {fit['per_unit_growth']:.2f}"
@@ -203,17 +227,17 @@ def format_text(report: dict[str, Any]) -> str:
                     impl, phase.upper(), f"{s['engine_calls']:.0f}", str(c["node_calls"]), str(c["matmuls"]),
                     str(c["accumulate_grad"]), f"{s['total_ms']:.2f}", f"{s['engine_ms']:.2f}",
                     f"{s['analysis_ms']:.2f}", f"{s['hooks_ms']:.2f}", f"{s['python_other_ms']:.2f}",
-                ])  # fmt: skip
+                ])
         pl = prof["plain"]
         parts.append(
             f"\nWhere the time goes ({prof['config']}, {prof['params']} parameters; plain backward: 1 engine call, "
             f"{pl['node_calls']} node calls, {pl['matmuls']} matmuls, {pl['accumulate_grad']} AccumulateGrad; "
             "times: cProfile, ms per call, inflated by profiling)\n"
-            + _table(
+            + format_table(
                 ["impl", "phase", "engine calls", "node calls", "matmuls", "AccumulateGrad", "total", "engine",
                  "analysis", "hooks", "python other"],
                 rows, left=2,
-            )  # fmt: skip
+            )
             + "\n"
             + "\n".join(
                 f"{impl}: {prof[impl]['param_groups']} param groups; B+W minus plain: "
@@ -235,32 +259,32 @@ def format_text(report: dict[str, Any]) -> str:
                     schedule, backward, f"{sched['step_ms'][name]:.1f}", _x(sched["ratio_to_1f1b"][name]),
                     f"{sched['step_ms'][name] / sched['step_ms'][other]:.2f}" if backward == "ppbackward" else "",
                     _mib(m["rss_peak_bytes"]), _mib(m["rss_growth_bytes"]), _mib(m["saved_peak_bytes"], 2),
-                ])  # fmt: skip
+                ])
             parts.append(
                 f"\nSchedule step (torchrun {sched['ranks']} ranks gloo, 1 thread each; {sched['stages']} stages x "
                 f"{sched['layers_per_stage']} layers d {sched['d_model']} s {sched['seq']}, {sched['microbatches']} "
                 f"microbatches of {sched['microbatch_size']}, static stage metadata; step ms = slowest rank, min of "
                 f"{sched['repeats']}, variants alternated; memory: max over ranks, MiB; grads match 1F1B/torch: "
                 f"{'yes' if sched['grads_match'] else 'NO'})\n"
-                + _table(
+                + format_table(
                     ["schedule", "backward", "step ms", "vs 1F1B", "pp/up", "peak RSS", "RSS growth", "saved peak"],
                     rows, left=2,
-                )  # fmt: skip
+                )
             )
     rows = [
         [t["status"], t["target"], t["where"], f"{t['value']:.2f}",
          "-" if t.get("median_paired") is None else f"{t['median_paired']:.2f}", f"{t['limit']:.2f}"]
         for t in report["targets"]
-    ]  # fmt: skip
+    ]
     parts.append(
         "\nTargets (docs/performance.md); measured = ratio of minima (decides), median = median of per-repeat ratios\n"
-        + _table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
+        + format_table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
     )
     n_miss = sum(t["status"] == "MISS" for t in report["targets"])
     parts.append(f"{len(report['targets']) - n_miss} PASS, {n_miss} MISS")
     return "\n".join(parts)
 
 
-def summary_line(report: dict[str, Any]) -> Optional[str]:
+def summary_line(report: dict[str, Any]) -> str | None:
     bad = [c["label"] for c in report["configs"] if not all(c["grads_match"].values())]
     return f"gradient mismatch against plain autograd on: {', '.join(bad)}" if bad else None

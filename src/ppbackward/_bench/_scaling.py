@@ -10,6 +10,7 @@ same graphs for contrast.
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from typing import Any
@@ -66,7 +67,7 @@ def measure(depths: tuple[int, ...] = DEPTHS, repeats: int = 15, upstream: bool 
         root_edges = [gradient_edge(out)]
         input_nodes = {gradient_edge(stage.x).node}
         nodes, edges = graph_size([e.node for e in root_edges], input_nodes)
-        t = _min_time(lambda: analyze(root_edges, input_nodes), repeats)
+        t = _min_time(functools.partial(analyze, root_edges, input_nodes), repeats)
         point = {
             "layers": layers,
             "nodes": nodes,
@@ -78,14 +79,18 @@ def measure(depths: tuple[int, ...] = DEPTHS, repeats: int = 15, upstream: bool 
         if upstream:
             weight_nodes = [gradient_edge(p).node for p in stage.params]
 
-            def up() -> None:
-                rev = _upstream.construct_reverse_graph([out.grad_fn])
-                _upstream.get_param_groups(list(input_nodes), weight_nodes, rev)
-
+            up = functools.partial(_upstream_analysis, out.grad_fn, list(input_nodes), weight_nodes)
             point["upstream_us"] = _min_time(up, max(3, repeats // 3)) * 1e6
+            del up
         points.append(point)
         del out, root_edges, input_nodes
     return {"points": points, "fit": _fit(points)}
+
+
+def _upstream_analysis(root: Any, input_nodes: list[Any], weight_nodes: list[Any]) -> None:
+    """torch's B-side analysis of one graph: the reverse graph, then the param groups."""
+    rev = _upstream.construct_reverse_graph([root])
+    _upstream.get_param_groups(input_nodes, weight_nodes, rev)
 
 
 def _fit(points: list[dict[str, Any]]) -> dict[str, float]:

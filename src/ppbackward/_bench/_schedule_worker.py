@@ -27,7 +27,7 @@ every rank by global stage index (the V placement puts on this rank a stage that
 puts on another), and every other variant's gradients are compared with it for every stage it holds;
 the verdict is reduced over ranks. Rank 0 writes the result as JSON to ``--out``; every rank writes
 its pid to ``rank<r>.pid`` next to it, for the launcher to kill it on a timeout (Note [killing a hung
-launch] in ``ppbackward._harness.launch``).
+launch] in ``ppbackward._torchrun``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ import ctypes
 import json
 import os
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ def _stage_ids(placement: str, rank: int, world: int) -> list[int]:
     return [rank, rank + world] if placement == "loop" else [rank, 2 * world - 1 - rank]
 
 
-def _proc_status_kib(field: str) -> Optional[int]:
+def _proc_status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -105,7 +106,7 @@ def _reset_rss_peak() -> bool:
 class _SavedPeak:
     """Forward hooks that track the peak bytes of live saved activations (module docstring)."""
 
-    def __init__(self, modules: list[nn.Module], params: list[torch.Tensor]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], params: Sequence[torch.Tensor]) -> None:
         self.params = params
         self.storages: dict[int, Any] = {}
         self.peak = 0
@@ -126,7 +127,9 @@ class _SavedPeak:
 class _Variant:
     """One schedule over this rank's stages, with the backward it runs under."""
 
-    def __init__(self, schedule: str, stage_ids: list[int], backward: str, modules: dict[int, nn.Module], args) -> None:
+    def __init__(
+        self, schedule: str, stage_ids: list[int], backward: str, modules: Mapping[int, nn.Module], args: Any
+    ) -> None:
         world = dist.get_world_size()
         shape = (args.microbatch_size, args.seq, args.d_model)
         # a receive buffer requires grad only when its example does: every stage input but stage 0's
@@ -137,7 +140,7 @@ class _Variant:
                 output_args=(torch.zeros(shape, requires_grad=True),),
             )
             for i in stage_ids
-        ]  # fmt: skip
+        ]
         self.name = variant_name(schedule, backward)
         self.backward = backward
         self.stage_ids = list(stage_ids)
@@ -158,7 +161,7 @@ class _Variant:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed.item())
 
-    def memory(self, x: torch.Tensor, target: torch.Tensor) -> dict[str, Optional[int]]:
+    def memory(self, x: torch.Tensor, target: torch.Tensor) -> dict[str, int | None]:
         """One untimed step: peak RSS (bytes), its growth over the step's start, peak live saved bytes."""
         tracker = _SavedPeak(self.modules, self.params)
         try:
@@ -189,7 +192,7 @@ def _reference_grads(reference: _Variant) -> dict[int, dict[str, torch.Tensor]]:
     return {i: grads for part in gathered for i, grads in part.items()}
 
 
-def _reduce_max(values: dict[str, Optional[int]]) -> dict[str, Optional[int]]:
+def _reduce_max(values: dict[str, int | None]) -> dict[str, int | None]:
     keys = sorted(values)
     t = torch.tensor([-1 if values[k] is None else values[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=8)
     args = p.parse_args(argv)
     pid_file = Path(args.out).parent / f"rank{os.environ.get('RANK', '0')}.pid"
-    pid_file.write_text(str(os.getpid()))  # Note [killing a hung launch] in ppbackward._harness.launch
+    pid_file.write_text(str(os.getpid()))  # Note [killing a hung launch] in ppbackward._torchrun
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -24,7 +24,7 @@ import gc
 import statistics
 import time
 from collections.abc import Iterator
-from typing import Optional, TypeVar
+from typing import TypeVar
 
 from ppbackward._bench._impls import VARIANTS, run_variant
 from ppbackward._bench._models import Config, Stage, build, reset_grads
@@ -40,7 +40,7 @@ REGIMES = ("first", "accumulating")
 _T = TypeVar("_T")
 
 
-def _fit_repeats(repeats: int, budget_s: Optional[float], per_repeat_s: float) -> int:
+def _fit_repeats(repeats: int, budget_s: float | None, per_repeat_s: float) -> int:
     """N, the repeats to time: ``repeats``, lowered so that N repeats of ``per_repeat_s`` seconds take
     about ``budget_s`` seconds, but never below 3 (nor above ``repeats``); ``repeats`` itself when there
     is no budget (``None``) or ``per_repeat_s`` is not positive."""
@@ -91,7 +91,7 @@ def _one_round(stage: Stage, order: tuple[str, ...], regime: str) -> dict[str, f
 
 
 def time_config(
-    cfg: Config, repeats: int, budget_s: Optional[float] = None, stage: Optional[Stage] = None
+    cfg: Config, repeats: int, budget_s: float | None = None, stage: Stage | None = None
 ) -> tuple[dict[str, dict[str, float]], int, dict[str, dict[str, float]]]:
     """Per regime (Note [regimes]): min-of-N seconds for every key of :data:`KEYS`; the N used; and
     per regime :func:`paired_medians`.

@@ -112,6 +112,14 @@ KINDS: tuple[Kind, ...] = (
         _check("numerics:", wrap="fsdp"),
     ),
     Kind(
+        "fsdp-loss-reshard", "loss reshards FSDP2: norm grad None",
+        "torchtitan's shape: the loss applies lm_head and reshards its FSDP2 unit [norm, lm_head], swapping "
+        "norm.weight for its sharded parameter; torch's B looks the stage's weights up by object, gives the "
+        "final norm no param group, and W never computes its grad (torchtitan with zero bubble: the final "
+        "RMSNorm never trains; ppbackward issue 20)",
+        _check("numerics:", "is None in the pipeline", wrap="fsdp-titan"),
+    ),
+    Kind(
         "grads-missing", "trainable grads None",
         "a stage whose input needs no grad (a frozen prefix, LoRA): torch's B finds no input path, so no "
         "intermediate, and its W computes no weight grad",

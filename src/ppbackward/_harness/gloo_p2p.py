@@ -77,5 +77,5 @@ def apply() -> bool:
         return False
     from torch.distributed.pipelining import schedules
 
-    schedules._batch_p2p = _batch_p2p_keeping_all
+    schedules._batch_p2p = _batch_p2p_keeping_all  # type: ignore[assignment]  # returns one handle, not a list
     return True

@@ -1,8 +1,8 @@
 """Private: start the harness worker under torchrun, bounded in time, and read back per-rank verdicts.
 
 :func:`launch` runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m
-ppbackward._harness.worker ...`` with the *current* interpreter, in its own session
-(``start_new_session=True``), with ``OMP_NUM_THREADS=1``. torchrun's own output goes to
+ppbackward._harness.worker ...`` through ``ppbackward._torchrun`` (the one module that starts torchrun
+processes: the current interpreter, a session of its own, ``OMP_NUM_THREADS=1``). torchrun's own output goes to
 ``<out>/torchrun.log``; every worker writes ``<out>/rank<r>.log``, ``<out>/rank<r>.json`` (its verdict,
 rewritten after every case) and ``<out>/rank<r>.pid``.
 
@@ -12,16 +12,8 @@ The hang clock starts when every rank has written it (all started) and restarts 
 changes; ``timeout`` seconds without such progress is a hang. Until every rank has started, only the
 generous ``startup_timeout`` applies (a backstop for a rendezvous that never completes).
 
-Note [killing a hung launch]: on a hang the launcher first sends ``SIGUSR1`` to every worker, whose
-``faulthandler`` writes the Python stack of every thread into the worker's log from the signal handler
-(it works while the rank is blocked inside a gloo call), and waits until each log holds that dump (or the
-worker is gone; ``_DUMP_GRACE`` seconds at most). torchrun starts every worker in a session of its own,
-so killing torchrun's process group does not reach them. The launcher therefore (1) ``SIGKILL``\\ s each
-worker's process group, found from ``rank<r>.pid`` and checked to be a harness worker, (2) ``SIGTERM``\\ s
-torchrun's group and (3) ``SIGKILL``\\ s it after a grace period (:func:`_stop`; the schedule benchmark,
-``ppbackward._bench._schedule``, stops its launch the same way, with its own worker module). A worker
-that had not yet written its pid file is stopped by torchrun itself, which passes the ``SIGTERM`` on to
-its workers.
+A hung launch is stopped by ``ppbackward._torchrun.stop`` (Note [killing a hung launch] there): every
+worker's stack dumped to its log, then every process of the launch killed.
 
 :class:`LaunchResult` then answers "did every rank report, and did every case pass", and formats what
 went wrong as one block per failing case (each failing rank's failures, traceback and log excerpt),
@@ -33,22 +25,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from ppbackward._torchrun import alive, dump_stacks, start, stop, tail, torchrun_command
 
 __all__ = ["LaunchResult", "alive", "launch"]
 
 WORKER_MODULE = "ppbackward._harness.worker"
 _TAIL = 40  # log lines shown per rank
 _CASE_LOG = 20  # log lines shown per rank for one case
-_GRACE_S = 5.0  # between SIGTERM and SIGKILL of torchrun
-_DUMP_GRACE_S = 30.0  # most a worker gets to write its stack dump (Note [killing a hung launch])
-_DUMP_MARK = "(most recent call first)"  # faulthandler's header line of every thread's stack
 _POLL_S = 0.5
 
 
@@ -56,14 +45,6 @@ def _src_root() -> str:
     import ppbackward
 
     return str(Path(ppbackward.__file__).resolve().parents[1])
-
-
-def _tail(path: Path, lines: int = _TAIL) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return f"<no log at {path}>"
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def _indent(text: str, prefix: str = "    ") -> str:
@@ -95,7 +76,7 @@ class LaunchResult:
         return self.out_dir / f"rank{rank}.log"
 
     def log_tail(self, rank: int, lines: int = _TAIL) -> str:
-        return _tail(self.log_path(rank), lines)
+        return tail(self.log_path(rank), lines)
 
     def case_ids(self) -> list[str]:
         """Case ids in run order, as reported by any rank."""
@@ -178,7 +159,7 @@ class LaunchResult:
         lines.append(f"  command: {' '.join(self.command)}")
         lines.append(f"  output: {self.out_dir}")
         lines.append("  torchrun log tail:")
-        lines.append(_indent(_tail(self.out_dir / "torchrun.log", 15)))
+        lines.append(_indent(tail(self.out_dir / "torchrun.log", 15)))
         for rank in range(self.world_size):
             lines.append(f"  rank {rank} log tail ({self.log_path(rank)}):")
             lines.append(_indent(self.log_tail(rank)))
@@ -245,98 +226,6 @@ class LaunchResult:
 # launching
 
 
-def _is_worker(pid: int, module: str = WORKER_MODULE) -> bool:
-    """Whether process ``pid`` runs ``module`` (in its command line): a pid file's pid not yet reused."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return sys.platform != "linux"  # no /proc: trust the pid file written moments ago
-    return module.encode() in cmdline
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie waiting for its parent."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return sys.platform != "linux"
-
-
-def _worker_pids(out_dir: Path, module: str = WORKER_MODULE) -> dict[int, int]:
-    """``{rank: pid}`` of every worker of ``module`` that wrote ``out_dir/rank<r>.pid`` and is still that worker."""
-    found = {}
-    for pid_file in sorted(out_dir.glob("rank*.pid")):
-        try:
-            rank, pid = int(pid_file.stem[len("rank") :]), int(pid_file.read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if _is_worker(pid, module):
-            found[rank] = pid
-    return found
-
-
-def _dump_stacks(out_dir: Path, grace: float = _DUMP_GRACE_S) -> None:
-    """``SIGUSR1`` every worker and wait until each log holds its stack dump (Note [killing a hung launch])."""
-    pending: dict[int, tuple[int, int]] = {}  # rank -> (pid, log size when the dump was first seen; -1: not yet)
-    for rank, pid in _worker_pids(out_dir).items():
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            continue
-        pending[rank] = (pid, -1)
-    deadline = time.monotonic() + grace
-    while pending and time.monotonic() < deadline:
-        time.sleep(0.1)
-        for rank, (pid, seen_at) in list(pending.items()):
-            log = out_dir / f"rank{rank}.log"
-            try:
-                size = log.stat().st_size
-                text = log.read_text(errors="replace") if seen_at < 0 else ""
-            except OSError:
-                size, text = -1, ""
-            if not alive(pid) or (seen_at >= 0 and size == seen_at):
-                del pending[rank]  # gone, or its dump is complete (the log stopped growing)
-            elif seen_at >= 0 or _DUMP_MARK in text:
-                pending[rank] = (pid, size)
-
-
-def _kill_workers(out_dir: Path, module: str = WORKER_MODULE) -> None:
-    """SIGKILL the session of every worker of ``module`` that wrote a pid file (Note [killing a hung launch])."""
-    for pid in _worker_pids(out_dir, module).values():
-        try:
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, signal.SIGKILL)
-            else:
-                os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _stop(proc: subprocess.Popen[Any], out_dir: Path, module: str = WORKER_MODULE) -> None:
-    """Kill torchrun ``proc`` (started in a session of its own) and every worker of ``module`` that wrote
-    ``out_dir/rank<r>.pid``; returns once ``proc`` exited, or after ``2 * _GRACE_S`` seconds at most
-    (Note [killing a hung launch])."""
-    _kill_workers(out_dir, module)
-    for sig, wait in ((signal.SIGTERM, _GRACE_S), (signal.SIGKILL, _GRACE_S)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    _kill_workers(out_dir, module)  # a worker started while torchrun was being stopped
-
-
 def _read_verdict(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
@@ -344,26 +233,81 @@ def _read_verdict(path: Path) -> dict[str, Any] | None:
         return None
 
 
-class _CaseReporter:
-    """Calls ``on_case`` with each case record rank 0 adds to its verdict file, once, in order."""
+#: ``on_case(case_id, {rank: record})``: a case every rank has reported, with every rank's record.
+OnCase = Callable[[str, dict[int, dict[str, Any]]], None]
+QUIET_S = 10.0  # seconds without a finished case before ``on_wait`` says what is running
 
-    def __init__(self, path: Path, on_case: Callable[[dict[str, Any]], None] | None) -> None:
-        self.path = path
-        self.on_case = on_case
+
+class _CaseReporter:
+    """Progress of a launch, for a command line (Note [progress says what runs]).
+
+    Calls ``on_case`` once per case, in rank 0's order, as soon as every rank has written its record of
+    that case (so that the status is the case's over all ranks, as its table row will be), and
+    ``on_wait`` with what is running whenever ``quiet_s`` seconds (of ``clock``) pass without one.
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        nproc: int,
+        on_case: OnCase | None,
+        on_wait: Callable[[str], None] | None = None,
+        quiet_s: float = QUIET_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.out_dir, self.nproc = out_dir, nproc
+        self.on_case, self.on_wait = on_case, on_wait
+        self.quiet_s, self.clock = quiet_s, clock
         self.reported = 0
+        self.quiet_since = clock()
 
     def poll(self) -> None:
-        if self.on_case is None:
-            return
-        cases = (_read_verdict(self.path) or {}).get("cases", [])
-        for record in cases[self.reported :]:
-            self.on_case(record)
-        self.reported = max(self.reported, len(cases))
+        if self.on_case is not None:
+            self._report_cases(self.on_case)
+        if self.on_wait is not None and self.clock() - self.quiet_since >= self.quiet_s:
+            self.on_wait(self.running())
+            self.quiet_since = self.clock()
+
+    def _report_cases(self, on_case: OnCase) -> None:
+        verdicts = {r: _read_verdict(self.out_dir / f"rank{r}.json") or {} for r in range(self.nproc)}
+        by_rank = {r: {c["id"]: c for c in v.get("cases", [])} for r, v in verdicts.items()}
+        order = [c["id"] for c in verdicts[0].get("cases", [])]
+        for case_id in order[self.reported :]:
+            if not all(case_id in cases for cases in by_rank.values()):
+                break  # a rank is still on it: report in order, once every rank has
+            on_case(case_id, {r: cases[case_id] for r, cases in by_rank.items()})
+            self.reported += 1
+            self.quiet_since = self.clock()
+
+    def running(self) -> str:
+        """``running ScheduleGPipe/mlp (rank 0's log), 2/2 ranks started`` or ``starting: ...``."""
+        started = sum((self.out_dir / f"rank{r}.json").exists() for r in range(self.nproc))
+        if started < self.nproc:
+            return f"starting: {started}/{self.nproc} ranks have joined the process group"
+        current = _current_case(self.out_dir / "rank0.log")
+        if current is None:
+            return f"all {self.nproc} ranks started; building the first case"
+        return f"still running {current} (rank 0's log; {self.reported} case(s) done)"
+
+
+# Note [progress says what runs]: a launch prints nothing between two finished cases, and starting torchrun
+# on a busy machine or one slow case (a compiled model, a long schedule) can take tens of seconds. The
+# reporter therefore says, every QUIET_S seconds without a finished case, what the launch is doing: ranks
+# still joining, or the case rank 0's log names last (each worker logs ``>>> <case id>`` as a case starts).
+
+
+def _current_case(log: Path) -> str | None:
+    """The case id of the last ``>>> <case id>`` line of a worker's log, ``None`` before the first."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.split(">>> ", 1)[1] for line in reversed(lines) if ">>> " in line), None)
 
 
 def _progress_marks(out_dir: Path, nproc: int) -> tuple[tuple[int, int] | None, ...]:
     """``(mtime_ns, size)`` of every rank's verdict file, ``None`` where it does not exist yet."""
-    marks = []
+    marks: list[tuple[int, int] | None] = []
     for rank in range(nproc):
         try:
             st = (out_dir / f"rank{rank}.json").stat()
@@ -413,8 +357,11 @@ def launch(
     out_dir: str | os.PathLike[str],
     timeout: float,
     env: dict[str, str] | None = None,
-    on_case: Callable[[dict[str, Any]], None] | None = None,
+    on_case: OnCase | None = None,
     startup_timeout: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
+    module: str = WORKER_MODULE,
+    python: str | None = None,
 ) -> LaunchResult:
     """Run the harness worker on ``nproc`` ranks; a hang is stopped in bounded time (Note [hang clock]).
 
@@ -427,10 +374,19 @@ def launch(
             every rank's stack is dumped and every process of the launch killed (Note [killing a hung
             launch]). It does not count the time the machine takes to start the ranks.
         env: extra environment variables for torchrun and the workers.
-        on_case: called in this process with rank 0's record of each case as soon as rank 0 finished
-            it (polled from ``rank0.json`` twice a second): progress for a command line.
+        on_case: called in this process as ``on_case(case_id, {rank: record})`` for each case, in rank
+            0's order, as soon as every rank has finished it (polled from the verdict files twice a
+            second): progress for a command line.
         startup_timeout: seconds for every rank to start (write its first verdict) before the launch is
             killed; default ``max(300, timeout)``: a backstop, never reached on a healthy machine.
+        on_wait: called with one line saying what is running whenever ``QUIET_S`` seconds pass without
+            a finished case (Note [progress says what runs]).
+        module: the worker module torchrun starts (default the harness worker). Another module must keep
+            the harness worker's protocol: take ``--out DIR --launched-at T`` first, write
+            ``rank<r>.pid``, ``rank<r>.json`` (``{"cases": [...], "complete", "fatal"}``) once started and
+            after every case, and dump its stacks on ``SIGUSR1`` (the torchtitan test's worker does).
+        python: the interpreter that runs torchrun and the workers (default: this one); ppbackward comes
+            from this checkout through ``PYTHONPATH`` either way.
 
     Returns:
         A :class:`LaunchResult`; it raises nothing for a failed, crashed or hung launch.
@@ -440,50 +396,32 @@ def launch(
     for old in [*out.glob("rank*.*"), out / "torchrun.log"]:
         old.unlink(missing_ok=True)
     startup = max(300.0, timeout) if startup_timeout is None else startup_timeout
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "--max-restarts=0",
-        "-m",
-        WORKER_MODULE,
-        "--out",
-        str(out),
-        "--launched-at",
-        f"{time.time():.3f}",
-        *worker_args,
-    ]
-    full_env = dict(os.environ)
-    full_env.update(
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(p for p in (_src_root(), full_env.get("PYTHONPATH", "")) if p),
+    command = torchrun_command(
+        nproc, module, ["--out", str(out), "--launched-at", f"{time.time():.3f}", *worker_args], python=python
     )
-    full_env.update(env or {})
+    full_env = {
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (_src_root(), os.environ.get("PYTHONPATH", "")) if p),
+        **(env or {}),
+    }
     t0 = time.monotonic()
     progress: list[str] = []
 
-    def seen(record: dict[str, Any]) -> None:
-        progress.append(record["id"])
-        on_case(record)  # type: ignore[misc]
+    def seen(case_id: str, per_rank: dict[int, dict[str, Any]]) -> None:
+        progress.append(case_id)
+        on_case(case_id, per_rank)  # type: ignore[misc]
 
-    reporter = _CaseReporter(out / "rank0.json", None if on_case is None else seen)
-    with open(out / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-            start_new_session=True,
-        )
-        try:
-            hang = _wait(proc, out, nproc, timeout, startup, reporter)
-            if hang is not None:
-                _dump_stacks(out)
-                _stop(proc, out)
-        except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
-            _dump_stacks(out, grace=2.0)
-            _stop(proc, out)
-            raise
+    reporter = _CaseReporter(out, nproc, None if on_case is None else seen, on_wait)
+    proc = start(command, out / "torchrun.log", full_env)
+    try:
+        hang = _wait(proc, out, nproc, timeout, startup, reporter)
+        if hang is not None:
+            dump_stacks(out, module)
+            stop(proc, out, module)
+    except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
+        dump_stacks(out, module, grace=2.0)
+        stop(proc, out, module)
+        raise
     return LaunchResult(
         command=command,
         out_dir=out,

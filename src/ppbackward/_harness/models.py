@@ -35,7 +35,15 @@ The training-setup models (:data:`TRAINING_MODELS`; issue 12):
   metadata: torch's shape inference runs one backward of every stage on the first step, which the
   counter would see too.
 
-The loss is sum-reduced (:func:`sum_squared_error`, scaled for ``bf16``) and schedules run with
+torchtitan's shape (:data:`TITAN_MODELS`; issue 20, Note [torchtitan's final norm]):
+
+* ``titan`` — llama-style blocks (RMSNorm, SwiGLU MLP); the last stage ends in a final RMSNorm and holds
+  ``lm_head``, which the loss applies (:func:`chunked_loss`: per-chunk ``backward()`` on detached hidden
+  states, tied back by a custom autograd Function). With the ``fsdp-titan`` wrap it is sharded as
+  torchtitan shards it, and the loss reshards ``[norm, lm_head]``.
+* ``titan-sac`` — the same with torchtitan's default per-block selective activation checkpointing.
+
+The loss is sum-reduced (:func:`sum_squared_error`, scaled for ``bf16``; titan's cross-entropy) and schedules run with
 ``scale_grads=False``, so the reference's grads are the plain sum of the microbatches' grads.
 """
 
@@ -44,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +63,7 @@ from torch.utils.checkpoint import checkpoint
 __all__ = [
     "CORE_MODELS",
     "MODELS",
+    "TITAN_MODELS",
     "TRAINING_MODELS",
     "AttentionMask",
     "Batch",
@@ -228,13 +237,13 @@ class _CountedScale(torch.autograd.Function):
     ``main_grad``): it must run once per microbatch, whatever the backward is split into."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor, calls: list) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, calls: list) -> torch.Tensor:
         ctx.save_for_backward(h, w)
         ctx.calls = calls
         return h * w
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         h, w = ctx.saved_tensors
         ctx.calls[0] += 1
         return grad * w, (grad * h).sum(0), None
@@ -295,7 +304,7 @@ class SACStage(nn.Module):
 
 
 def _side_effects_recompute(
-    stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int, shards: int
+    stages: Mapping[int, Any], reference: Sequence[Any], n_microbatches: int, shards: int
 ) -> list[str]:
     """Failures: a stage that recomputed its checkpointed region more often than a full backward of the
     same microbatches (the reference's count per shard: a rank runs one shard, the reference every one of
@@ -319,7 +328,7 @@ def _compile_blocks(module: nn.Module) -> nn.Module:
     """Compile the block's ``forward`` in place (an instance attribute: no ``OptimizedModule`` child,
     which the zero-bubble schedules refuse; ``nn.Module.compile`` does not compile here on torch 2.13)."""
     if isinstance(module, CompiledStage):
-        module.block.forward = torch.compile(module.block.forward, backend=COMPILE_BACKEND)
+        module.block.forward = torch.compile(module.block.forward, backend=COMPILE_BACKEND)  # type: ignore[method-assign]
     return module
 
 
@@ -329,7 +338,7 @@ def scaled_sum_squared_error(output: torch.Tensor, target: torch.Tensor) -> torc
 
 
 def _side_effects_custom_fn(
-    stages: dict[int, nn.Module], reference: Sequence[nn.Module], n_microbatches: int, shards: int
+    stages: Mapping[int, Any], reference: Sequence[Any], n_microbatches: int, shards: int
 ) -> list[str]:
     """Failures: a stage whose custom Function's backward did not run exactly once per microbatch."""
     failures = []
@@ -342,6 +351,135 @@ def _side_effects_custom_fn(
             )
         module.backward_calls[0] = 0
     return failures
+
+
+# ----------------------------------------------------------------------------------------------------
+# torchtitan's shape (issue 20): Note [torchtitan's final norm]
+#
+# Note [torchtitan's final norm]: torchtitan (0.3.0, llama3) runs its last pipeline stage without the
+# output projection: the stage ends in the final RMSNorm and returns the hidden states, and the loss
+# (``ChunkedLossWrapper``) applies ``lm_head`` itself, chunk by chunk on detached copies of them, each chunk
+# with its own ``backward()`` (lm_head's grads accumulate during the loss, in F), then returns a loss tied
+# to the hidden states by a custom autograd Function whose backward returns the chunks' gradient.
+# torchtitan also always applies FSDP2 (a mesh of size 1 without data parallelism), with
+# ``fully_shard([norm, lm_head])`` as one unit and ``reshard_after_forward=False`` under pipelining, and
+# the loss calls ``lm_head.reshard()`` when it is done. That reshards the whole unit: ``norm.weight``, the
+# module attribute, goes back from the unsharded parameter the forward used to the sharded DTensor. Torch's
+# zero-bubble B then looks the stage's weights up by object (``submod.parameters()``, in
+# ``stage_backward_input``): the sharded ``norm.weight``'s AccumulateGrad is not in the graph, so the norm
+# gets no param group, B (``autograd.grad`` on the inputs) accumulates nothing and W, which runs param
+# groups only, never computes its grad: ``norm.weight.grad`` stays None, silently. The ``titan`` model
+# rebuilds that shape; the ``fsdp-titan`` wrap (``ppbackward._harness.parallel``) is torchtitan's FSDP2 layout.
+
+NUM_CHUNKS = 2  # the loss's sequence chunks (SEQ must be a multiple)
+
+
+class _HiddenGradBridge(torch.autograd.Function):
+    """``loss`` (detached) tied to ``hidden``: the backward hands ``hidden`` the gradient the loss's chunks
+    computed (times the loss's incoming gradient), like torchtitan's ``_DecoderOutputGradientBackProp``."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, hidden_grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden_grad)
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (hidden_grad,) = ctx.saved_tensors
+        return hidden_grad * grad, None, None
+
+
+def _fsdp_module(module: nn.Module) -> Any:
+    """``module`` if FSDP2 wraps it (``fully_shard``), else ``None``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2's public name
+        return None
+    return module if isinstance(module, FSDPModule) else None
+
+
+def chunked_loss(lm_head: nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """torchtitan's chunked loss, for hidden states ``(batch, SEQ, D)`` and soft targets ``(batch, SEQ,
+    VOCAB)`` (the harness draws float targets; their softmax over the vocabulary is the target
+    distribution): sum-reduced cross-entropy of ``lm_head(hidden)``, computed in ``NUM_CHUNKS`` sequence
+    chunks, each on a detached copy with its own ``backward()``; returns a scalar tied to ``hidden`` by
+    :class:`_HiddenGradBridge`. Under FSDP2 it keeps ``lm_head``'s unit unsharded across the chunks and
+    reshards it at the end, as torchtitan does (Note [torchtitan's final norm])."""
+    fsdp = _fsdp_module(lm_head)
+    if fsdp is not None:
+        fsdp.set_reshard_after_forward(False)
+        fsdp.set_reshard_after_backward(False)
+        fsdp.unshard()
+    chunks = [c.detach().requires_grad_(hidden.requires_grad) for c in hidden.chunk(NUM_CHUNKS, dim=1)]
+    grads: list[torch.Tensor] = []
+    total = hidden.new_zeros(())
+    for chunk, want in zip(chunks, target.chunk(NUM_CHUNKS, dim=1)):
+        logits = lm_head(chunk)
+        loss = F.cross_entropy(logits.flatten(0, 1), want.flatten(0, 1).softmax(-1), reduction="sum")
+        total = total + loss.detach()
+        if hidden.requires_grad:
+            loss.backward()
+            assert chunk.grad is not None  # a leaf of this backward
+            grads.append(chunk.grad)
+    if fsdp is not None:
+        fsdp.set_reshard_after_forward(True)
+        fsdp.set_reshard_after_backward(True)
+        fsdp.reshard()
+    if not hidden.requires_grad:
+        return total
+    return _HiddenGradBridge.apply(hidden, torch.cat(grads, dim=1), total)
+
+
+class TitanStage(nn.Module):
+    """A llama-style block (RMSNorm, SwiGLU MLP, residual); stage 0 embeds integer tokens; the last stage
+    ends in the final RMSNorm ``norm`` and holds ``lm_head``, which its forward does not apply (the loss
+    does: :func:`chunked_loss`). With ``sac`` the block runs under selective activation checkpointing
+    (torchtitan's default, saving the matmuls). Note [torchtitan's final norm]."""
+
+    def __init__(self, first: bool, last: bool, sac: bool) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, D) if first else None
+        self.block_norm = nn.RMSNorm(D)
+        self.w1 = nn.Linear(D, 2 * D, bias=False)
+        self.w3 = nn.Linear(D, 2 * D, bias=False)
+        self.w2 = nn.Linear(2 * D, D, bias=False)
+        self.norm = nn.RMSNorm(D) if last else None
+        self.lm_head = nn.Linear(D, VOCAB, bias=False) if last else None
+        self.sac = sac
+
+    def _block(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.block_norm(h)
+        return h + self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def fsdp_units(self) -> list[Any]:
+        """torchtitan's FSDP2 units of this stage: the embedding, the block, ``[norm, lm_head]``."""
+        units: list[Any] = [self.tok_embeddings] if self.tok_embeddings is not None else []
+        units.append([self.block_norm, self.w1, self.w3, self.w2])
+        if self.norm is not None and self.lm_head is not None:
+            units.append([self.norm, self.lm_head])
+        return units
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        if self.sac:
+            h = checkpoint(self._block, h, use_reentrant=False, context_fn=_sac_policy("matmuls"))
+        else:
+            h = self._block(h)
+        return self.norm(h) if self.norm is not None else h
+
+
+def _titan_accumulations(name: str) -> int:
+    """``lm_head`` accumulates once per loss chunk (its own backwards, in the loss); the rest once."""
+    return NUM_CHUNKS if name.endswith(".lm_head.weight") else 1
+
+
+def _titan_loss(last_stage: nn.Module) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The loss bound to the last stage's ``lm_head`` (:func:`chunked_loss`)."""
+    lm_head = last_stage.lm_head
+    if not isinstance(lm_head, nn.Module):
+        raise TypeError(f"the titan loss needs the last stage's lm_head module, got {type(lm_head).__name__}")
+    return functools.partial(chunked_loss, lm_head)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -381,6 +519,10 @@ class ModelSpec:
         metadata: ``"static"`` where the model needs static stage metadata (unless asked otherwise).
         warmup_steps: unmeasured steps before the measured ones (the first call of a compiled region
             compiles it, which leaves cyclic garbage of its own).
+        loss_for: ``last stage module -> loss`` for a loss that uses the last stage's modules (torchtitan's
+            ``lm_head`` applied in the loss: ``titan``); see :meth:`loss_of`.
+        accumulations: ``parameter name ("stage{i}.{name}") -> AccumulateGrad calls per microbatch`` (1;
+            titan's ``lm_head`` accumulates once per loss chunk, in the loss's own backwards).
     """
 
     name: str
@@ -396,6 +538,15 @@ class ModelSpec:
     side_effects: Callable[[dict[int, nn.Module], Sequence[nn.Module], int, int], list[str]] = _no_side_effects
     metadata: str | None = None
     warmup_steps: int = 0
+    loss_for: Callable[[nn.Module], Callable[[Any, torch.Tensor], torch.Tensor]] | None = None
+    accumulations: Callable[[str], int] = lambda name: 1
+
+    def loss_of(self, last_stage: nn.Module | None) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+        """The loss for a pipeline whose last stage module is ``last_stage`` (``None`` on a rank without
+        it): :attr:`loss_fn`, or :attr:`loss_for` bound to the module where the model's loss uses it."""
+        if self.loss_for is None or last_stage is None:
+            return self.loss_fn
+        return self.loss_for(last_stage)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -467,6 +618,28 @@ MODELS: dict[str, ModelSpec] = {
             side_effects=_side_effects_recompute,
             metadata="static",  # as for custom-fn: shape inference would recompute once more
         ),
+        ModelSpec(
+            name="titan",
+            features="torchtitan's shape: final RMSNorm, lm_head applied in a chunked loss with its own "
+            "backward, tied back by a custom autograd.Function (with the fsdp-titan wrap: FSDP2 units as "
+            "torchtitan's, the loss resharding [norm, lm_head])",
+            build_stage=lambda i, n: TitanStage(first=i == 0, last=i == n - 1, sac=False),
+            make_args=lambda b, g: (torch.randint(0, VOCAB, (b, SEQ), generator=g),),
+            target_shape=lambda b: (b, SEQ, VOCAB),
+            loss_for=_titan_loss,
+            accumulations=_titan_accumulations,
+            metadata="static",  # the loss runs its own backward; shape inference needs none of it
+        ),
+        ModelSpec(
+            name="titan-sac",
+            features="titan with torchtitan's default per-block selective activation checkpointing",
+            build_stage=lambda i, n: TitanStage(first=i == 0, last=i == n - 1, sac=True),
+            make_args=lambda b, g: (torch.randint(0, VOCAB, (b, SEQ), generator=g),),
+            target_shape=lambda b: (b, SEQ, VOCAB),
+            loss_for=_titan_loss,
+            accumulations=_titan_accumulations,
+            metadata="static",
+        ),
     )
 }
 
@@ -474,6 +647,8 @@ MODELS: dict[str, ModelSpec] = {
 CORE_MODELS = ("mlp", "transformer", "tuple", "ckpt")
 #: The training-setup models (issue 12).
 TRAINING_MODELS = ("lora", "lora-last", "compiled", "bf16", "custom-fn", "sac")
+#: torchtitan's shape (issue 20): Note [torchtitan's final norm].
+TITAN_MODELS = ("titan", "titan-sac")
 
 
 def model_names(text: str) -> list[str]:
@@ -567,7 +742,7 @@ def mean_reference(
         return results[0]
     grads: dict[str, torch.Tensor | None] = {}
     for name, first in results[0].grads.items():
-        grads[name] = None if first is None else sum(r.grads[name] for r in results) / len(results)  # type: ignore[misc]
+        grads[name] = None if first is None else sum(r.grads[name] for r in results) / len(results)  # type: ignore[misc, assignment]
     return ReferenceResult(losses=results[own].losses, grads=grads, shards=len(results))
 
 

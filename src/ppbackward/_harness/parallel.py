@@ -22,6 +22,7 @@ dp replicas hold identical gradients (:func:`replica_failures`): a backward that
 from __future__ import annotations
 
 import dataclasses
+import functools
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch import nn
 
 __all__ = [
     "WRAPS",
+    "WRAPS_WITHOUT_DP",
     "Groups",
     "Layout",
     "batch_seed",
@@ -42,8 +44,11 @@ __all__ = [
 ]
 
 #: ``none``: plain stage modules; ``ddp``: ``DistributedDataParallel(process_group=dp group)``; ``fsdp``:
-#: ``fully_shard(mesh=dp mesh)``; ``fsdp-keep``: the same with ``reshard_after_forward=False``.
-WRAPS = ("none", "ddp", "fsdp", "fsdp-keep")
+#: ``fully_shard(mesh=dp mesh)``; ``fsdp-keep``: the same with ``reshard_after_forward=False``;
+#: ``fsdp-titan``: torchtitan's FSDP2 layout (:func:`_shard_like_torchtitan`), also without data parallelism.
+WRAPS = ("none", "ddp", "fsdp", "fsdp-keep", "fsdp-titan")
+#: The wraps that run without data parallelism too (``--dp 1``).
+WRAPS_WITHOUT_DP = ("none", "fsdp-titan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +118,10 @@ def wrap(module: nn.Module, kind: str, groups: Groups) -> nn.Module:
     """
     if kind == "none" or not any(p.requires_grad for p in module.parameters()):
         return module
+    if kind == "fsdp-titan":
+        device_type = next(module.parameters()).device.type
+        _shard_like_torchtitan(module, groups.mesh["dp"] if groups.mesh is not None else _single_rank_mesh(device_type))
+        return module
     if groups.dp is None:
         raise ValueError(f"--wraps {kind} needs --dp 2 or more")
     if kind == "ddp":
@@ -125,6 +134,30 @@ def wrap(module: nn.Module, kind: str, groups: Groups) -> nn.Module:
         fully_shard(module, mesh=groups.mesh["dp"], reshard_after_forward=kind == "fsdp")
         return module
     raise ValueError(f"unknown wrap {kind!r}; known: {', '.join(WRAPS)}")
+
+
+def _shard_like_torchtitan(module: nn.Module, mesh: Any) -> None:
+    """``fully_shard`` as torchtitan's ``apply_fsdp_to_decoder`` does under pipelining: one unit per entry
+    of ``module.fsdp_units()`` (a module or a list of modules sharded together; the whole module where it
+    has no such method), then the stage module itself, all with ``reshard_after_forward=False`` (its
+    pipeline default; Note [torchtitan's final norm] in ``ppbackward._harness.models``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fsdp_units = getattr(module, "fsdp_units", None)
+    units = fsdp_units() if callable(fsdp_units) else []
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _single_rank_mesh(device_type: str) -> Any:
+    """A 1-D mesh of this rank alone (FSDP2 without data parallelism, as torchtitan runs pipelining alone),
+    made once per launch (Note [dp x pp layout]); collective: every rank makes its own, together."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group, _ = dist.new_subgroups(group_size=1)
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
 
 
 def full_grads(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor | None]]:

@@ -57,12 +57,12 @@ from ppbackward.leaks import check_tensor_leaks, track_activations
 
 __all__ = [
     "KEPT_BY_DESIGN",
-    "recv_buffers_kept_by_stage",
     "ActivationProbe",
     "GarbageResult",
     "HookCounter",
     "garbage_probe",
     "outputs_kept_on_every_stage",
+    "recv_buffers_kept_by_stage",
     "schedule_caches",
     "stage_caches",
 ]
@@ -221,7 +221,7 @@ def count_tensors(obj: Any, depth: int = 6) -> int:
     return 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def outputs_kept_on_every_stage() -> bool:
     """Whether the installed ``forward_one_chunk`` appends to ``output_chunks`` on every stage (torch 2.5).
 
@@ -239,7 +239,7 @@ def outputs_kept_on_every_stage() -> bool:
     return "output_chunks.append" in source and guarded is None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recv_buffers_kept_by_stage() -> bool:
     """Whether the installed ``PipelineStage`` keeps its receive buffers after a step (Note [kept by
     design]): up to torch 2.14 it does; 2.15's ``_RecvInfo`` hands its buffer over (``take_buffer``)."""
@@ -257,9 +257,10 @@ _CACHES = (*_FORWARD_CACHES, "bwd_cache", "backward_state", "dw_runner", "output
 def stage_caches(stage: Any, n_microbatches: int) -> tuple[dict[str, Any], list[str]]:
     """Entries and tensors in the stage's per-microbatch caches after a step, and the failures.
 
-    Expected (Note [kept caches]): ``fwd_cache`` (``_forward_chunk_states``) and ``backward_state`` empty; ``bwd_cache`` empty but on
-    stage 0, where its entries hold no tensor; ``dw_runner`` only tensor-free placeholders;
-    ``output_chunks`` ``n_microbatches`` entries on the last stage, none elsewhere.
+    Expected (Note [kept caches]): ``fwd_cache`` (``_forward_chunk_states``) and ``backward_state``
+    empty; ``bwd_cache`` empty but on stage 0, where its entries hold no tensor; ``dw_runner`` only
+    tensor-free placeholders; ``output_chunks`` ``n_microbatches`` entries on the last stage, none
+    elsewhere.
     """
     found: dict[str, Any] = {}
     failures: list[str] = []

@@ -6,7 +6,7 @@ over every schedule of the installed torch. :data:`DEFAULT` is what ``ppbackward
 ``--scenario``: on torch 2.13 it shows, side by side with torch's own backward, a shared parameter
 crashing torch's W (``transformer``), the frozen-prefix grads torch leaves ``None`` (``lora``), the DDP
 replicas it leaves apart (``ddp``) and selective activation checkpointing it refuses (``ac``), in about
-two minutes on 2 CPU cores; the bytes held between B and W are measured in process (``ppbackward._check``).
+two minutes on 2 CPU cores; the bytes held between B and W are measured in process (``ppbackward._cli.check``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ SCENARIOS: dict[str, Scenario] = {
             "transformer", "transformer blocks: a parameter used by two ops, a frozen weight, a non-tensor kwarg",
             2, ("transformer",),
         ),
-        Scenario("lora", "frozen prefix + LoRA adapters on later stages, and on the last stage only", 2, ("lora", "lora-last")),
+        Scenario(
+            "lora", "frozen prefix + LoRA adapters on later stages, and on the last stage only", 2,
+            ("lora", "lora-last"),
+        ),
         Scenario("ddp", "pipeline x DDP on a 2-D mesh, one data shard per dp rank", 4, ("mlp",), dp=2, wraps=("ddp",)),
         Scenario(
             "fsdp", "pipeline x FSDP2 (fully_shard) on a 2-D mesh, with and without reshard_after_forward",
@@ -56,6 +59,11 @@ SCENARIOS: dict[str, Scenario] = {
             "ac", "activation checkpointing: selective (several policies, nested) and plain, recomputations counted",
             2, ("sac", "ckpt"),
         ),
+        Scenario(
+            "titan", "torchtitan's shape: final RMSNorm, lm_head in a chunked loss, FSDP2 units as torchtitan's "
+            "(mesh of 1), with and without per-block selective checkpointing",
+            2, ("titan", "titan-sac"), wraps=("fsdp-titan",),
+        ),
         Scenario("compiled", "a torch.compile'd block (aot_eager) inside every stage", 2, ("compiled",)),
         Scenario("bf16", "bfloat16 autocast stages with a scaled loss", 2, ("bf16",)),
         Scenario("custom-fn", "a custom autograd.Function whose backward has a side effect", 2, ("custom-fn",)),
@@ -63,7 +71,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("tuple", "tuple boundaries, one a view from a multi-output node", 2, ("tuple",)),
         Scenario("ckpt", "non-reentrant activation checkpointing inside every stage", 2, ("ckpt",)),
     )
-}  # fmt: skip
+}
 
 #: What ``ppbackward check`` runs by default.
 DEFAULT: tuple[str, ...] = ("transformer", "lora", "ddp", "ac")

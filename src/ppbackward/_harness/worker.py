@@ -16,7 +16,8 @@ Per rank and per step of every case it records (numbers in ``<out>/rank<r>.json`
 4. **numerics** — each microbatch's loss and every local parameter's grad against a single-process
    reference of the same stack on the same microbatches (sum-reduced loss, ``scale_grads=False``),
    within ``|x - ref| <= ATOL + RTOL * |ref|`` elementwise (float32);
-5. **hooks** — ``register_post_accumulate_grad_hook`` calls: once per trainable parameter per microbatch.
+5. **hooks** — ``register_post_accumulate_grad_hook`` calls: once per trainable parameter per microbatch
+   (``ModelSpec.accumulations`` times for a parameter the model accumulates into more often: titan's ``lm_head``).
 
 ``--backward`` selects the stage backward: ``upstream`` (torch's own), ``ppbackward``
 (``ppbackward.install()``), or ``leaky:<module or path.py>`` (a test-only module whose ``install()``
@@ -65,10 +66,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ppbackward._harness import gloo_p2p
+from ppbackward._compat import torch_release
+from ppbackward._harness import gloo_p2p, parallel, probes
 from ppbackward._harness import models as zoo
-from ppbackward._harness import parallel, probes
 from ppbackward._harness import schedules as sched
+from ppbackward._install import NAMES
 
 __all__ = ["ATOL", "RTOL", "main"]
 
@@ -78,7 +80,6 @@ ATOL = 1e-6
 #: 2.6-3.1 s):
 #: Note [timeouts scale with start-up].
 REFERENCE_STARTUP_S = 3.0
-_NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 SCHEMA = 1
 
 
@@ -110,18 +111,18 @@ def select_backward(mode: str) -> dict[str, str]:
     elif mode == "ppbackward":
         import ppbackward
 
-        from ppbackward.install import active_adapter
-
         ppbackward.install()
-        adapter = active_adapter()
-        for name in _NAMES:
+        adapter = ppbackward.active_adapter()
+        if adapter is None:
+            raise RuntimeError("ppbackward.install() returned but reports no active adapter")
+        for name in NAMES:
             if getattr(stage_mod, name) is not adapter.functions[name]:
                 raise RuntimeError(f"ppbackward.install() did not replace pipelining.stage.{name}")
     elif mode.startswith("leaky:"):
         _load_module(mode[len("leaky:") :]).install()
     else:
         raise ValueError(f"unknown --backward {mode!r}: expected upstream, ppbackward or leaky:<module>")
-    found = {name: getattr(stage_mod, name) for name in _NAMES}
+    found = {name: getattr(stage_mod, name) for name in NAMES}
     return {name: f"{fn.__module__}.{fn.__qualname__}" for name, fn in found.items()}
 
 
@@ -283,17 +284,18 @@ def run_step(schedule: Any, ctx: StepContext, batch_box: list[zoo.Batch], ref: z
         failures += bad
     failures += ctx.spec.side_effects(ctx.modules, ctx.reference, n_microbatches, ref.shards)
     hooks = ctx.hooks
-    wrong = {n: c for n, c in hooks.calls.items() if c != n_microbatches}
+    want = {n: n_microbatches * ctx.spec.accumulations(n) for n in hooks.calls}
+    wrong = {n: c for n, c in hooks.calls.items() if c != want[n]}
     hook_record = {
         "fired": sum(hooks.calls.values()),
-        "expected": n_microbatches * len(hooks.calls),
+        "expected": sum(want.values()),
         "params_wrong": len(wrong),
     }
     if wrong:
         name, calls = next(iter(wrong.items()))
         failures.append(
             f"hooks: post-accumulate-grad hooks fired {hook_record['fired']} times, expected "
-            f"{hook_record['expected']} ({len(wrong)} parameters off, e.g. {name}: {calls} != {n_microbatches})"
+            f"{hook_record['expected']} ({len(wrong)} parameters off, e.g. {name}: {calls} != {want[name]})"
         )
     return {
         "seconds": seconds,
@@ -349,7 +351,7 @@ def _to_device(batch: zoo.Batch, device: torch.device) -> zoo.Batch:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _first_stage_check_drops_kwargs() -> bool:
     """Note [torch 2.5 kwargs check]: torch 2.5's ``_validate_fwd_input`` checks stage 0's positional
     inputs against its ``input_args`` minus one per keyword argument (``expected_args[: len(expected_args)
@@ -394,7 +396,7 @@ def run_case(
     seed: int,
     case_timeout: float,
     metadata: str = "dynamic",
-    device: torch.device = torch.device("cpu"),
+    device: torch.device | None = None,
     backend: str = "gloo",
     layout: parallel.Layout | None = None,
     wrap: str = "none",
@@ -408,6 +410,7 @@ def run_case(
     """
     from torch.distributed.pipelining import PipelineStage
 
+    device = device or torch.device("cpu")
     layout = layout or parallel.Layout(1, case.world_size)
     dp_rank, pp_rank = layout.coords(rank)
     record: dict[str, Any] = {
@@ -449,7 +452,8 @@ def run_case(
             PipelineStage(wrapped[i], i, case.num_stages, device, group=groups.pp, **meta[i]) for i in stage_ids
         ]
         del meta, wrapped
-        schedule = case.build(pp_stages, spec.loss_fn)
+        schedule = case.build(pp_stages, spec.loss_of(local.get(case.num_stages - 1)))
+        reference_loss = spec.loss_of(reference[-1])
         # FSDP2's autograd runs on unsharded copies of its parameters: hooks on the sharded ones never fire
         hooks = probes.HookCounter([] if wrap.startswith("fsdp") else named)
         ctx = StepContext(pp_stages, local, named, hooks, spec, case.n_microbatches, wrap, groups.dp, reference)
@@ -457,7 +461,7 @@ def run_case(
         # the probes run per step scan only what the step created (~100x faster with torch imported).
         # Semantics are unchanged: a cycle among new objects is found as before, and a new object
         # referenced from a frozen one is reachable, as it is.
-        for step in range(spec.warmup_steps):  # unmeasured (see ModelSpec.warmup_steps)
+        for _ in range(spec.warmup_steps):  # unmeasured (see ModelSpec.warmup_steps)
             warm = zoo.make_batch(spec, case.n_microbatches, seed=parallel.batch_seed(seed, 99, dp_rank))
             _run_unmeasured(schedule, ctx, _to_device(warm, device))
             del warm
@@ -469,7 +473,7 @@ def run_case(
                 zoo.make_batch(spec, case.n_microbatches, seed=parallel.batch_seed(seed, step, d))
                 for d in range(layout.dp)
             ]
-            ref = zoo.mean_reference(reference, shards, case.n_microbatches, spec.loss_fn, own=dp_rank)
+            ref = zoo.mean_reference(reference, shards, case.n_microbatches, reference_loss, own=dp_rank)
             batch_box = [_to_device(shards[dp_rank], device)]
             del shards
             result = run_step(schedule, ctx, batch_box, ref)
@@ -500,7 +504,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--models", default="core",
         help=f"comma-separated models ({','.join(zoo.MODELS)}), or 'core' ({','.join(zoo.CORE_MODELS)}), "
         f"'training' ({','.join(zoo.TRAINING_MODELS)}) or 'all'",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--metadata",
         choices=("static", "dynamic"),
@@ -510,12 +514,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "whose PipelineStage requires input_args, and for DDP: Note [DDP and shape inference] in "
         "ppbackward._harness.diagnose)",
     )
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree: the world is dp pipelines of world/dp ranks")
+    p.add_argument(
+        "--dp", type=int, default=1, help="data-parallel degree: the world is dp pipelines of world/dp ranks"
+    )
     p.add_argument(
         "--wraps", default="none",
         help=f"comma-separated data-parallel wrappers of every stage module ({', '.join(parallel.WRAPS)}); "
         "each is a case of its own",
-    )  # fmt: skip
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r uses cuda:LOCAL_RANK")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="process-group backend")
     p.add_argument("--steps", type=int, default=2)
@@ -524,12 +530,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--pg-timeout", type=float, default=300.0,
         help="world process-group timeout (s): the barriers between cases wait this long for a rank whose case is slow",
-    )  # fmt: skip
+    )
     p.add_argument("--case-timeout", type=float, default=30.0, help="per-case subgroup timeout (s)")
     p.add_argument(
         "--launched-at", type=float, default=None,
-        help="time.time() when the launcher started torchrun: scales the timeouts (Note [timeouts scale with start-up])",
-    )  # fmt: skip
+        help="time.time() when the launcher started torchrun: scales the timeouts "
+        "(Note [timeouts scale with start-up])",
+    )
     p.add_argument("--hang-rank", type=int, default=None, help="test only: this rank blocks in a recv forever")
     return p.parse_args(argv)
 
@@ -578,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     explicit_metadata = args.metadata
     if args.metadata is None:
-        args.metadata = "static" if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6) else "dynamic"
+        args.metadata = "static" if torch_release()[:2] < (2, 6) else "dynamic"
     wraps = [w.strip() for w in args.wraps.split(",") if w.strip()]
     unknown_wraps = sorted(set(wraps) - set(parallel.WRAPS))
     if unknown_wraps or not wraps:
@@ -631,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                     "recv_object_list, which calls Tensor.numpy(); install numpy or use --metadata static"
                 ) from None
         verdict["metadata"] = args.metadata
-        only = None if args.schedules == "all" else args.schedules.split(",")
+        only = None if args.schedules == "all" else [n.strip() for n in args.schedules.split(",") if n.strip()]
         known = set(sched.RULES) | set(sched.discover())
         unknown = sorted(set(only or ()) - known)
         if unknown:
@@ -670,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
             record = run_case(
                 case, spec, rank, args.steps, args.seed, args.case_timeout, metadata, device, args.backend,
                 layout, wrap, mesh,
-            )  # fmt: skip
+            )
             record["seconds"] = round(time.perf_counter() - t0, 3)
             verdict["cases"].append(record)
             _write(verdict_path, verdict)

@@ -91,7 +91,7 @@ class ActivationReport:
         bytes_freed_only_by_gc: bytes of the unique storages of ``freed_only_by_gc``.
         bytes_held_after_gc: bytes of the unique storages of ``held_after_gc``.
         collected: whether the report ran ``gc.collect()`` first.
-        nodes: autograd nodes created in the block (Note [leaks the gc cannot see] in ``_life.py``).
+        nodes: autograd nodes created in the block (Note [leaks the gc cannot see] in ``_node_watches.py``).
         nodes_freed_only_by_gc: of those, how many a gc run freed (a reference cycle held them).
         nodes_held_after_gc: the names of those still alive (after the report's collection, with
             ``collect=True``): held by a live reference or by a cycle inside C++ that the gc cannot
@@ -100,6 +100,13 @@ class ActivationReport:
         packed_freed_only_by_gc: of those, how many a gc run freed.
         packed_held_after_gc: ``dtype[shape]`` of those still alive.
         bytes_packed_held_after_gc: bytes of their storages.
+        held_by: for what a live reference holds after the block (an output tensor of the block kept
+            alive, with its graph and saved tensors), the back-reference chain to its holder, one string
+            per tensor (at most 3): ``[0] Tensor float32[] ..., grad_fn=PowBackward0`` /
+            ``<- [1] list (len 1) via [0]`` / ``<- [2] Loop object via .outputs``. Filled with
+            ``collect=True`` when a node of the block is still alive; empty otherwise.
+
+    ``str(report)`` is :meth:`format`.
     """
 
     saved: list[SavedActivation] = field(default_factory=list)
@@ -118,6 +125,10 @@ class ActivationReport:
     packed_freed_only_by_gc: int = 0
     packed_held_after_gc: list[str] = field(default_factory=list)
     bytes_packed_held_after_gc: int = 0
+    held_by: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return self.format()
 
     def format(self) -> str:
         """A multi-line human-readable summary with the alive activations listed."""
@@ -142,6 +153,9 @@ class ActivationReport:
                 f"collector: {self.packed_freed_only_by_gc}; still alive after gc: "
                 f"{len(self.packed_held_after_gc)}, {_format_bytes(self.bytes_packed_held_after_gc)}"
             )
+        if self.held_by:
+            lines.append("what holds the block's live outputs (and through them their graph and saved tensors):")
+            lines.extend("  " + line for chain in self.held_by for line in chain.splitlines())
         for title, items in (("held after gc", self.held_after_gc), ("freed only by gc", self.freed_only_by_gc)):
             if items:
                 lines.append(f"{title}:")
@@ -169,4 +183,5 @@ class ActivationReport:
             "packed_freed_only_by_gc": self.packed_freed_only_by_gc,
             "packed_held_after_gc": list(self.packed_held_after_gc),
             "bytes_packed_held_after_gc": self.bytes_packed_held_after_gc,
+            "held_by": list(self.held_by),
         }

@@ -1,4 +1,5 @@
-"""Readable back-reference chains through cyclic garbage, and their GraphViz files.
+"""Readable back-reference chains through cyclic garbage, and their GraphViz files; chains to what holds a
+live object (Note [holder chains]).
 
 Private module. objgraph's ``find_backref_chain`` walks ``gc.get_referrers``, which scans the whole
 heap at every step and can wander out of the garbage through the checker's own bookkeeping. Garbage
@@ -14,9 +15,11 @@ import gc
 import os
 import shutil
 import subprocess
+import sys
 import types
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -76,7 +79,7 @@ def _describe(obj: Any) -> str:
 _ATTRS = (
     "__dict__", "__self__", "__func__", "__closure__", "__defaults__", "__kwdefaults__", "__globals__",
     "cell_contents", "func", "args", "keywords", "_backward_hooks", "grad_fn", "f_locals", "metadata",
-)  # fmt: skip
+)
 
 
 def _edge_label(src: Any, dst: Any) -> str:
@@ -230,3 +233,94 @@ def _write_graph(chain: list[Any], path: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return png if done.returncode == 0 and os.path.exists(png) else None
+
+
+# Note [holder chains]: what a *live* reference holds after a step (a training loop keeping the step's
+# outputs on ``self``) is not garbage, so the closed-set search above does not apply. The chain is then
+# searched backwards over ``gc.get_referrers`` (a heap scan per step, acceptable in a report): from the
+# object to a module, a frame, or an object nothing visible refers to (typically held by a local variable
+# of a running function, which the gc does not see). The search's own containers and frames are skipped,
+# and an instance ``__dict__`` is folded into its object (``Loop via .outputs``, not ``dict ... via
+# .__dict__``).
+
+
+def _is_root(obj: Any) -> bool:
+    return isinstance(obj, (types.ModuleType, types.FrameType))
+
+
+def holder_chain(obj: Any, max_depth: int = 12) -> list[Any]:
+    """Back-references from ``obj`` to what holds it (Note [holder chains]): ``chain[0]`` is ``obj`` and
+    ``chain[i + 1]`` refers to ``chain[i]``. Shortest path to a module or frame if there is one within
+    ``max_depth`` references, else the path to an object with no visible referrer, one of a user's
+    class first, the furthest first among those."""
+    queue = deque([obj])
+    parent: dict[int, Any] = {id(obj): None}
+    depth = {id(obj): 0}
+    skip = {id(sys._getframe()), id(queue), id(parent), id(depth)}  # the frame is not kept: no cycle
+    try:
+        return _search(obj, queue, parent, depth, skip, max_depth)
+    finally:
+        queue.clear()
+        parent.clear()  # it refers to every object met: dropped at once, never left to the gc
+
+
+def _search(
+    obj: Any, queue: deque[Any], parent: dict[int, Any], depth: dict[int, int], skip: set[int], max_depth: int
+) -> list[Any]:
+    skip.add(id(sys._getframe()))
+    deepest = obj
+    while queue:
+        cur = queue.popleft()
+        if _is_root(cur) and cur is not obj:
+            return _path(cur, parent)
+        if depth[id(cur)] >= max_depth:
+            continue
+        referrers = gc.get_referrers(cur)
+        skip.add(id(referrers))
+        found = False
+        for ref in referrers:
+            if id(ref) in skip or id(ref) in parent or _is_own_frame(ref):
+                continue
+            found = True
+            parent[id(ref)] = cur
+            depth[id(ref)] = depth[id(cur)] + 1
+            queue.append(ref)
+        del referrers
+        if not found and _end_rank(cur, depth) > _end_rank(deepest, depth):
+            deepest = cur
+    return _path(deepest, parent)
+
+
+def _end_rank(obj: Any, depth: dict[int, int]) -> tuple[bool, int]:
+    """Which dead end names the holder best: an object of a user's class (not an iterator or a container
+    of the interpreter's), then the furthest from the start."""
+    return type(obj).__module__ != "builtins", depth[id(obj)]
+
+
+def _is_own_frame(obj: Any) -> bool:
+    """A frame of this package's reporting code (the search is not what holds the object)."""
+    return isinstance(obj, types.FrameType) and obj.f_code.co_filename.startswith(_PACKAGE_DIR)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def format_holders(chain: list[Any]) -> str:
+    """``[0] Tensor float32[] ..., grad_fn=PowBackward0 <- [1] list (len 1) via [0] <- [2] Loop via .outputs``
+    on one line per step (instance ``__dict__`` steps folded: Note [holder chains])."""
+    folded = [
+        item for i, item in enumerate(chain)
+        if not (isinstance(item, dict) and i + 1 < len(chain) and _dict_of(chain[i + 1]) is item)
+    ]
+    lines = [f"[0] {_describe(folded[0])}"]
+    for i in range(1, len(folded)):
+        label = _edge_label(folded[i], folded[i - 1])
+        lines.append(f"  <- [{i}] {_describe(folded[i])}" + (f" via {label}" if label else ""))
+    return "\n".join(lines)
+
+
+def _dict_of(obj: Any) -> Any:
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except Exception:
+        return None

@@ -44,6 +44,34 @@ _PROXY_TYPES = (weakref.ProxyType, weakref.CallableProxyType)
 # path, including a body that raised and a failure inside the analysis itself.
 
 
+# Note [checker survives the block's gc flags]
+# The block may change the gc's debug flags itself (``gc.set_debug(0)``, a library saving and restoring
+# them): without ``gc.DEBUG_SAVEALL`` a collection frees the leaked cycles instead of saving them, and the
+# checker would report ``ok`` for a leak. So while armed, a ``gc.callbacks`` entry puts ``DEBUG_SAVEALL``
+# back at the start of every collection (automatic or explicit; the collector reads the flags after its
+# callbacks) and restores the block's own flags when the collection stops. On exit the caller's flags
+# from before the block are restored (Note [checker restores gc state]).
+
+
+class _SaveAll:
+    """The ``gc.callbacks`` entry of one armed checker (Note [checker survives the block's gc flags])."""
+
+    __slots__ = ("added",)
+
+    def __init__(self) -> None:
+        self.added = False
+
+    def __call__(self, phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            flags = gc.get_debug()
+            self.added = not flags & gc.DEBUG_SAVEALL
+            if self.added:
+                gc.set_debug(flags | gc.DEBUG_SAVEALL)
+        elif self.added:
+            gc.set_debug(gc.get_debug() & ~gc.DEBUG_SAVEALL)
+            self.added = False
+
+
 class _TensorLeakCheck:
     """Context manager behind :func:`check_tensor_leaks` (see there)."""
 
@@ -71,6 +99,7 @@ class _TensorLeakCheck:
         self._start = 0
         self._prev_debug = 0
         self._prev_enabled = True
+        self._save_all = _SaveAll()
 
     def __enter__(self) -> LeakReport:
         if self._armed:
@@ -83,6 +112,7 @@ class _TensorLeakCheck:
         gc.collect()
         self._start = len(gc.garbage)
         gc.set_debug(self._prev_debug | gc.DEBUG_SAVEALL)
+        gc.callbacks.append(self._save_all)  # Note [checker survives the block's gc flags]
         self._armed = True
         return self.report
 
@@ -102,6 +132,8 @@ class _TensorLeakCheck:
             del gc.garbage[start:]
         finally:
             # Note [checker restores gc state]
+            if self._save_all in gc.callbacks:
+                gc.callbacks.remove(self._save_all)
             gc.set_debug(self._prev_debug)
             if self._prev_enabled:
                 gc.enable()

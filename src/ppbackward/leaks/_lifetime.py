@@ -44,7 +44,8 @@ from ppbackward.leaks._activations import (
     ActivationReport,
     SavedActivation,
 )
-from ppbackward.leaks._life import _LifeWatches
+from ppbackward.leaks._chains import format_holders, holder_chain
+from ppbackward.leaks._node_watches import _LifeWatches
 from ppbackward.leaks._saved_hooks import _hooks_enabled, _OpMode, _peek_sequence_nr, _top_hooks, _unpack
 from ppbackward.leaks._storage import _storage_key, _tensor_storages
 from ppbackward.leaks._watch import _Watch, _WatchMap
@@ -72,6 +73,21 @@ class _Record:
     is_leaf: bool
 
 
+_HOLDER_CHAINS = 3  # chains in ActivationReport.held_by
+
+
+def _made_in_block(t: torch.Tensor, key: str) -> bool:
+    """Whether ``t``'s ``grad_fn`` is a node the tracker watches (its sentinel is in the node's metadata)."""
+    with torch._C.DisableTorchFunction():
+        fn = t.grad_fn
+    if fn is None:
+        return False
+    try:
+        return key in fn.metadata  # type: ignore[operator]  # a property (a dict), not a method
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class ActivationTracker:
     """Records the tensors autograd saves inside a ``with`` block; see :func:`track_activations`.
 
@@ -89,7 +105,7 @@ class ActivationTracker:
         self._names: dict[int, str] = {}
         self._pending: dict[int, list[_Record]] = {}
         self._frames: list[list[tuple[_Record, list[Any]]]] = []  # pending leaves per running op
-        # Note [leaks the gc cannot see] in _life.py: the nodes created in the block, and what user pack
+        # Note [leaks the gc cannot see] in _node_watches.py: the nodes created in the block, and what user pack
         # hooks returned
         self._nodes = _LifeWatches(f"ppbackward.leaks.track_activations:{id(self)}")
         self._packed = _LifeWatches("")
@@ -285,10 +301,11 @@ class ActivationTracker:
                 for w in record.watches:
                     watches[snap.state][id(w)] = w.nbytes
         held, by_gc = by_state[ALIVE], by_state[FREED_BY_GC]
+        nodes, packed = self._nodes.states(), self._packed.states()
+        held_by = self._held_by() if collect and any(w.state == ALIVE for w in nodes) else []
         alive = sorted(held + by_gc, key=lambda a: a.index)
         bytes_held = sum(watches[ALIVE].values())
         bytes_gc = sum(watches[FREED_BY_GC].values())
-        nodes, packed = self._nodes.states(), self._packed.states()
         return ActivationReport(
             saved=saved,
             alive=alive,
@@ -306,7 +323,25 @@ class ActivationTracker:
             packed_freed_only_by_gc=sum(w.state == FREED_BY_GC for w in packed),
             packed_held_after_gc=[w.label for w in packed if w.state == ALIVE],
             bytes_packed_held_after_gc=sum(w.nbytes for w in packed if w.state == ALIVE),
+            held_by=held_by,
         )
+
+    def _held_by(self, limit: int = _HOLDER_CHAINS) -> list[str]:
+        """Chains to what holds the live tensors whose ``grad_fn`` is a node of the block (Note [holder
+        chains] in ``_chains.py``): an output kept past its step holds its whole graph, saved tensors
+        included. At most ``limit`` chains, in gc order."""
+        key = self._nodes._key
+        starts: list[torch.Tensor] = []
+        objects = gc.get_objects()
+        for obj in objects:
+            if issubclass(type(obj), torch.Tensor) and _made_in_block(obj, key):  # type(): no __class__ lookup
+                starts.append(obj)
+                if len(starts) >= limit:
+                    break
+        del objects, obj
+        chains = [format_holders(holder_chain(t)) for t in starts]
+        del starts
+        return chains
 
     def _snapshot(self, record: _Record) -> SavedActivation:
         states = {w.state for w in record.watches}

@@ -7,7 +7,8 @@ storage (that is what it keeps alive).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ try:  # torch >= 2.1; wrapper subclasses (DTensor, Float8Tensor, ...) hold their
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper_subclass
 except ImportError:  # pragma: no cover - very old torch
 
-    def _is_wrapper_subclass(t: Any) -> bool:
+    def _is_wrapper_subclass(t: Any) -> bool:  # type: ignore[misc]
         return False
 
 
@@ -25,14 +26,17 @@ def _tensor_storages(t: torch.Tensor) -> list[Any]:
     """The untyped storages that hold ``t``'s data.
 
     Traceable wrapper subclasses (DTensor, ...) are opened through ``__tensor_flatten__`` so their
-    inner tensors are counted rather than the empty wrapper. Tensors without a storage (sparse,
+    inner tensors are counted rather than the empty wrapper (the names it lists that are not tensors,
+    such as DTensor's ``device_mesh``, hold no storage). Tensors without a storage (sparse,
     nested) yield nothing.
     """
     if _is_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        names, _ = t.__tensor_flatten__()
         found: list[Any] = []
         for name in names:
-            found.extend(_tensor_storages(getattr(t, name)))
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):  # DTensor lists its device_mesh too (torch >= 2.13)
+                found.extend(_tensor_storages(inner))
         return found
     try:
         return [t.untyped_storage()]

@@ -27,7 +27,7 @@ __all__: list[str] = []  # private module
 
 class _Watch:
     """Size in bytes and fate of one watched object (a storage here; an autograd node's sentinel or a
-    packed tensor in ``_life.py``): ``state`` is ``ALIVE``, ``FREED_BY_GC`` or ``FREED_BY_REFCOUNT``."""
+    packed tensor in ``_node_watches.py``): ``state`` is ``ALIVE``, ``FREED_BY_GC`` or ``FREED_BY_REFCOUNT``."""
 
     __slots__ = ("nbytes", "state")
 
@@ -36,7 +36,7 @@ class _Watch:
         self.state = ALIVE
 
 
-class _WatchRef(weakref.ref):  # type: ignore[type-arg]
+class _WatchRef(weakref.ref):
     __slots__ = ("watch",)
     watch: _Watch
 

@@ -23,7 +23,7 @@ hold their watches, nothing points back (Note [watches form no cycle] in ``_watc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -88,7 +88,7 @@ class _LifeWatches:
         self._refs.append(ref)
 
     def states(self) -> list[_LifeWatch]:
-        return [ref.watch for ref in self._refs]
+        return [cast(_LifeWatch, ref.watch) for ref in self._refs]
 
     def clear(self) -> None:
         self._refs.clear()

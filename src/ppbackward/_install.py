@@ -1,7 +1,9 @@
 """Swap ppbackward's stage backward into ``torch.distributed.pipelining`` and back.
 
-Public names: :func:`install`, :func:`uninstall`, :func:`is_installed`, :func:`installed`;
-:func:`active_adapter` tells which adapter :func:`install` chose.
+Public names (re-exported by the package: ``ppbackward.install()``, ``ppbackward.active_adapter()``):
+:func:`install`, :func:`uninstall`, :func:`is_installed`, :func:`installed`;
+:func:`active_adapter` tells which adapter :func:`install` chose. The module is private (``_install``) so
+that the name ``ppbackward.install`` is the function only.
 
 ``torch/distributed/pipelining/stage.py`` binds ``stage_backward``, ``stage_backward_input`` and
 ``stage_backward_weight`` by name at import time (``from ._backward import ...``), so the names are
@@ -34,9 +36,10 @@ from ppbackward._compat import (
     select_adapter,
 )
 
-__all__ = ["install", "uninstall", "is_installed", "installed", "active_adapter"]
+__all__ = ["NAMES", "active_adapter", "install", "installed", "is_installed", "uninstall"]
 
-_NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
+#: The names ``install`` replaces, in both modules of ``_MODULES``.
+NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 _MODULES = ("torch.distributed.pipelining._backward", "torch.distributed.pipelining.stage")
 _lock = threading.Lock()
 _originals: dict[tuple[str, str], Any] = {}  # (module, name) -> torch's object
@@ -80,12 +83,12 @@ def install(allow_untested: bool | None = None) -> None:
         adapter = select_adapter(allow_untested=bool(allow_untested))
         mods = _modules()
         for mod in mods:
-            for name in _NAMES:
+            for name in NAMES:
                 if not hasattr(mod, name):
                     raise RuntimeError(f"{mod.__name__} has no attribute {name!r}; cannot install")
-        found = {(mod.__name__, name): getattr(mod, name) for mod in mods for name in _NAMES}
+        found = {(mod.__name__, name): getattr(mod, name) for mod in mods for name in NAMES}
         for mod in mods:
-            for name in _NAMES:
+            for name in NAMES:
                 setattr(mod, name, adapter.functions[name])
         _originals.update(found)
         _active.append(adapter)

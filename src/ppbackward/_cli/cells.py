@@ -1,6 +1,6 @@
 """The cells of ``ppbackward check``'s table: per-rank case records aggregated, judged and formatted.
 
-Private module, used by ``ppbackward._check``. Columns (Note [worst cell]):
+Private module, used by ``ppbackward._cli.check``. Columns (Note [worst cell]):
 
 * ``garbage``: tensors + autograd nodes found in reference cycles after a step
   (``ppbackward.leaks.check_tensor_leaks``);
@@ -21,6 +21,8 @@ import re
 from typing import Any
 
 from ppbackward._harness.diagnose import ORDER, diagnose, kind_of
+from ppbackward._harness.records import StepMeasures
+from ppbackward._text_table import format_table
 
 __all__: list[str] = []  # private module
 
@@ -51,13 +53,31 @@ def progress_status(record: dict[str, Any]) -> str:
     return "FAIL " + ",".join(kinds) if kinds else "FAIL"
 
 
-def _step_metrics(step: dict[str, Any]) -> dict[str, Any]:
+def progress_status_of(per_rank: dict[int, dict[str, Any]]) -> str:
+    """:func:`progress_status` of one case over every rank that reported it, so that the progress line
+    says what the case's row will: ``pass`` only when every rank passed, ``skip`` when all skipped, else
+    the first exception or the union of the failed checks over the ranks."""
+    records = [r for _, r in sorted(per_rank.items()) if r]
+    statuses = {r.get("status") for r in records}
+    if statuses in ({"pass"}, {"skip"}):
+        return statuses.pop() or "?"
+    raised = next((r for r in records if r.get("status") == "error" and r.get("failures")), None)
+    if raised is not None:
+        return progress_status(raised)
+    failures = [f for r in records for f in r.get("failures") or []]
+    return progress_status({"status": "fail", "failures": failures})
+
+
+def _step_metrics(step: StepMeasures) -> dict[str, Any]:
+    """The value each column compares across ranks and steps (the largest is shown: Note [worst cell])."""
     return {
-        "garbage": step["garbage"]["tensors"] + step["garbage"]["nodes"],
-        "gc-only": step["lifetime"]["bytes_freed_only_by_gc"],
-        "held": step["lifetime"]["bytes_held_after_gc"],
-        "max|dg|": step["numerics"]["max_abs_grad_err"],
-        "hooks": abs(step["hooks"]["fired"] - step["hooks"]["expected"]),
+        "garbage": step.garbage,
+        "gc-only": step.bytes_freed_only_by_gc,
+        "held": step.bytes_held_after_gc,
+        "max|dg|": step.max_abs_grad_err,
+        # furthest from expected first; among equals, a rank that expects hook calls over one with no
+        # trainable parameter (0/0 says nothing about the hooks): Note [worst cell]
+        "hooks": (abs(step.hooks_fired - step.hooks_expected), step.hooks_expected > 0),
     }
 
 
@@ -85,12 +105,13 @@ def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
     Note [worst cell]: every column shows the worst rank and step for that column (the largest value;
     for ``hooks``, the rank and step whose count is furthest from expected, shown as fired/expected of
     that rank and step), and ``worst`` remembers which (rank, step) each column came from, so that the
-    footnote of a failing case quotes the failure behind the first failing cell.
+    footnote of a failing case quotes the failure behind the first failing cell. A rank with no trainable
+    parameter (a frozen stage: 0 hook calls expected) is the ``hooks`` cell only when every rank is one.
     """
     records = {rank: r for rank, r in per_rank.items() if r}
     failures = [f"rank {rank}, {f}" for rank, r in records.items() for f in r.get("failures", [])]
     status = {r.get("status") for r in records.values()}
-    steps = [(rank, s) for rank, r in records.items() for s in r.get("steps", [])]
+    steps = [(rank, StepMeasures.from_record(s)) for rank, r in records.items() for s in r.get("steps", [])]
     findings = _findings(records)
     if not steps:
         if status == {"skip"}:
@@ -101,19 +122,21 @@ def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
     for rank, step in steps:
         for column, value in _step_metrics(step).items():
             if column not in best or value > best[column]:
-                best[column], worst[column] = value, (rank, step["step"])
+                best[column], worst[column] = value, (rank, step.step)
     hooks_rank, hooks_step = worst["hooks"]
-    hooks = next(s["hooks"] for r, s in steps if r == hooks_rank and s["step"] == hooks_step)
-    step_seconds = [sum(s["seconds"] for s in r["steps"]) / len(r["steps"]) for r in records.values() if r.get("steps")]
+    hooks = next(s for r, s in steps if r == hooks_rank and s.step == hooks_step)
+    seconds: dict[int, list[float]] = {}
+    for rank, step in steps:
+        seconds.setdefault(rank, []).append(step.seconds)
     return {
         "status": "pass" if status == {"pass"} else "fail",
         "garbage": best["garbage"],
         "bytes_freed_only_by_gc": best["gc-only"],
         "bytes_held_after_step": best["held"],
         "max_abs_grad_err": best["max|dg|"],
-        "hooks_fired": hooks["fired"],
-        "hooks_expected": hooks["expected"],
-        "step_seconds": max(step_seconds),
+        "hooks_fired": hooks.hooks_fired,
+        "hooks_expected": hooks.hooks_expected,
+        "step_seconds": max(sum(s) / len(s) for s in seconds.values()),
         "worst": {column: list(where) for column, where in worst.items()},
         "wrap": next((r.get("wrap", "none") for r in records.values()), "none"),
         "failures": failures,
@@ -134,7 +157,27 @@ def cell_ok(values: dict[str, Any]) -> dict[str, bool]:
     }
 
 
+def _grads_why(values: dict[str, Any]) -> str | None:
+    """Why ``max|dg|`` fails where no difference was measured: ``grad None`` (a grad the reference has is
+    None in the pipeline), ``grad set`` (the reverse), ``loss``; ``None`` when a difference was measured."""
+    if values["max_abs_grad_err"] > 0:
+        return None
+    numerics = [f for f in values["failures"] if ": numerics: " in f or ": replicas: " in f]
+    for needle, why in (("is None in the pipeline", "grad None"), ("is set in the pipeline", "grad set"),
+                        (": loss of microbatch", "loss"), (" losses, reference has", "losses"),
+                        (": replicas: ", "replicas")):
+        if any(needle in f for f in numerics):
+            return why
+    return None
+
+
 def format_cell(column: str, values: dict[str, Any], ok: bool) -> str:
+    """One cell's text: the value and ``ok``/``FAIL`` (``step`` is not judged). A failing ``max|dg|`` with
+    nothing measured says why instead of a misleading ``0.0e+00`` (:func:`_grads_why`)."""
+    if column == "max|dg|" and not ok:
+        why = _grads_why(values)
+        if why is not None:
+            return f"{why} FAIL"
     if column == "finding":
         findings = values.get("findings") or []
         return "-" if values["status"] == "pass" or not findings else findings[0]["label"]
@@ -186,7 +229,7 @@ def by_kind(failing: list[tuple[str, dict[str, Any]]]) -> list[str]:
                 same = kind_of(body, {"wrap": values.get("wrap", "none")}) == finding["kind"]
                 block["example"] = (behind if same else finding["example"]).splitlines()[0]
     lines: list[str] = []
-    for key, block in sorted(blocks.items(), key=lambda item: ORDER.get(item[0], len(ORDER))):
+    for _kind, block in sorted(blocks.items(), key=lambda item: ORDER.get(item[0], len(ORDER))):
         lines.append(f"- {block['line']}")
         lines.append(f"    in: {', '.join(block['rows'])}")
         shown = re.sub(r"^rank \d+, (exception: )?", "", block["example"])
@@ -207,7 +250,9 @@ def short_reason(values: dict[str, Any] | None) -> str:
     return "FAIL: " + (first if len(first) <= 90 else first[:87] + "...")
 
 
-def table(results: dict[str, dict[str, dict[str, Any]]], rows: list[tuple[str, str]], backwards: tuple[str, ...]) -> str:
+def table(
+    results: dict[str, dict[str, dict[str, Any]]], rows: list[tuple[str, str]], backwards: tuple[str, ...]
+) -> str:
     """The table: one row per ``(case id, row label)`` and backward; a row without measurement spans the
     metric columns with :func:`short_reason`."""
     header = ["case", "backward", *COLUMNS]
@@ -220,11 +265,4 @@ def table(results: dict[str, dict[str, dict[str, Any]]], rows: list[tuple[str, s
                 continue
             oks = cell_ok(values)
             lines_.append([label, backward, *(format_cell(c, values, oks[c]) for c in COLUMNS)])
-    full = [header, *(r for r in lines_ if len(r) == len(header))]
-    widths = [max(len(r[i]) for r in full) for i in range(len(header))]
-    widths[0] = max([widths[0], *(len(r[0]) for r in lines_)])
-
-    def line(r: list[str]) -> str:
-        return "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip()
-
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in lines_)])
+    return format_table(header, lines_)

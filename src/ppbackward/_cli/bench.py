@@ -1,0 +1,283 @@
+"""``ppbackward bench``: the stage-backward benchmark's command (options, validation, the run, the output).
+
+Private module. Every option is checked before the measurement modules are imported (a bad value is
+refused in the time ``import ppbackward`` takes); the measurements are ``ppbackward._bench``'s modules.
+Method and results: ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from typing import Any, NamedTuple
+
+from ppbackward._cli.paths import output_file_problem
+
+__all__ = ["main"]
+
+_EXIT_CODES = """exit codes:
+  0  every measurement ran (a missed target is reported, not an error)
+  1  an implementation's gradients differ from plain autograd, or the schedule run failed
+  2  a bad option (nothing was measured)"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ppbackward bench",
+        description=(
+            "Time and memory of the pipeline stage backward: plain autograd, torch's B+W, "
+            "ppbackward's B+W and full backward, side by side (one process, 1 thread), with grads None "
+            "and accumulating; a microbatch loop in zero-bubble order; the allocator's counts. "
+            "Method and results: docs/performance.md."
+        ),
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--configs",
+        default="all",
+        help="'all' (4,16 layers x d 64,256 x seq 16,128) or a comma-separated list of "
+        "LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="max timed repeats per config (default 100; 20 with --quick)"
+    )
+    p.add_argument(
+        "--budget", type=float, default=20.0,
+        help="seconds of timed repeats per config (the microbatch loop gets half as much again): N is lowered "
+        "(not below 3) to fit (default 20)",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
+    p.add_argument(
+        "--quick", action="store_true",
+        help="only 4x64x16, few repeats, small scaling sweep, no profile (smoke test, CI)",
+    )
+    p.add_argument(
+        "--schedule", action="store_true",
+        help="also time the schedule step under torchrun (2 ranks, gloo): Interleaved1F1B, InterleavedZeroBubble "
+        "and ZBVZeroBubble with torch's backward and ppbackward's, with peak memory per rank",
+    )
+    p.add_argument("--schedule-repeats", type=int, default=8, help="timed steps per schedule variant (default 8)")
+    p.add_argument(
+        "--schedule-timeout", type=float, default=300.0,
+        help="seconds before the torchrun process group is killed (default 300)",
+    )
+    p.add_argument(
+        "--split", action="store_true",
+        help="only the split's cost (issue 22): B, W, B+W against one full backward per microbatch-stage on "
+        "--configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and with "
+        "--schedule the real torchrun step; targets and verdicts",
+    )
+    p.add_argument("--device", default="cpu", help="device of the --split measurement: cpu (default) or cuda")
+    p.add_argument("--schedule-d-model", type=int, default=128, help="d_model of the --schedule stages (default 128)")
+    p.add_argument("--no-scaling", action="store_true", help="skip the graph-analysis scaling sweep")
+    p.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes profile")
+    p.add_argument("--profile-config", default="16x64x16", help="configuration profiled (default 16x64x16)")
+    return p
+
+
+class _Request(NamedTuple):
+    """What the options ask for, validated."""
+
+    configs: list[Any]  # ppbackward._bench._models.Config
+    profile_config: Any
+    repeats: int
+    budget: float | None  # None: --quick (no time budget, the repeat count alone)
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Request:
+    """Every option checked before any measurement module is imported; a bad one exits with code 2."""
+    for flag, value in (("--budget", args.budget), ("--schedule-timeout", args.schedule_timeout)):
+        if not math.isfinite(value) or value <= 0:
+            parser.error(f"{flag} {value:g}: must be a positive number of seconds")
+    repeats = args.repeats if args.repeats is not None else (20 if args.quick else 100)
+    if repeats < 1 or args.schedule_repeats < 1:
+        parser.error("--repeats and --schedule-repeats must be >= 1")
+    if args.schedule_d_model < 4 or args.schedule_d_model % 4:
+        parser.error(f"--schedule-d-model {args.schedule_d_model}: must be a positive multiple of 4 (nhead)")
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device!r}: cpu or cuda (cuda:N)")
+    if args.json:
+        problem = output_file_problem(args.json)
+        if problem:
+            parser.error(f"--json {args.json}: {problem}")
+    from ppbackward._bench import _models  # torch.nn only: the parse itself needs no measurement module
+
+    try:
+        if args.split:  # --split reads its own configurations (ppbackward._bench._split.CONFIGS for 'all')
+            configs = [] if args.configs == "all" else _models.parse_configs(args.configs)
+        else:
+            configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(args.configs)
+        profile_config = _models.parse_configs(args.profile_config)[0]
+    except ValueError as e:
+        parser.error(str(e))
+    return _Request(configs, profile_config, repeats, None if args.quick else args.budget)
+
+
+def _git_commit() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", ".."],
+            capture_output=True, text=True, timeout=10,
+        )
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _meta(argv: list[str]) -> dict[str, Any]:
+    import torch
+
+    import ppbackward
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "ppbackward": ppbackward.__version__,
+        "ppbackward_commit": _git_commit(),
+        "argv": argv,
+        "loadavg_start": _loadavg(),
+    }
+
+
+def _loadavg() -> float | None:
+    """1-minute load average (other processes share the cores: a high value means noisy timings)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _measure_config(cfg: Any, request: _Request) -> dict[str, Any]:
+    """One configuration: exactness, memory, param groups, timings, the microbatch loop, allocations."""
+    from ppbackward._bench import _alloc, _impls, _loop, _memory, _models, _timing
+
+    _log(f"bench: {cfg.name} ...")
+    stage = _models.build(cfg)
+    exact = _impls.grads_match(stage)
+    memory = {
+        impl: {**_memory.measure_split(impl, stage), "hooked": _memory.measure_hooked(impl, stage)}
+        for impl in ("upstream", "ppbackward")
+    }
+    groups = {}
+    for impl in ("upstream", "ppbackward"):
+        out = stage.model(stage.x)
+        g = _impls.run_b(impl, stage, out)
+        groups[impl] = len(g)
+        _impls.run_w(impl, stage, g)
+        del g, out
+    _models.reset_grads(stage)
+    secs, n, paired = _timing.time_config(cfg, request.repeats, request.budget, stage)
+    ms = {regime: {k: v * 1e3 for k, v in t.items()} for regime, t in secs.items()}
+    _log(f"bench: {cfg.name} microbatch loop ...")
+    loop = _loop.time_loop(cfg, request.repeats, None if request.budget is None else request.budget / 2)
+    return {
+        "name": cfg.name, "label": cfg.label, "layers": cfg.layers, "d_model": cfg.d_model,
+        "seq": cfg.seq, "batch": cfg.batch, "nhead": cfg.nhead, "dim_feedforward": 4 * cfg.d_model,
+        "repeats": n, "time_ms": ms,
+        "ratio_to_plain": {regime: {k: v / t["plain"] for k, v in t.items()} for regime, t in ms.items()},
+        "paired_ratio_median": paired, "loop": loop, "allocations": _alloc.measure(stage),
+        "param_groups": groups, "grads_match": exact, "memory": memory,
+    }
+
+
+def _measure_schedule(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """The schedule step under torchrun; returns its report and whether it failed."""
+    from ppbackward._bench import _schedule
+
+    _log("bench: schedule step under torchrun ...")
+    try:
+        result = _schedule.run_schedule(
+            repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout,
+            d_model=args.schedule_d_model,
+        )
+    except _schedule.ScheduleBenchError as e:
+        return {"error": str(e)}, True
+    return result, not result["grads_match"]
+
+
+def _measure(args: argparse.Namespace, request: _Request, argv: list[str]) -> tuple[dict[str, Any], bool]:
+    """Every measurement the options ask for; returns the report and whether a run failed."""
+    from ppbackward._bench import _report, _scaling
+
+    report: dict[str, Any] = {"meta": _meta(argv), "configs": []}
+    for cfg in request.configs:
+        report["configs"].append(_measure_config(cfg, request))
+    if not args.no_scaling:
+        _log("bench: graph analysis scaling ...")
+        depths = _scaling.QUICK_DEPTHS if args.quick else _scaling.DEPTHS
+        report["analysis_scaling"] = _scaling.measure(depths, repeats=3 if args.quick else 15)
+    if not (args.quick or args.no_profile):
+        from ppbackward._bench import _profile
+
+        _log(f"bench: profile {args.profile_config} ...")
+        report["profile"] = _profile.where_time_goes(request.profile_config)
+    failed = False
+    if args.schedule:
+        report["schedule"], failed = _measure_schedule(args)
+    report["targets"] = _report.targets(report)
+    report["meta"]["loadavg_end"] = _loadavg()
+    return report, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the tables (stdout) and optionally write JSON.
+
+    Args:
+        argv: command-line arguments without the program name (``None``: ``sys.argv[1:]``).
+
+    Returns:
+        0 when every measurement ran (targets may be missed: that is reported, not an error);
+        1 when an implementation's gradients differ from plain autograd or the schedule run failed.
+        A bad option exits with code 2 (``SystemExit``, as argparse does) before anything is measured.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    request = _validate(parser, args)
+
+    # torch.profiler (allocator counts, profile) logs every start and stop to stderr unless told not to
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
+    import torch
+
+    if args.split:
+        from ppbackward._bench import _split
+
+        return _split.run(args, _meta(argv))
+
+    from ppbackward._bench import _report
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report, failed = _measure(args, request, argv)
+    finally:
+        torch.set_num_threads(threads)
+    print(_report.format_text(report))
+    problem = _report.summary_line(report)
+    if problem:
+        print(problem)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if (problem or failed) else 0

@@ -1,0 +1,30 @@
+"""Private: output paths of the commands, checked before anything runs (``check --json``, ``bench --json``).
+
+Standard library only, so that a bad path is refused before torch's heavier modules are imported.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["output_file_problem"]
+
+
+def output_file_problem(path: str) -> str | None:
+    """Why ``path`` cannot be written as an output file (``None`` when it can), without creating it.
+
+    Shared by ``check --json`` and ``bench --json``; a missing folder, a directory in the way, or no
+    write permission are the problems found.
+    """
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory"
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        return f"its folder {parent} does not exist"
+    if target.exists() and not os.access(target, os.W_OK):
+        return "exists and is not writable"
+    if not target.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        return f"its folder {parent} is not writable"
+    return None

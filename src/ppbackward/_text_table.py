@@ -1,0 +1,32 @@
+"""Private: plain-text tables, the one formatter of ``ppbackward check``'s and ``ppbackward bench``'s tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["format_table"]
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int | None = None) -> str:
+    """A header, a rule of dashes and one line per row, columns two spaces apart, trailing blanks cut.
+
+    Args:
+        header: the column titles.
+        rows: the cells; a row shorter than ``header`` ends in a cell that spans the remaining columns
+            (``ppbackward check``'s ``skipped: why``), which is not counted in any column's width.
+        left: how many leading columns are left-aligned, the others right-aligned (default: all left).
+    """
+    n_left = len(header) if left is None else left
+    widths = [len(h) for h in header]
+    for row in rows:
+        counted = row if len(row) == len(header) else row[:-1]
+        for i, cell in enumerate(counted):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(widths[i]) if i < n_left or i == len(cells) - 1 < len(header) - 1 else c.rjust(widths[i])
+            for i, c in enumerate(cells)
+        ).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])

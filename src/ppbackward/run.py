@@ -1,0 +1,140 @@
+"""Zero-code launcher: install ppbackward, then run a script or module as ``__main__``.
+
+::
+
+    python -m ppbackward.run SCRIPT ARGS...          # as `python SCRIPT ARGS...`
+    python -m ppbackward.run -m MODULE ARGS...       # as `python -m MODULE ARGS...`
+    torchrun --nproc-per-node 8 -m ppbackward.run -m torchtitan.train --module llama3 ...
+
+:func:`main` calls :func:`ppbackward.install` and then runs the target with :mod:`runpy` the way the
+interpreter itself would: ``sys.argv`` is ``[SCRIPT, ARGS...]`` (``[full path of MODULE's file,
+ARGS...]`` for ``-m``), ``sys.path[0]`` is the script's folder (the current directory for ``-m``), the
+target's ``SystemExit`` code is the exit code, and an exception is printed with the target's traceback
+(this module's and runpy's frames left out) and exit code 1. Everything after SCRIPT or MODULE is
+passed through untouched, options that look like ``ppbackward.run``'s own included. Under torchrun
+every rank runs this module, so every rank installs ppbackward before the target starts.
+
+A refusal -- the installed torch outside ``ppbackward.SUPPORTED_TORCH``, or a ``stage.py`` whose contract
+ppbackward does not know (:class:`ppbackward.UnsupportedTorchError`) -- is one line on stderr and exit
+code 3 before the target runs; a usage error is exit code 2.
+
+Launchers that start their own worker processes (not through ``python -m ppbackward.run``) get no
+ppbackward in those workers: there is deliberately no environment switch that installs it at interpreter
+start-up (see ``docs/torchtitan.md``, "Launchers that start their own workers"); such a worker calls
+``ppbackward.install()`` in its entry point instead.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+
+__all__ = ["main"]
+
+USAGE = "usage: python -m ppbackward.run (SCRIPT | -m MODULE) [ARGS...]"
+EXIT_USAGE = 2
+EXIT_REFUSED = 3
+
+
+def _parse(argv: list[str]) -> tuple[str, str, list[str]] | str:
+    """``(kind, target, args)`` with kind ``"script"`` or ``"module"``, or a usage error message."""
+    if not argv:
+        return "no target given"
+    first = argv[0]
+    if first in ("-h", "--help"):
+        return ""
+    if first == "-m":
+        if len(argv) < 2:
+            return "-m needs a module name"
+        return "module", argv[1], argv[2:]
+    if first.startswith("-m") and len(first) > 2:  # -mMODULE, as the interpreter accepts it
+        return "module", first[2:], argv[1:]
+    if first.startswith("-"):
+        return f"unknown option {first!r} (options of the target go after SCRIPT or -m MODULE)"
+    return "script", first, argv[1:]
+
+
+def _install() -> str | None:
+    """Install ppbackward; the refusal's one-line reason, or ``None`` once installed."""
+    from ppbackward import UnsupportedTorchError, install
+
+    try:
+        install()
+    except UnsupportedTorchError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Install ppbackward and run the target of ``argv`` (default ``sys.argv[1:]``) as ``__main__``.
+
+    Returns:
+        The exit code: the target's (``0`` when it returns normally, its ``SystemExit`` code otherwise),
+        ``2`` for a usage error, ``3`` when ppbackward refuses the installed torch (nothing ran then).
+
+    An exception raised by the target is printed (its traceback from the target's first frame) and gives
+    ``1``; ``KeyboardInterrupt`` and other ``BaseException``\\ s besides ``SystemExit`` propagate.
+    """
+    parsed = _parse(sys.argv[1:] if argv is None else list(argv))
+    if isinstance(parsed, str):
+        if not parsed:
+            print(USAGE)
+            return 0
+        print(f"ppbackward.run: {parsed}\n{USAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    kind, target, args = parsed
+    if kind == "script" and not os.path.exists(target):
+        print(f"ppbackward.run: can't open file {target!r}: no such file", file=sys.stderr)
+        return EXIT_USAGE
+    refused = _install()
+    if refused is not None:
+        print(f"ppbackward.run: not running {target}: {refused}", file=sys.stderr)
+        return EXIT_REFUSED
+    try:
+        _run(kind, target, args)
+    except SystemExit as exc:
+        return _exit_code(exc)
+    except Exception as exc:  # the interpreter's report: the target's frames, exit code 1
+        _print_target_traceback(exc)
+        return 1
+    return 0
+
+
+def _run(kind: str, target: str, args: list[str]) -> None:
+    """Run ``target`` as ``__main__`` with ``sys.argv``/``sys.path[0]`` as the interpreter sets them."""
+    if kind == "module":
+        sys.argv = [target, *args]  # runpy replaces argv[0] with the module's file
+        sys.path[0] = os.getcwd()  # `python -m` puts the current directory first
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    sys.argv = [target, *args]
+    # `python SCRIPT` puts the script's folder first (symbolic links resolved); for a folder or zip file
+    # holding __main__.py, runpy puts the path itself there while it runs
+    sys.path[0] = target if os.path.isdir(target) else os.path.dirname(os.path.realpath(target))
+    runpy.run_path(target, run_name="__main__")
+
+
+def _print_target_traceback(exc: BaseException) -> None:
+    """Print ``exc`` as the interpreter would for the target: without this module's and runpy's frames."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+                              or tb.tb_frame.f_code.co_filename == "<frozen runpy>"):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The process exit code the interpreter would give ``exc`` (printing a non-int code to stderr)."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

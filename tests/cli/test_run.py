@@ -1,0 +1,156 @@
+"""``python -m ppbackward.run``: the zero-code launcher (install, then run the target as ``__main__``).
+
+Cost: each test starts one interpreter that imports torch (a few seconds each on 2 CPU cores); the torchrun
+test starts torchrun with 2 ranks once (about 15 s idle). Every subprocess has a timeout that kills its
+whole session, and a failure shows its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import ppbackward
+
+SRC = str(Path(ppbackward.__file__).resolve().parents[1])
+_TIMEOUT_S = 240
+
+# What a target reports about the process it runs in: one JSON line on stdout (or into $PROBE_OUT/<rank>).
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    import ppbackward
+    import torch.distributed.pipelining._backward as b
+    import torch.distributed.pipelining.stage as s
+    report = {
+        "name": __name__,
+        "argv": sys.argv,
+        "path0": sys.path[0],
+        "installed": ppbackward.is_installed(),
+        "swapped": s.stage_backward_input is ppbackward.stage_backward_input
+                   and b.stage_backward_weight is ppbackward.stage_backward_weight,
+        "rank": os.environ.get("RANK"),
+    }
+    out = os.environ.get("PROBE_OUT")
+    if out:
+        open(os.path.join(out, f"rank{report['rank']}.json"), "w").write(json.dumps(report))
+    else:
+        print(json.dumps(report))
+    code = os.environ.get("PROBE_EXIT")
+    if code == "raise":
+        raise ValueError("probe failed on purpose")
+    if code:
+        sys.exit(int(code))
+    """
+)
+
+
+def _python(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` with this checkout's ppbackward; bounded by ``_TIMEOUT_S`` (session killed)."""
+    full_env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"python {' '.join(args)} still running after {_TIMEOUT_S}s; output:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> Path:
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "probe.py").write_text(PROBE)
+    (folder / "probe_mod.py").write_text(PROBE)
+    return folder / "probe.py"
+
+
+def _report(result: subprocess.CompletedProcess[str]) -> dict:
+    assert result.stdout.strip(), result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_script_runs_as_main_with_ppbackward_installed(probe, tmp_path):
+    args = ["--flag", "1", "-m", "x", "--", "-h"]
+    result = _python("-m", "ppbackward.run", str(probe), *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = _report(result)
+    assert report == {**report, "name": "__main__", "argv": [str(probe), *args], "path0": str(probe.parent),
+                      "installed": True, "swapped": True}
+    plain = _report(_python(str(probe), *args, cwd=tmp_path))  # what `python SCRIPT` gives
+    assert (plain["argv"], plain["path0"], plain["installed"]) == (report["argv"], report["path0"], False)
+
+
+def test_module_runs_as_main_like_python_dash_m(probe, tmp_path):
+    cwd = probe.parent
+    result = _python("-m", "ppbackward.run", "-m", "probe_mod", "--x", "y", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    report = _report(result)
+    plain = _report(_python("-m", "probe_mod", "--x", "y", cwd=cwd))
+    assert report["argv"] == plain["argv"] == [str(cwd / "probe_mod.py"), "--x", "y"]
+    assert report["path0"] == plain["path0"] == str(cwd)
+    assert (report["name"], report["installed"], report["swapped"]) == ("__main__", True, True)
+
+
+@pytest.mark.parametrize("code", ["0", "7"])
+def test_exit_code_is_the_targets(probe, tmp_path, code):
+    result = _python("-m", "ppbackward.run", str(probe), cwd=tmp_path, env={"PROBE_EXIT": code})
+    assert result.returncode == int(code), result.stderr
+
+
+def test_exception_prints_the_targets_traceback(probe, tmp_path):
+    result = _python("-m", "ppbackward.run", str(probe), cwd=tmp_path, env={"PROBE_EXIT": "raise"})
+    plain = _python(str(probe), cwd=tmp_path, env={"PROBE_EXIT": "raise"})
+    assert result.returncode == plain.returncode == 1
+    assert result.stderr.endswith("ValueError: probe failed on purpose\n"), result.stderr
+    frames = [line for line in result.stderr.splitlines() if line.lstrip().startswith("File ")]
+    assert frames == [line for line in plain.stderr.splitlines() if line.lstrip().startswith("File ")]
+    assert "ppbackward/run.py" not in result.stderr and "runpy" not in result.stderr
+
+
+def test_unsupported_torch_is_refused_before_the_target_starts(probe, tmp_path):
+    # the installed torch reporting a release ppbackward does not know (the check reads torch.__version__)
+    code = ("import sys, runpy, torch; torch.__version__ = '2.99.0'; "
+            f"sys.argv = ['ppbackward.run', {str(probe)!r}]; runpy.run_module('ppbackward.run', run_name='__main__')")
+    result = _python("-c", code, cwd=tmp_path)
+    assert result.returncode == 3
+    assert result.stdout == ""  # the probe never ran
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"ppbackward.run: not running {probe}: ppbackward does not know the pipelining "
+                               "calling contract of torch 2.99.0; supported: torch>=")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [([], "no target given"), (["-m"], "-m needs a module name"), (["--nope", "x.py"], "unknown option '--nope'"),
+     (["missing.py"], "can't open file 'missing.py': no such file")],
+)
+def test_bad_usage_is_a_clear_error(tmp_path, args, message):
+    result = _python("-m", "ppbackward.run", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"ppbackward.run: {message}"), result.stderr
+    assert result.stdout == ""
+
+
+def test_composes_with_torchrun_every_rank_installs(probe, tmp_path):
+    out = tmp_path / "ranks"
+    out.mkdir()
+    result = _python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+                     "-m", "ppbackward.run", str(probe), "--flag", "1", cwd=tmp_path, env={"PROBE_OUT": str(out)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+    for rank, report in reports.items():
+        assert report["rank"] == str(rank)
+        assert report["argv"] == [str(probe), "--flag", "1"]
+        assert (report["name"], report["installed"], report["swapped"]) == ("__main__", True, True)

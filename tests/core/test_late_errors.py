@@ -1,0 +1,153 @@
+"""Mistakes that used to fail late, deep inside autograd, or silently: each is now a clear error naming the
+gradient, parameter, output or index, raised before anything accumulates (issue 21).
+
+Note [captured gradients are checked at W] (``ppbackward._param_groups``), Note [anomaly mode names W's
+nodes] (``ppbackward._weight_edges``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ppbackward as pb
+
+
+def _stage(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _b(mod: nn.Module, grad: torch.Tensor):
+    x = torch.randn(2, 4, requires_grad=True)
+    return pb.stage_backward_input((mod(x),), (grad,), [x], mod.parameters())
+
+
+# -- gradients B captured, changed in place before W --------------------------------------------
+
+
+def test_an_output_gradient_buffer_zeroed_between_b_and_w_is_a_clear_error():
+    """A stage that reuses its receive buffer: W would have accumulated zeros for the last layer's weight."""
+    mod = _stage()
+    grad = torch.ones(2, 3)
+    _, groups = _b(mod, grad)
+    grad.zero_()
+    with pytest.raises(pb.StageBackwardError) as info:
+        pb.stage_backward_weight(mod.parameters(), groups)
+    message = str(info.value)
+    assert message.startswith(
+        "param_groups: the gradient B captured for AddmmBackward0's input 0 (torch.float32 [2, 3])"
+    )
+    assert "was modified in place after stage_backward_input (version 0 -> 1)" in message
+    assert all(p.grad is None for p in mod.parameters())  # nothing accumulated
+    assert groups.consumed and len(groups) == 0  # and nothing kept
+
+
+def test_a_view_of_the_buffer_changed_in_place_is_caught_too():
+    mod = _stage()
+    buffer = torch.ones(4, 3)
+    _, groups = _b(mod, buffer[:2])  # the gradient is a view of a larger receive buffer
+    buffer[3].fill_(5.0)  # another part of the same storage: the version counter is shared
+    with pytest.raises(pb.StageBackwardError, match="was modified in place after stage_backward_input"):
+        pb.stage_backward_weight(mod.parameters(), groups)
+
+
+def test_gradients_left_alone_pass_the_check_and_w_is_exact():
+    mod, ref = _stage(), _stage()
+    x = torch.randn(2, 4, requires_grad=True)
+    grad = torch.ones(2, 3)
+    _, groups = pb.stage_backward_input((mod(x),), (grad,), [x], mod.parameters())
+    pb.stage_backward_weight(mod.parameters(), groups)
+    ref(x.detach()).backward(grad)
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+# -- a parameter resized in place between B and W ------------------------------------------------
+
+
+@pytest.mark.parametrize("grads_before", [False, True], ids=["first-microbatch", "accumulating"])
+def test_a_parameter_resized_between_b_and_w_is_named_and_nothing_accumulates(grads_before):
+    mod = _stage()
+    if grads_before:
+        for p in mod.parameters():
+            p.grad = torch.zeros_like(p)
+    before = [None if p.grad is None else p.grad.clone() for p in mod.parameters()]
+    _, groups = _b(mod, torch.ones(2, 3))
+    with torch.no_grad():
+        mod[2].weight.data = torch.randn(3, 7)
+    with pytest.raises(pb.StageBackwardError) as info:
+        pb.stage_backward_weight(mod.parameters(), groups)
+    assert str(info.value) == (
+        "weights[2]: parameter of shape (3, 6) at stage_backward_input now has shape (3, 7) (changed in place "
+        "between B and W); W accumulates nothing"
+    )
+    assert isinstance(info.value, ValueError)
+    for p, b in zip(mod.parameters(), before):  # every .grad as it was (the biases used to be accumulated)
+        assert (p.grad is None) if b is None else torch.equal(p.grad, b)
+
+
+# -- output gradients of another layout -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["full", "split"])
+def test_a_sparse_output_gradient_is_refused_naming_the_output(split):
+    mod = _stage()
+    x = torch.randn(2, 4, requires_grad=True)
+    sparse = torch.ones(2, 3).to_sparse()
+    with pytest.raises(pb.StageBackwardError) as info:
+        if split:
+            pb.stage_backward_input((mod(x),), (sparse,), [x], mod.parameters())
+        else:
+            pb.stage_backward((mod(x),), (sparse,), [x])
+    assert str(info.value) == "stage_output[0]: grad layout torch.sparse_coo != output layout torch.strided"
+    assert isinstance(info.value, TypeError)
+    assert x.grad is None and all(p.grad is None for p in mod.parameters())
+    with pytest.raises(NotImplementedError, match="SparseCPU"):  # what plain autograd does with it
+        mod(x).backward(sparse)
+
+
+# -- outputs_with_grads_idxs ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("idx", [5, -4])
+def test_outputs_with_grads_idxs_out_of_range_names_the_index_and_length(idx):
+    mod = _stage()
+    x = torch.randn(2, 4, requires_grad=True)
+    out = mod(x)
+    with pytest.raises(pb.StageBackwardError) as info:
+        pb.stage_backward([out, out * 2, out * 3], [torch.ones(2, 3)] * 3, [x], outputs_with_grads_idxs=[0, idx])
+    assert str(info.value) == f"outputs_with_grads_idxs: index {idx} is out of range for stage_output of length 3"
+    assert isinstance(info.value, IndexError)  # the type torch's own indexing raises
+    assert x.grad is None and all(p.grad is None for p in mod.parameters())
+    (gx,) = pb.stage_backward([out, out * 2], [torch.ones(2, 3)] * 2, [x], outputs_with_grads_idxs=[-1])
+    assert gx is not None  # a negative index in range still selects, as torch's does
+
+
+# -- anomaly mode ---------------------------------------------------------------------------------
+
+
+def test_a_nan_made_in_w_under_detect_anomaly_names_the_op_that_made_it():
+    """The weight gradient of a linear layer is ``grad^T @ x``: an ``inf`` in ``x`` under a zero gradient row
+    gives NaN there only (B's input gradient ``grad @ W`` stays finite). torch's split names
+    AddmmBackward0; W used to blame ``torch::autograd::GraphRoot``."""
+    torch.manual_seed(0)
+    mod = nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    x[1, 2] = float("inf")
+    x.requires_grad_()
+    grad = torch.ones(2, 3)
+    grad[1] = 0
+    with warnings.catch_warnings(record=True) as caught, torch.autograd.detect_anomaly():
+        warnings.simplefilter("always")
+        (dx,), groups = pb.stage_backward_input((mod(x),), (grad,), [x], mod.parameters())
+        assert torch.isfinite(dx).all()
+        with pytest.raises(RuntimeError, match=r"^Function 'AddmmBackward0' returned nan values in its 2th output\.$"):
+            pb.stage_backward_weight(mod.parameters(), groups)
+    traces = [str(w.message) for w in caught if "Traceback of forward call" in str(w.message)]
+    assert traces and traces[-1].startswith("Error detected in AddmmBackward0.")
+    assert "test_late_errors.py" in traces[-1]  # the forward call's own line
+    assert mod.weight.grad is None  # raised before the accumulating call

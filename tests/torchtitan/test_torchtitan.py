@@ -1,0 +1,221 @@
+"""torchtitan itself, trained with torch's stage backward and with ``python -m ppbackward.run``.
+
+Cost: the venv of ``scripts/newest_venv.sh`` (torch 2.15.0 + torchtitan 0.3.0, about 5.5 GB; built once,
+a few minutes, then reused), then 7 torchrun launches of 2 ranks (gloo, CPU) of torchtitan's
+``llama3_debugmodel`` (float32, sequence length 64, 4 microbatches of 1, PP degree 2, 2 stages per rank):
+5.1-7.1 minutes measured on 2 busy cores (load average 7-9) with the venv in place (README).
+
+What runs (``titan_worker.py`` is the tests-only launcher: the CPU adaptations, a grad recorder, then
+torchtitan's ``train`` entry point, through ``ppbackward.run.main`` for ppbackward's runs):
+
+* the reference: Interleaved1F1B with torch's backward, checkpointing off, 2 steps;
+* ppbackward (``python -m ppbackward.run -m torchtitan.train ...``): InterleavedZeroBubble and
+  ZBVZeroBubble, with torchtitan's default selective activation checkpointing and without, 2 steps:
+  every one of the 45 parameters' grads (before clipping, every step) equal to the reference's;
+* torch's own zero-bubble backward, 1 step, asserted as the failure kinds it has on the venv's torch (so a
+  release that fixes or changes them is noticed): with checkpointing, the crash "Trying to backward an
+  extra time" under selective activation checkpoint; without it, ``norm.weight.grad`` None (the final
+  RMSNorm) and every other grad equal to the reference's.
+
+Where this checkout's ppbackward does not support the venv's torch (``ppbackward.SUPPORTED_TORCH``), the
+ppbackward cases assert the launcher's refusal instead: exit code 3 before torchtitan starts, one line
+naming the version.
+
+Every launch goes through the harness launcher (``ppbackward._harness.launch``): its hang clock restarts
+at every optimizer step a rank reports, a hang dumps every rank's stack, and a failure shows every rank's
+log tail.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ppbackward import UnsupportedTorchError
+from ppbackward._compat import check_supported
+from ppbackward._harness.launch import LaunchResult, launch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SRC = REPO / "src"
+REFERENCE = "Interleaved1F1B"
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+_BUILD_TIMEOUT_S = 1800  # building the venv: installing ~5.5 GB of wheels from local disk
+_PROGRESS_TIMEOUT_S = 300  # no rank finishing an optimizer step for this long is a hang (Note [hang clock])
+SAC_CRASH = ("Trying to backward an extra time. You are only allowed to backward once on any region computed "
+             "under selective activation checkpoint.")
+
+pytestmark = pytest.mark.timeout(_BUILD_TIMEOUT_S + 1200)
+
+
+@functools.cache
+def _venv() -> Path:
+    """The venv of ``scripts/newest_venv.sh`` (built on first use, reused after)."""
+    try:
+        result = subprocess.run(["bash", str(REPO / "scripts" / "newest_venv.sh")], capture_output=True, text=True,
+                                timeout=_BUILD_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"scripts/newest_venv.sh still running after {_BUILD_TIMEOUT_S}s:\n{exc.stderr}")
+    if result.returncode != 0 or not result.stdout.strip():
+        pytest.fail(f"scripts/newest_venv.sh failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def _python() -> str:
+    return str(_venv() / "bin" / "python")
+
+
+@functools.cache
+def _venv_torch() -> str:
+    return subprocess.run([_python(), "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                          text=True, check=True, timeout=300).stdout.strip()
+
+
+def _supported() -> bool:
+    try:
+        check_supported(_venv_torch())
+    except UnsupportedTorchError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test's own tokenizer and data (``titan_assets.py``, run in the venv: it needs ``tokenizers``)."""
+    root = tmp_path_factory.mktemp("titan-assets")
+    subprocess.run([_python(), str(HERE / "titan_assets.py"), str(root)], check=True, timeout=300)
+    return root
+
+
+def _titan_args(assets: Path, out: Path, schedule: str, checkpointing: bool, steps: int) -> list[str]:
+    args = [
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "data"),
+        "--training.seq_len", "64", "--training.local_batch_size", "4", f"--training.steps={steps}",
+        "--training.disable_cuda_graphs", "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_schedule", schedule, "--debug.seed", "42",
+        "--checkpoint.no-enable", "--validator.no-enable", "--dump_folder", str(out / "dump"),
+    ]
+    return args if checkpointing else [*args, "activation_checkpoint:none"]
+
+
+class Run:
+    """One torchtitan launch: its :class:`LaunchResult` and the grads every rank recorded."""
+
+    def __init__(self, result: LaunchResult) -> None:
+        self.result = result
+
+    @functools.cached_property
+    def grads(self) -> dict[int, dict[str, Any]]:
+        """``{step: {parameter fqn: grad tensor or None}}`` over both ranks."""
+        import torch
+
+        merged: dict[int, dict[str, Any]] = {}
+        for rank in range(self.result.world_size):
+            path = self.result.out_dir / f"grads-rank{rank}.pt"
+            for step, grads in torch.load(path).items():
+                merged.setdefault(step, {}).update(grads)
+        return merged
+
+    def fatal(self) -> list[str]:
+        return [v["fatal"] for v in self.result.verdicts.values() if v and v.get("fatal")]
+
+    def show(self) -> str:
+        return self.result.format_launch()
+
+
+@functools.cache
+def _run(assets: Path, backward: str, schedule: str, checkpointing: bool, steps: int) -> Run:
+    out = assets.parent / f"run-{backward}-{schedule}-{'sac' if checkpointing else 'noac'}"
+    worker_args = ["--backward", backward, "--", *_titan_args(assets, out, schedule, checkpointing, steps)]
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), str(SRC)])}
+    result = launch(2, worker_args, out, timeout=_PROGRESS_TIMEOUT_S, env=env, module="titan_worker",
+                    python=_python())
+    return Run(result)
+
+
+@pytest.fixture(scope="module")
+def reference(assets: Path) -> Run:
+    run = _run(assets, "torch", REFERENCE, False, 2)
+    assert run.result.ok, run.show()
+    return run
+
+
+def _differences(got: dict[int, dict[str, Any]], want: dict[int, dict[str, Any]], steps: list[int]) -> list[str]:
+    """One line per parameter and step whose grad is missing or not bitwise equal to the reference's."""
+    import torch
+
+    lines = []
+    for step in steps:
+        for name, ref in want[step].items():
+            if name not in got.get(step, {}):
+                lines.append(f"step {step} {name}: not recorded")
+                continue
+            grad = got[step][name]
+            if ref is None or grad is None:
+                if not (ref is None and grad is None):
+                    lines.append(f"step {step} {name}: grad {'None' if grad is None else 'a tensor'}, reference "
+                                 f"{'None' if ref is None else 'a tensor'}")
+            elif not torch.equal(grad, ref):
+                diff = (grad - ref).abs().max().item()
+                lines.append(f"step {step} {name}: max |grad - reference| {diff:.3g} (max |reference| "
+                             f"{ref.abs().max().item():.3g})")
+    return lines
+
+
+def test_reference_records_every_parameter(reference):
+    grads = reference.grads
+    assert sorted(grads) == [1, 2]
+    assert len(grads[1]) == 45 and all(g is not None for g in grads[1].values()), sorted(grads[1])
+    assert "norm.weight" in grads[1] and "lm_head.weight" in grads[1]
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["sac", "no-ac"])
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_ppbackward_grads_equal_interleaved_1f1b(assets, reference, schedule, checkpointing):
+    run = _run(assets, "ppbackward", schedule, checkpointing, 2)
+    if not _supported():
+        _assert_refused(run)
+        return
+    assert run.result.ok, run.show()
+    assert sorted(run.grads) == [1, 2], run.show()
+    differences = _differences(run.grads, reference.grads, [1, 2])
+    assert differences == [], "\n".join(differences)
+
+
+def _assert_refused(run: Run) -> None:
+    """ppbackward.run refused the venv's torch: exit code 3 on both ranks before torchtitan started."""
+    assert run.result.returncode != 0, run.show()
+    for rank in range(2):
+        verdict = run.result.verdicts[rank]
+        assert verdict is not None and verdict["cases"] == [] and not verdict["complete"], run.show()
+        log = run.result.log_path(rank).read_text()
+        assert (f"ppbackward.run: not running torchtitan.train: ppbackward does not know the pipelining calling "
+                f"contract of torch {_venv_torch()}") in log, log
+        assert "torchtitan version" not in log
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_torch_zero_bubble_crashes_under_selective_checkpointing(assets, schedule):
+    run = _run(assets, "torch", schedule, True, 1)
+    fatal = run.fatal()
+    assert fatal and all(SAC_CRASH in f for f in fatal), run.show()
+    assert not run.result.ok
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_torch_zero_bubble_leaves_final_norm_grad_none(assets, reference, schedule):
+    run = _run(assets, "torch", schedule, False, 1)
+    assert run.result.ok, run.show()
+    differences = _differences(run.grads, reference.grads, [1])
+    assert differences == ["step 1 norm.weight: grad None, reference a tensor"], "\n".join(differences)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -1,0 +1,249 @@
+"""Tests-only launcher of one torchtitan rank on CPU: the CPU adaptations, a grad recorder, then the target.
+
+Run by ``tests/torchtitan/test_torchtitan.py`` under torchrun, through the project's harness launcher
+(``ppbackward._harness.launch.launch(..., module="titan_worker")``), in the torchtitan venv
+(``scripts/newest_venv.sh``)::
+
+    python -m titan_worker --out DIR --launched-at T --backward {torch,ppbackward} -- TORCHTITAN ARGS...
+
+With ``--backward ppbackward`` it hands the rest to ``ppbackward.run.main(["-m", "torchtitan.train",
+...])`` -- the zero-code launcher a torchtitan user runs; with ``--backward torch`` it runs
+``torchtitan.train`` as ``__main__`` without installing anything.
+
+The CPU adaptations (none edits torchtitan's files; each is needed only because there is no accelerator):
+
+1. ``torchtitan.tools.utils`` picks ``"cuda"`` when no accelerator is present; ``device_type`` is pointed at
+   ``"cpu"`` and ``device_module`` at a shim (``torch.cpu`` plus the memory-statistics calls torchtitan
+   makes), before any other torchtitan module copies them. torchtitan then picks gloo itself.
+2. torch refuses flex attention's backward on CPU (``flex_attention._validate_device``) and torchtitan
+   compiles flex attention and its block masks; the guard is lifted and both run eagerly. torchtitan's
+   ``--debug.deterministic`` would compile flex attention again (with inductor), so it is not passed; the
+   launcher calls ``torch.use_deterministic_algorithms(True)`` itself (the rest of what that flag does
+   concerns CUDA).
+
+What it leaves in ``DIR`` (the harness launcher's files, Note [hang clock] in ``ppbackward._harness.launch``):
+``rank<r>.pid``; ``rank<r>.json``, rewritten after every optimizer step (``{"backward", "cases": [one
+record per step], "complete", "fatal"}``); ``grads-rank<r>.pt``: ``{step: {parameter fqn: grad before
+clipping, or None}}``; ``rank<r>.log``: this process's stdout and stderr, where ``faulthandler`` dumps every thread's
+stack on ``SIGUSR1`` or a fatal signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class _CpuDeviceModule(types.ModuleType):
+    """``torch.cpu`` plus the accelerator-only calls torchtitan makes on its ``device_module``."""
+
+    def __init__(self) -> None:
+        super().__init__("titan_cpu_device")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:
+        return 0  # torch.cpu's is the string "cpu"; torchtitan passes it on as a device index
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_device_properties(device: Any = None) -> Any:
+        return types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        return {}
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+
+def adapt_to_cpu() -> None:
+    """The CPU adaptations of the module docstring; call before torchtitan's other modules are imported."""
+    import torchtitan.tools.utils as titan_utils
+
+    titan_utils.device_type = "cpu"
+    titan_utils.device_module = _CpuDeviceModule()
+    titan_utils.get_device_info = lambda: (titan_utils.device_type, titan_utils.device_module)
+
+    import torch.nn.attention.flex_attention as flex
+
+    flex._validate_device = lambda query, key, value: None
+    import torchtitan.models.common.attention as attention
+
+    attention.FlexAttention._compiled_flex_attn = flex.flex_attention
+    attention._compiled_create_block_mask = flex.create_block_mask
+    torch.use_deterministic_algorithms(True)  # not --debug.deterministic: it recompiles flex attention
+
+
+class _Verdict:
+    """This rank's ``rank<r>.json`` and ``grads-rank<r>.pt``, rewritten after every step."""
+
+    def __init__(self, out: Path, rank: int, backward: str) -> None:
+        self.out, self.rank = out, rank
+        self.record: dict[str, Any] = {"backward": backward, "rank": rank, "cases": [], "complete": False,
+                                       "fatal": None}
+        self.grads: dict[int, dict[str, torch.Tensor | None]] = {}
+        self.t0 = time.monotonic()
+
+    def write(self) -> None:
+        path = self.out / f"rank{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.record))
+        os.replace(tmp, path)
+
+    def step(self, step: int, grads: dict[str, torch.Tensor | None], loss: float | None) -> None:
+        self.grads[step] = grads
+        torch.save(self.grads, self.out / f"grads-rank{self.rank}.pt")
+        now = time.monotonic()
+        self.record["cases"].append({"id": f"step {step}", "status": "pass", "seconds": now - self.t0,
+                                     "loss": loss})
+        self.t0 = now
+        self.write()
+
+
+def _plain(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of ``grad`` as a plain tensor (a DTensor's local shard: the whole grad without FSDP/TP)."""
+    if grad is None:
+        return None
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    return local.detach().clone()
+
+
+def record_grads(verdict: _Verdict) -> None:
+    """Wrap ``Trainer.train_step`` and torchtitan's ``clip_grad_norm_`` to record every parameter's grad
+    before clipping (by fully qualified name, as torchtitan's model names it) and the step's loss."""
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.trainer as trainer_mod
+
+    current: dict[str, Any] = {}
+    clip = dist_utils.clip_grad_norm_
+    train_step = trainer_mod.Trainer.train_step
+
+    def clip_recorded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = current["trainer"]
+        current["grads"] = {
+            name: _plain(p.grad) for part in trainer.model_parts for name, p in part.named_parameters()
+        }
+        return clip(parameters, *args, **kwargs)
+
+    def train_step_recorded(self: Any, data_iterator: Any) -> Any:
+        current["trainer"] = self
+        result = train_step(self, data_iterator)
+        verdict.step(self.step, current.pop("grads"), None)
+        return result
+
+    dist_utils.clip_grad_norm_ = clip_recorded
+    trainer_mod.Trainer.train_step = train_step_recorded
+
+
+def _std(name: str) -> float | None:
+    """The init scale of the debug model's parameter ``name`` (``None``: keep it, a constant norm weight)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.startswith("tok_embeddings."):
+        return 1.0
+    if name.startswith("lm_head."):
+        return 256**-0.5
+    return 0.02
+
+
+def init_by_name() -> None:
+    """After torchtitan built the model, draw every parameter from a generator seeded by its name.
+
+    torchtitan initializes each rank's model parts from one seeded stream, so a layer's initial values
+    depend on which stages the rank holds: the V placement (ZBVZeroBubble) and the loop placement
+    (Interleaved1F1B) would start from different weights. Drawn by name, every placement starts from the
+    same weights, and the grads of any schedule can be compared with Interleaved1F1B's by name.
+    """
+    import zlib
+
+    import torchtitan.trainer as trainer_mod
+
+    init = trainer_mod.Trainer.__init__
+
+    def init_then_reseed(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        with torch.no_grad():
+            for part in self.model_parts:
+                for name, p in part.named_parameters():
+                    std = _std(name)
+                    if std is None:
+                        continue
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                    local.copy_(torch.randn(local.shape, generator=gen, dtype=local.dtype) * std)
+
+    trainer_mod.Trainer.__init__ = init_then_reseed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="titan_worker")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--launched-at", type=float, default=0.0)
+    parser.add_argument("--backward", choices=("torch", "ppbackward"), required=True)
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    rank = int(os.environ.get("RANK", "0"))
+    log = open(args.out / f"rank{rank}.log", "a", buffering=1)  # noqa: SIM115 - open for the process's life
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    (args.out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    faulthandler.enable(file=log, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    verdict = _Verdict(args.out, rank, args.backward)
+    verdict.write()  # started (Note [hang clock])
+    try:
+        adapt_to_cpu()
+        init_by_name()
+        record_grads(verdict)
+        code = _run_target(args.backward, rest)
+    except BaseException as exc:  # every failure is this rank's verdict
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            code = 0
+        else:
+            verdict.record["fatal"] = "".join(traceback.format_exception(exc))
+            verdict.write()
+            raise
+    verdict.record["complete"] = code == 0
+    verdict.write()
+    return code
+
+
+def _run_target(backward: str, rest: list[str]) -> int:
+    if backward == "ppbackward":
+        from ppbackward.run import main as run_main
+
+        return run_main(["-m", "torchtitan.train", *rest])
+    sys.argv = ["torchtitan.train", *rest]
+    runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
