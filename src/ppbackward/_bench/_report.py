@@ -271,18 +271,24 @@ def format_text(report: dict[str, Any]) -> str:
                     rows, left=2,
                 )
             )
+    parts.append(targets_table(report["targets"], "docs/performance.md"))
+    return "\n".join(parts)
+
+
+def targets_table(targets: list[dict[str, Any]], source: str) -> str:
+    """The targets of a report (records of :func:`_target`) as a table with a verdict per row, then one
+    ``N PASS, M MISS`` line; ``source`` names where the targets are set (e.g. ``docs/performance.md``)."""
     rows = [
         [t["status"], t["target"], t["where"], f"{t['value']:.2f}",
          "-" if t.get("median_paired") is None else f"{t['median_paired']:.2f}", f"{t['limit']:.2f}"]
-        for t in report["targets"]
+        for t in targets
     ]
-    parts.append(
-        "\nTargets (docs/performance.md); measured = ratio of minima (decides), median = median of per-repeat ratios\n"
+    n_miss = sum(t["status"] == "MISS" for t in targets)
+    return (
+        f"\nTargets ({source}); measured = ratio of minima (decides), median = median of per-repeat ratios\n"
         + format_table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
+        + f"\n{len(targets) - n_miss} PASS, {n_miss} MISS"
     )
-    n_miss = sum(t["status"] == "MISS" for t in report["targets"])
-    parts.append(f"{len(report['targets']) - n_miss} PASS, {n_miss} MISS")
-    return "\n".join(parts)
 
 
 def summary_line(report: dict[str, Any]) -> str | None:

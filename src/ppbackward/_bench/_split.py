@@ -26,7 +26,6 @@ import ppbackward.backward as _ours
 from ppbackward._bench._impls import UPSTREAM_B, UPSTREAM_W
 from ppbackward._bench._models import Config, Stage, build, reset_grads
 from ppbackward._bench._timing import REGIMES, _fit_repeats, _gc_paused, _rotations, prepare_regime
-from ppbackward._text_table import format_table
 
 __all__: list[str] = []  # private module
 
@@ -341,15 +340,5 @@ def format_run(report: dict[str, Any], rep: Any) -> str:
                 f"{sched['microbatches']} microbatches; ratio to Interleaved1F1B): "
                 + "  ".join(f"{k} {v:.2f}x" for k, v in r.items())
             )
-    rows = [
-        [t["status"], t["target"], t["where"], f"{t['value']:.2f}",
-         "-" if t.get("median_paired") is None else f"{t['median_paired']:.2f}", f"{t['limit']:.2f}"]
-        for t in report["targets"]
-    ]
-    parts.append(
-        "\nTargets (issue 22; docs/performance.md); measured = ratio of minima, median = of per-repeat ratios\n"
-        + format_table(["", "target", "where", "measured", "median", "limit"], rows, left=3)
-    )
-    n_miss = sum(t["status"] == "MISS" for t in report["targets"])
-    parts.append(f"{len(report['targets']) - n_miss} PASS, {n_miss} MISS")
+    parts.append(rep.targets_table(report["targets"], "issue 22; docs/performance.md"))
     return "\n".join(parts)
