@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import ppbackward
+from ppbackward._compat import torch_release
 
 SRC = str(Path(ppbackward.__file__).resolve().parents[1])
 _TIMEOUT_S = 240
@@ -128,7 +129,23 @@ def test_unsupported_torch_is_refused_before_the_target_starts(probe, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"ppbackward.run: not running {probe}: ppbackward does not know the pipelining "
-                               "calling contract of torch 2.99.0; supported: torch>=")
+                               "calling contract of torch 2.99.0 (newer than the newest it was tested on, ")
+    assert "PPBACKWARD_ALLOW_UNTESTED_TORCH=1" in lines[0], lines[0]  # the line says how to opt in
+
+
+@pytest.mark.skipif(torch_release() >= (2, 15, 0), reason="this torch's stage.py has the newest known shape")
+def test_untested_newer_torch_opt_in_reaches_install(probe, tmp_path):
+    # PPBACKWARD_ALLOW_UNTESTED_TORCH reaches install() through the launcher: on this torch 2.13 posing as
+    # 2.99 the stage.py shape is not the newest known one's, so the opt-in refuses for that reason
+    # (tests/compat/test_compat_newer_torch.py covers the shape that matches)
+    code = ("import sys, runpy, torch; torch.__version__ = '2.99.0'; "
+            f"sys.argv = ['ppbackward.run', {str(probe)!r}]; runpy.run_module('ppbackward.run', run_name='__main__')")
+    result = _python("-c", code, cwd=tmp_path, env={"PPBACKWARD_ALLOW_UNTESTED_TORCH": "1"})
+    assert result.returncode == 3
+    assert result.stdout == ""  # the probe never ran
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "does not have the shape the newest known contract" in lines[0], lines[0]
 
 
 @pytest.mark.parametrize(
