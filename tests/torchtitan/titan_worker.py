@@ -124,6 +124,19 @@ class _Verdict:
         self.write()
 
 
+def _fqn(name: str) -> str:
+    """``name`` as the model names it without activation checkpointing.
+
+    torchtitan's activation checkpointing wraps every block in torch's ``CheckpointWrapper``, whose
+    ``named_parameters`` insert ``_checkpoint_wrapped_module.`` (``layers.0._checkpoint_wrapped_module.
+    attention.wo.weight``); a checkpointed run's parameters must be seeded and compared by the same names as
+    the reference's, which runs without checkpointing.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return name.replace(_CHECKPOINT_PREFIX, "")
+
+
 def _plain(grad: torch.Tensor | None) -> torch.Tensor | None:
     """A copy of ``grad`` as a plain tensor (a DTensor's local shard: the whole grad without FSDP/TP)."""
     if grad is None:
@@ -134,7 +147,8 @@ def _plain(grad: torch.Tensor | None) -> torch.Tensor | None:
 
 def record_grads(verdict: _Verdict) -> None:
     """Wrap ``Trainer.train_step`` and torchtitan's ``clip_grad_norm_`` to record every parameter's grad
-    before clipping (by fully qualified name, as torchtitan's model names it) and the step's loss."""
+    before clipping (by fully qualified name as the model without checkpointing names it, :func:`_fqn`) and
+    the step's loss."""
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.trainer as trainer_mod
 
@@ -145,7 +159,7 @@ def record_grads(verdict: _Verdict) -> None:
     def clip_recorded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         trainer = current["trainer"]
         current["grads"] = {
-            name: _plain(p.grad) for part in trainer.model_parts for name, p in part.named_parameters()
+            _fqn(name): _plain(p.grad) for part in trainer.model_parts for name, p in part.named_parameters()
         }
         return clip(parameters, *args, **kwargs)
 
@@ -188,7 +202,8 @@ def init_by_name() -> None:
         init(self, *args, **kwargs)
         with torch.no_grad():
             for part in self.model_parts:
-                for name, p in part.named_parameters():
+                for wrapped_name, p in part.named_parameters():
+                    name = _fqn(wrapped_name)
                     std = _std(name)
                     if std is None:
                         continue
