@@ -147,8 +147,24 @@ def reference(assets: Path) -> Run:
     return run
 
 
-def _differences(got: dict[int, dict[str, Any]], want: dict[int, dict[str, Any]], steps: list[int]) -> list[str]:
-    """One line per parameter and step whose grad is missing or not bitwise equal to the reference's."""
+# Note [torchtitan grads within a bound]: ppbackward's zero-bubble grads are compared with
+# Interleaved1F1B's within REL_BOUND of the reference grad's largest entry, not bitwise. Two residues
+# were measured on torch 2.15.0 (docs/torchtitan.md): FSDP2's partial reduce flushes a parameter's
+# pending grad between microbatches, and where two W actions run back to back (InterleavedZeroBubble's
+# last stage) the final norm's grad is summed as (g0+g1)+(g2+g3) instead of ((g0+g1)+g2)+g3, every
+# microbatch's grad itself bitwise equal (1 ulp, 9.3e-10 of 0.0165); and ZBVZeroBubble's step 2 differs
+# in 9 of 49,152 elements of the grad flex attention's backward returns for one microbatch (2.4e-7 of
+# 0.0028 on one wqkv, 8.6e-5 relative; cause not established). The failures the test exists for are far
+# above the bound: a grad None (torch's final norm), torch 2.14.1's 0.3 % on rank 1's stages, a doubled
+# or missing microbatch (>= 25 % with 4 microbatches).
+REL_BOUND = 5e-4
+
+
+def _differences(got: dict[int, dict[str, Any]], want: dict[int, dict[str, Any]], steps: list[int],
+                 rel_bound: float = 0.0) -> list[str]:
+    """One line per parameter and step whose grad is missing or differs from the reference's by more than
+    ``rel_bound`` times the reference's largest entry (``0.0``: bitwise; Note [torchtitan grads within a
+    bound])."""
     import torch
 
     lines = []
@@ -164,6 +180,8 @@ def _differences(got: dict[int, dict[str, Any]], want: dict[int, dict[str, Any]]
                                  f"{'None' if ref is None else 'a tensor'}")
             elif not torch.equal(grad, ref):
                 diff = (grad - ref).abs().max().item()
+                if diff <= rel_bound * ref.abs().max().item():
+                    continue
                 lines.append(f"step {step} {name}: max |grad - reference| {diff:.3g} (max |reference| "
                              f"{ref.abs().max().item():.3g})")
     return lines
@@ -185,8 +203,11 @@ def test_ppbackward_grads_equal_interleaved_1f1b(assets, reference, schedule, ch
         return
     assert run.result.ok, run.show()
     assert sorted(run.grads) == [1, 2], run.show()
-    differences = _differences(run.grads, reference.grads, [1, 2])
+    differences = _differences(run.grads, reference.grads, [1, 2], rel_bound=REL_BOUND)
     assert differences == [], "\n".join(differences)
+    # most grads stay bitwise equal: the residues are few parameters (Note [torchtitan grads within a bound])
+    unequal = _differences(run.grads, reference.grads, [1, 2])
+    assert len(unequal) <= 4, "\n".join(unequal)
 
 
 def _assert_refused(run: Run) -> None:
