@@ -15,7 +15,11 @@ of its ``stage.py``: ppbackward's own functions where ``stage.py`` consumes them
 Note [adapters only reshape] in ``ppbackward._compat`` and ``docs/compatibility.md``.
 
 Note [exact originals]: the first :func:`install` records the objects found in both modules, and
-:func:`uninstall` puts exactly those objects back; repeated calls are no-ops.
+:func:`uninstall` puts exactly those objects back; repeated calls are no-ops, except that
+``merge_bw`` follows the latest call. With ``merge_bw=True`` one more name is swapped: torch's
+``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (the lowering every runtime schedule runs
+when it is built) is wrapped so that each B directly followed by its own W runs as one full backward
+(Note [merged B and W] in ``ppbackward._merge``); the method found is recorded and put back exactly.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from ppbackward import _merge
 from ppbackward._compat import (
     ALLOW_UNTESTED_ENV,
     Adapter,
@@ -36,7 +41,7 @@ from ppbackward._compat import (
     select_adapter,
 )
 
-__all__ = ["NAMES", "active_adapter", "install", "installed", "is_installed", "uninstall"]
+__all__ = ["NAMES", "active_adapter", "install", "installed", "is_installed", "merge_bw_enabled", "uninstall"]
 
 #: The names ``install`` replaces, in both modules of ``_MODULES``.
 NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
@@ -44,13 +49,14 @@ _MODULES = ("torch.distributed.pipelining._backward", "torch.distributed.pipelin
 _lock = threading.Lock()
 _originals: dict[tuple[str, str], Any] = {}  # (module, name) -> torch's object
 _active: list[Adapter] = []  # the adapter in place while installed (zero or one entry)
+_merge_original: list[Any] = []  # torch's _prepare_schedule_with_comms while merge_bw is on (0 or 1 entry)
 
 
 def _modules() -> list[Any]:
     return [importlib.import_module(m) for m in _MODULES]
 
 
-def install(allow_untested: bool | None = None) -> None:
+def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None) -> None:
     """Replace torch's stage backward functions with ppbackward's, in ``_backward`` and ``stage``.
 
     Idempotent. Call it before running a schedule step (stages look the names up at call time).
@@ -64,6 +70,12 @@ def install(allow_untested: bool | None = None) -> None:
             (Note [untested newer torch] in ``ppbackward._compat``). ``None`` (default): the
             environment decides, ``PPBACKWARD_ALLOW_UNTESTED_TORCH=1`` opting in (read only on a
             newer torch). No effect on a known release.
+        merge_bw: run each B that a zero-bubble schedule's compute order directly follows with its own
+            W as one full backward, in schedules *built* from now on (a schedule lowers its action list
+            when it is constructed). ``None`` (default): as it is (off on a first install). Exact;
+            what else changes is in ``docs/api.md`` and Note [merged B and W] in
+            ``ppbackward._merge``. A later call with ``True`` or ``False`` switches it for schedules
+            built after that call.
 
     Raises:
         ppbackward.UnsupportedTorchError: the installed torch is outside
@@ -72,10 +84,16 @@ def install(allow_untested: bool | None = None) -> None:
             supported range, and for a newer torch the opt-in); nothing is patched then.
         ValueError: on a newer torch, ``PPBACKWARD_ALLOW_UNTESTED_TORCH`` is set to something other
             than 0 or 1 (and ``allow_untested`` is ``None``).
-        RuntimeError: the pipelining modules lack one of the expected names.
+        RuntimeError: the pipelining modules lack one of the expected names, or ``merge_bw=True`` and
+            this torch has no ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (nothing is
+            patched then).
     """
     with _lock:
+        if merge_bw:
+            _merge.lowering()  # raises before anything is patched on a torch without the lowering
         if _originals:
+            if merge_bw is not None:
+                _set_merge(merge_bw)
             return
         from_env = allow_untested is None
         if from_env:  # read only where it matters (Note [untested newer torch])
@@ -92,6 +110,7 @@ def install(allow_untested: bool | None = None) -> None:
                 setattr(mod, name, adapter.functions[name])
         _originals.update(found)
         _active.append(adapter)
+        _set_merge(bool(merge_bw))
     if adapter.untested:
         how = f"{ALLOW_UNTESTED_ENV}=1" if from_env else "allow_untested=True"
         warnings.warn(
@@ -112,6 +131,24 @@ def uninstall() -> None:
             setattr(importlib.import_module(mod_name), name, original)
         _originals.clear()
         _active.clear()
+        _set_merge(False)
+
+
+def _set_merge(on: bool) -> None:
+    """Wrap (``on``) or restore torch's schedule lowering; called with ``_lock`` held."""
+    if on == bool(_merge_original):
+        return
+    cls, method = _merge.lowering()
+    if on:
+        _merge_original.append(cls.__dict__["_prepare_schedule_with_comms"])
+        setattr(cls, "_prepare_schedule_with_comms", _merge.merging(method))  # noqa: B010
+    else:
+        setattr(cls, "_prepare_schedule_with_comms", _merge_original.pop())  # noqa: B010
+
+
+def merge_bw_enabled() -> bool:
+    """True while ``install(merge_bw=True)`` is in effect (schedules built now merge B and W)."""
+    return bool(_merge_original)
 
 
 def is_installed() -> bool:
@@ -126,13 +163,16 @@ def active_adapter() -> Adapter | None:
 
 
 @contextlib.contextmanager
-def installed(allow_untested: bool | None = None) -> Iterator[None]:
-    """Context manager: :func:`install` (with ``allow_untested``) on entry; on exit,
-    :func:`uninstall` unless it was already installed before entry."""
-    was = is_installed()
-    install(allow_untested)
+def installed(allow_untested: bool | None = None, *, merge_bw: bool | None = None) -> Iterator[None]:
+    """Context manager: :func:`install` (with ``allow_untested`` and ``merge_bw``) on entry; on exit,
+    :func:`uninstall` unless it was already installed before entry (then ``merge_bw`` goes back to
+    what it was)."""
+    was, was_merging = is_installed(), merge_bw_enabled()
+    install(allow_untested, merge_bw=merge_bw)
     try:
         yield
     finally:
         if not was:
             uninstall()
+        else:
+            install(merge_bw=was_merging)

@@ -6,14 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ppbackward._bench import _replay
-from ppbackward._bench._replay import Action, merge_bw, simulate
-
-
-def test_merge_bw_merges_only_a_b_directly_followed_by_its_own_w():
-    acts = [Action(0, "F", 0), Action(0, "I", 0), Action(0, "W", 0), Action(0, "I", 1), Action(1, "W", 1), Action(0, "W", 1)]
-    merged, n = merge_bw(acts)
-    assert n == 1
-    assert merged == [Action(0, "F", 0), Action(0, "B", 0), Action(0, "I", 1), Action(1, "W", 1), Action(0, "W", 1)]
+from ppbackward._bench._replay import Action, simulate
 
 
 def test_simulate_one_rank_is_the_sum_and_two_ranks_wait_for_each_other():

@@ -12,6 +12,7 @@ LEAKY = str(HERE / "leaky_backward.py")
 TRAINING_ARGS = ("--models", "training")
 DP_ARGS = ("--models", "mlp,lora", "--dp", "2", "--wraps", "ddp,fsdp,fsdp-keep")
 TITAN_ARGS = ("--models", "titan,titan-sac", "--wraps", "none,fsdp-titan")  # issue 20
+ZB_SCHEDULES = ("--schedules", "ScheduleInterleavedZeroBubble,ScheduleZBVZeroBubble,ScheduleDualPipeV")
 CONTROL_ARGS = (
     "--schedules", "Schedule1F1B,ScheduleInterleavedZeroBubble", "--models", "mlp", "--metadata", "static"
 )
@@ -44,6 +45,11 @@ LAUNCHES: dict[str, LaunchSpec] = {
     # issue 20: torchtitan's shape (final norm, lm_head in the loss, its FSDP2 units), plain and as torchtitan shards it
     "training-titan": LaunchSpec(2, ("--backward", "ppbackward", *TITAN_ARGS)),
     "upstream-training-titan": LaunchSpec(2, ("--backward", "upstream", *TITAN_ARGS, "--case-timeout", "6")),
+    # issue 22: install(merge_bw=True), the zero-bubble schedules (test_merged.py)
+    "merged-ws2": LaunchSpec(2, ("--backward", "ppbackward-merged", *ZB_SCHEDULES), slow=False),
+    "merged-ws4": LaunchSpec(4, ("--backward", "ppbackward-merged", *ZB_SCHEDULES)),
+    "merged-training-ws2": LaunchSpec(2, ("--backward", "ppbackward-merged", *TRAINING_ARGS, *ZB_SCHEDULES)),
+    "merged-training-dp": LaunchSpec(4, ("--backward", "ppbackward-merged", *DP_ARGS, *ZB_SCHEDULES)),
     # torch's own backward raises on some zero-bubble cases; its peers then wait for the case timeout
     # (6 s, scaled by the launch's measured start-up: Note [timeouts scale with start-up] in the worker)
     "upstream-ws2": LaunchSpec(2, ("--backward", "upstream", "--case-timeout", "6")),

@@ -13,8 +13,9 @@ and instant. The step is the last rank's finish. Three costings of the zero-bubb
 * ``ideal``: B and W scaled so that B + W = the full backward (a split that costs nothing), in the
   measured proportion of B to W;
 * ``merged``: the measured costs, with every B directly followed on its rank by the W of the same
-  stage and microbatch run as one full backward instead (what torch's unused ``_merge_bw`` does to
-  an action list); ``merged_share`` is the fraction of W actions so merged.
+  stage and microbatch run as one full backward instead (``ppbackward.install(merge_bw=True)``:
+  ``ppbackward._merge.merge_actions``, Note [merged B and W]); ``merged_share`` is the fraction of W
+  actions so merged.
 
 ``ScheduleInterleaved1F1B`` runs F and full backwards and is the reference of every ratio.
 """
@@ -22,6 +23,8 @@ and instant. The step is the last rank's finish. Three costings of the zero-bubb
 from __future__ import annotations
 
 from typing import Any, NamedTuple
+
+from ppbackward._merge import merge_actions
 
 __all__: list[str] = []  # private module
 
@@ -40,8 +43,12 @@ class Action(NamedTuple):
     microbatch: int
 
 
-def action_lists(schedule: str, ranks: int, microbatches: int, stages_per_rank: int = 2) -> list[list[Action]]:
-    """Every rank's compute actions of ``schedule`` (a class name in ``torch...schedules``), in order.
+def action_lists(
+    schedule: str, ranks: int, microbatches: int, stages_per_rank: int = 2, merged: bool = False
+) -> list[list[Action]]:
+    """Every rank's compute actions of ``schedule`` (a class name in ``torch...schedules``), in order;
+    ``merged``: as ``install(merge_bw=True)`` runs them (each B directly followed by its own W one full
+    backward).
 
     Raises:
         RuntimeError: the installed torch has no planner (``_schedule_visualizer``) or it fails.
@@ -55,6 +62,8 @@ def action_lists(schedule: str, ranks: int, microbatches: int, stages_per_rank: 
         raise RuntimeError(f"no action lists for {schedule}: {type(e).__name__}: {e}") from e
     out = []
     for rank_ops in ops:
+        if merged:
+            rank_ops = merge_actions(rank_ops)[0]
         acts = []
         for a in rank_ops:
             if a is None:
@@ -64,24 +73,6 @@ def action_lists(schedule: str, ranks: int, microbatches: int, stages_per_rank: 
                 acts.append(Action(a.stage_index, kind, a.microbatch_index))
         out.append(acts)
     return out
-
-
-def merge_bw(actions: list[Action]) -> tuple[list[Action], int]:
-    """``actions`` with each ``I`` directly followed by its own ``W`` turned into one ``B``; and how many."""
-    out: list[Action] = []
-    merged = 0
-    i = 0
-    while i < len(actions):
-        a = actions[i]
-        nxt = actions[i + 1] if i + 1 < len(actions) else None
-        if a.kind == "I" and nxt is not None and nxt.kind == "W" and nxt[0::2] == a[0::2]:
-            out.append(Action(a.stage, "B", a.microbatch))
-            merged += 1
-            i += 2
-            continue
-        out.append(a)
-        i += 1
-    return out, merged
 
 
 def simulate(lists: list[list[Action]], costs: dict[str, float]) -> float:
@@ -141,10 +132,11 @@ def replay(costs: dict[str, float], ranks: int = 2, microbatches: int = 8) -> di
         lists = action_lists(zb, ranks, microbatches)
         for name, c in costings.items():
             step[f"{zb}/{name}"] = simulate(lists, c)
-        merged = [merge_bw(acts) for acts in lists]
-        step[f"{zb}/merged"] = simulate([m for m, _ in merged], costings["measured"])
+        merged = action_lists(zb, ranks, microbatches, merged=True)
+        step[f"{zb}/merged"] = simulate(merged, costings["measured"])
         n_w = sum(a.kind == "W" for acts in lists for a in acts)
-        share[zb] = sum(k for _, k in merged) / n_w if n_w else 0.0
+        n_left = sum(a.kind == "W" for acts in merged for a in acts)
+        share[zb] = (n_w - n_left) / n_w if n_w else 0.0
     ref = step[SCHEDULES[0]]
     return {
         "ranks": ranks,

@@ -20,7 +20,9 @@ Per rank and per step of every case it records (numbers in ``<out>/rank<r>.json`
    (``ModelSpec.accumulations`` times for a parameter the model accumulates into more often: titan's ``lm_head``).
 
 ``--backward`` selects the stage backward: ``upstream`` (torch's own), ``ppbackward``
-(``ppbackward.install()``), or ``leaky:<module or path.py>`` (a test-only module whose ``install()``
+(``ppbackward.install()``), ``ppbackward-merged`` (``ppbackward.install(merge_bw=True)``: Note [merged B
+and W] in :mod:`ppbackward._merge`; each case records its rank's lowered compute actions by kind in
+``actions``), or ``leaky:<module or path.py>`` (a test-only module whose ``install()``
 swaps in a deliberately leaky backward).
 
 Every case runs on its own gloo subgroup with ``--case-timeout``; an exception in a case is recorded and
@@ -108,10 +110,10 @@ def select_backward(mode: str) -> dict[str, str]:
             import ppbackward
 
             ppbackward.uninstall()
-    elif mode == "ppbackward":
+    elif mode in ("ppbackward", "ppbackward-merged"):
         import ppbackward
 
-        ppbackward.install()
+        ppbackward.install(merge_bw=mode == "ppbackward-merged")
         adapter = ppbackward.active_adapter()
         if adapter is None:
             raise RuntimeError("ppbackward.install() returned but reports no active adapter")
@@ -121,7 +123,9 @@ def select_backward(mode: str) -> dict[str, str]:
     elif mode.startswith("leaky:"):
         _load_module(mode[len("leaky:") :]).install()
     else:
-        raise ValueError(f"unknown --backward {mode!r}: expected upstream, ppbackward or leaky:<module>")
+        raise ValueError(
+            f"unknown --backward {mode!r}: expected upstream, ppbackward, ppbackward-merged or leaky:<module>"
+        )
     found = {name: getattr(stage_mod, name) for name in NAMES}
     return {name: f"{fn.__module__}.{fn.__qualname__}" for name, fn in found.items()}
 
@@ -388,6 +392,22 @@ def case_id(schedule: str, model: str, wrap: str = "none") -> str:
     return f"{schedule}/{model}" + ("" if wrap == "none" else f"+{wrap}")
 
 
+def action_counts(schedule: Any) -> dict[str, int]:
+    """This rank's compute actions as the schedule will run them, by kind: ``{"F": n, "B": n (full
+    backwards), "I": n (B), "W": n}`` from a runtime schedule's lowered list (its top-level actions),
+    ``{}`` for a schedule without one."""
+    lowered = getattr(schedule, "pipeline_order_with_comms", None)
+    if not lowered:
+        return {}
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    counts = dict.fromkeys(kinds.values(), 0)
+    for action in lowered[schedule.rank]:
+        kind = kinds.get(action.computation_type.name)
+        if kind:
+            counts[kind] += 1
+    return counts
+
+
 def run_case(
     case: sched.ScheduleCase,
     spec: zoo.ModelSpec,
@@ -453,6 +473,7 @@ def run_case(
         ]
         del meta, wrapped
         schedule = case.build(pp_stages, spec.loss_of(local.get(case.num_stages - 1)))
+        record["actions"] = action_counts(schedule)
         reference_loss = spec.loss_of(reference[-1])
         # FSDP2's autograd runs on unsharded copies of its parameters: hooks on the sharded ones never fire
         hooks = probes.HookCounter([] if wrap.startswith("fsdp") else named)
@@ -498,7 +519,9 @@ def run_case(
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ppbackward._harness.worker", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for rank<r>.json verdicts and rank<r>.log logs")
-    p.add_argument("--backward", default="upstream", help="upstream | ppbackward | leaky:<module or path.py>")
+    p.add_argument(
+        "--backward", default="upstream", help="upstream | ppbackward | ppbackward-merged | leaky:<module or path.py>"
+    )
     p.add_argument("--schedules", default="all", help="comma-separated schedule class names, or 'all'")
     p.add_argument(
         "--models", default="core",

@@ -1,0 +1,118 @@
+"""Run a B and the W that directly follows it as one full backward (issue 22; opt-in).
+
+Private module; the switch is ``ppbackward.install(merge_bw=True)`` (and ``python -m ppbackward.run
+--merge-bw``). Note [merged B and W]: a zero-bubble schedule splits each backward into B (input grads,
+``BACKWARD_INPUT``) and W (weight grads, ``BACKWARD_WEIGHT``) so that W can fill a bubble later. Where a
+rank's compute order runs W right after its own B (same stage, same microbatch, nothing but idle slots
+between), the split buys nothing: no other work runs between them, and the pair costs more than one
+full backward (docs/performance.md measures by how much). :func:`merge_actions` turns each such pair into
+one ``FULL_BACKWARD`` action in the compute-only action list; torch's own lowering then places the
+sends, receives, unshards, reshards and grad reductions around it as it does for any full backward. This
+is what torch's unused ``schedules._merge_bw`` describes; the code here is ppbackward's own.
+
+What changes for a step, and what does not:
+
+* every (stage, microbatch) still runs its forward once and its backward once; gradients are those of a
+  full backward, which ppbackward computes exactly as its B + W (both equal plain autograd);
+* the merged pair's input gradient is sent after the pair's weight gradients were computed (a W later
+  than a split B would send it): the downstream rank may wait that long;
+* parameter hooks (post-accumulate-grad hooks, DDP's and FSDP2's reduce hooks) run in the full
+  backward, when a full-backward schedule runs them;
+* the runtime's count of finished backwards per stage (which decides the last backward, and so when DDP
+  and FSDP2 reduce) counts a full backward as it counts a W, so the last backward is unchanged;
+* the schedule's compute-only ``pipeline_order`` is left as torch planned it; what runs is
+  ``pipeline_order_with_comms``, lowered from the merged list.
+
+Only schedules built on torch's ``_PipelineScheduleRuntime`` (the ones that lower a compute-only list:
+``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` on torch 2.13) are
+merged, and only when they are built while the switch is on; a schedule that runs its time steps in
+lock step (``PipelineScheduleMulti`` without a lowering) is left as it is, since moving one rank's
+action would change which peer action it meets.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__: list[str] = []  # private module; the switch is ppbackward.install(merge_bw=True)
+
+
+def _schedules() -> Any:
+    from torch.distributed.pipelining import schedules
+
+    return schedules
+
+
+def merge_actions(actions: Sequence[Any]) -> tuple[list[Any], int]:
+    """One rank's compute-only action list with every B directly followed by its own W made one full backward.
+
+    Args:
+        actions: torch ``_Action`` records (``stage_index``, ``computation_type``, ``microbatch_index``)
+            and ``None`` idle slots, in the rank's compute order. "Directly followed" skips idle slots
+            only; an action with ``sub_actions`` (``OVERLAP_F_B``) is never merged into.
+
+    Returns:
+        ``(merged list, number of pairs merged)``. The B's slot becomes a ``FULL_BACKWARD`` action of
+        the same stage and microbatch; the W is dropped; idle slots and every other action keep their
+        order (Note [merged B and W]).
+    """
+    s = _schedules()
+    out: list[Any] = []
+    merged = 0
+    skip: int | None = None
+    for i, action in enumerate(actions):
+        if i == skip:
+            continue
+        nxt = next((j for j in range(i + 1, len(actions)) if actions[j] is not None), None)
+        if (
+            action is not None
+            and action.computation_type == s.BACKWARD_INPUT
+            and nxt is not None
+            and _is_own_w(actions[nxt], action, s.BACKWARD_WEIGHT)
+        ):
+            out.append(action._replace(computation_type=s.FULL_BACKWARD))
+            merged += 1
+            skip = nxt
+            continue
+        out.append(action)
+    return out, merged
+
+
+def _is_own_w(candidate: Any, b: Any, weight_type: Any) -> bool:
+    return (
+        candidate.computation_type == weight_type
+        and getattr(candidate, "sub_actions", None) is None
+        and candidate.stage_index == b.stage_index
+        and candidate.microbatch_index == b.microbatch_index
+    )
+
+
+def lowering() -> tuple[type, Callable[..., Any]]:
+    """``(torch's _PipelineScheduleRuntime, its _prepare_schedule_with_comms)``, the method the switch wraps.
+
+    Raises:
+        RuntimeError: the installed torch has no such class or method (the message names which).
+    """
+    s = _schedules()
+    cls = getattr(s, "_PipelineScheduleRuntime", None)
+    method = getattr(cls, "_prepare_schedule_with_comms", None) if cls is not None else None
+    if cls is None or method is None:
+        missing = "_PipelineScheduleRuntime" if cls is None else "_PipelineScheduleRuntime._prepare_schedule_with_comms"
+        raise RuntimeError(f"merge_bw: this torch's pipelining/schedules.py has no {missing}; cannot merge B and W")
+    return cls, method
+
+
+def merging(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (torch's ``_prepare_schedule_with_comms``) with every rank's compute-only list merged
+    first (:func:`merge_actions`); a ``compute_comms`` list passes untouched."""
+
+    @functools.wraps(original)
+    def prepare(self: Any, actions: dict[int, list[Any]], format: str = "compute_only") -> Any:
+        if format == "compute_only":
+            actions = {rank: merge_actions(acts)[0] for rank, acts in actions.items()}
+        return original(self, actions, format)
+
+    prepare.__ppbackward_merging__ = True  # type: ignore[attr-defined]
+    return prepare
