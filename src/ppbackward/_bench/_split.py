@@ -301,6 +301,9 @@ def run(args: Any, meta: dict[str, Any]) -> int:
         except _schedule.ScheduleBenchError as e:
             report["schedule"] = {"error": str(e)}
             failed = True
+    if getattr(args, "one_rank_step", False):
+        report["one_rank_step"] = _one_rank_step(args, device)
+        failed = failed or not report["one_rank_step"].get("grads_match", False)
     report["targets"] = targets(report["split"], report.get("schedule"))
     report["meta"]["loadavg_end"] = _loadavg()
     print(format_run(report, _report))
@@ -308,6 +311,19 @@ def run(args: Any, meta: dict[str, Any]) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 1 if failed else 0
+
+
+def _one_rank_step(args: Any, device: torch.device) -> dict[str, Any]:
+    """``--one-rank-step``: ``_one_rank.measure`` (tiny with ``--quick``), or ``{"error": why}``."""
+    from ppbackward._bench import _one_rank
+
+    cfg = _one_rank.QUICK if args.quick else _one_rank.OneRankConfig(
+        d_model=args.schedule_d_model, repeats=args.schedule_repeats
+    )
+    try:
+        return _one_rank.measure(cfg, device)
+    except RuntimeError as e:
+        return {"error": str(e)}
 
 
 def _loadavg() -> float | None:
@@ -340,5 +356,9 @@ def format_run(report: dict[str, Any], rep: Any) -> str:
                 f"{sched['microbatches']} microbatches; ratio to Interleaved1F1B): "
                 + "  ".join(f"{k} {v:.2f}x" for k, v in r.items())
             )
+    if "one_rank_step" in report:
+        from ppbackward._bench._one_rank import format_one_rank
+
+        parts.append(format_one_rank(report["one_rank_step"]))
     parts.append(rep.targets_table(report["targets"], "issue 22; docs/performance.md"))
     return "\n".join(parts)
