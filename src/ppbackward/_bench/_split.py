@@ -273,8 +273,9 @@ def format_split(result: dict[str, Any]) -> str:
 
 
 def run(args: Any, meta: dict[str, Any]) -> int:
-    """``ppbackward bench --split``: measure, replay, optionally the real torchrun step; print and
-    write JSON (``args.json``). Returns 0, or 1 when the schedule run failed or its grads differ."""
+    """``ppbackward bench --split``: measure, replay, optionally the real torchrun step and the one-rank
+    step (``_one_rank``); print and write JSON (``args.json``). Returns 0, or 1 when a schedule run
+    failed or its grads differ."""
     import json
 
     from ppbackward._bench import _models, _report
@@ -301,7 +302,7 @@ def run(args: Any, meta: dict[str, Any]) -> int:
         except _schedule.ScheduleBenchError as e:
             report["schedule"] = {"error": str(e)}
             failed = True
-    if getattr(args, "one_rank_step", False):
+    if args.one_rank_step:
         report["one_rank_step"] = _one_rank_step(args, device)
         failed = failed or not report["one_rank_step"].get("grads_match", False)
     report["targets"] = targets(report["split"], report.get("schedule"))
