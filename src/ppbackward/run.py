@@ -4,6 +4,7 @@
 
     python -m ppbackward.run SCRIPT ARGS...          # as `python SCRIPT ARGS...`
     python -m ppbackward.run -m MODULE ARGS...       # as `python -m MODULE ARGS...`
+    python -m ppbackward.run --merge-bw -m MODULE ARGS...   # install(merge_bw=True)
     torchrun --nproc-per-node 8 -m ppbackward.run -m torchtitan.train --module llama3 ...
 
 :func:`main` calls :func:`ppbackward.install` and then runs the target with :mod:`runpy` the way the
@@ -11,7 +12,10 @@ interpreter itself would: ``sys.argv`` is ``[SCRIPT, ARGS...]`` (``[full path of
 ARGS...]`` for ``-m``), ``sys.path[0]`` is the script's folder (the current directory for ``-m``), the
 target's ``SystemExit`` code is the exit code, and an exception is printed with the target's traceback
 (this module's and runpy's frames left out) and exit code 1. Everything after SCRIPT or MODULE is
-passed through untouched, options that look like ``ppbackward.run``'s own included. Under torchrun
+passed through untouched, options that look like ``ppbackward.run``'s own included. ``--merge-bw``
+(before SCRIPT or ``-m``; the launcher's one option) installs with ``merge_bw=True``: each B of a
+zero-bubble schedule directly followed by its own W runs as one full backward (Note [merged B and W] in
+``ppbackward._merge``). Under torchrun
 every rank runs this module, so every rank installs ppbackward before the target starts.
 
 A refusal -- the installed torch outside ``ppbackward.SUPPORTED_TORCH``, or a ``stage.py`` whose contract
@@ -33,7 +37,7 @@ import traceback
 
 __all__ = ["main"]
 
-USAGE = "usage: python -m ppbackward.run (SCRIPT | -m MODULE) [ARGS...]"
+USAGE = "usage: python -m ppbackward.run [--merge-bw] (SCRIPT | -m MODULE) [ARGS...]"
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
 
@@ -56,12 +60,12 @@ def _parse(argv: list[str]) -> tuple[str, str, list[str]] | str:
     return "script", first, argv[1:]
 
 
-def _install() -> str | None:
+def _install(merge_bw: bool) -> str | None:
     """Install ppbackward; the refusal's one-line reason, or ``None`` once installed."""
     from ppbackward import UnsupportedTorchError, install
 
     try:
-        install()
+        install(merge_bw=merge_bw)
     except UnsupportedTorchError as exc:
         return str(exc).splitlines()[0]
     return None
@@ -77,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     An exception raised by the target is printed (its traceback from the target's first frame) and gives
     ``1``; ``KeyboardInterrupt`` and other ``BaseException``\\ s besides ``SystemExit`` propagate.
     """
-    parsed = _parse(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    merge_bw = bool(argv) and argv[0] == "--merge-bw"
+    parsed = _parse(argv[1:] if merge_bw else argv)
     if isinstance(parsed, str):
         if not parsed:
             print(USAGE)
@@ -88,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if kind == "script" and not os.path.exists(target):
         print(f"ppbackward.run: can't open file {target!r}: no such file", file=sys.stderr)
         return EXIT_USAGE
-    refused = _install()
+    refused = _install(merge_bw)
     if refused is not None:
         print(f"ppbackward.run: not running {target}: {refused}", file=sys.stderr)
         return EXIT_REFUSED

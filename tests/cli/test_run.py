@@ -38,6 +38,7 @@ PROBE = textwrap.dedent(
         "swapped": s.stage_backward_input is ppbackward.stage_backward_input
                    and b.stage_backward_weight is ppbackward.stage_backward_weight,
         "rank": os.environ.get("RANK"),
+        "merging": ppbackward._install.merge_bw_enabled(),
     }
     out = os.environ.get("PROBE_OUT")
     if out:
@@ -87,9 +88,17 @@ def test_script_runs_as_main_with_ppbackward_installed(probe, tmp_path):
     assert result.returncode == 0, result.stderr
     report = _report(result)
     assert report == {**report, "name": "__main__", "argv": [str(probe), *args], "path0": str(probe.parent),
-                      "installed": True, "swapped": True}
+                      "installed": True, "swapped": True, "merging": False}
     plain = _report(_python(str(probe), *args, cwd=tmp_path))  # what `python SCRIPT` gives
     assert (plain["argv"], plain["path0"], plain["installed"]) == (report["argv"], report["path0"], False)
+
+
+def test_merge_bw_installs_with_merge_bw_and_passes_the_targets_own_option_through(probe, tmp_path):
+    cwd = probe.parent
+    result = _python("-m", "ppbackward.run", "--merge-bw", "-m", "probe_mod", "--merge-bw", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    report = _report(result)
+    assert (report["installed"], report["merging"], report["argv"][1:]) == (True, True, ["--merge-bw"])
 
 
 def test_module_runs_as_main_like_python_dash_m(probe, tmp_path):

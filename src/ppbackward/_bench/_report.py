@@ -64,10 +64,12 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         for zb in ZERO_BUBBLE:
             pp, up = f"{zb}/ppbackward", f"{zb}/upstream"
             where = f"{zb}, torchrun {sched['ranks']} ranks"
-            rows.append(_target(
-                "zero-bubble step (ppbackward) <= 1.0x Interleaved1F1B step (torch)", where,
-                sched["ratio_to_1f1b"][pp], 1.0,
-            ))
+            for backward in ("ppbackward", "merged"):
+                if f"{zb}/{backward}" in ms:
+                    rows.append(_target(
+                        f"zero-bubble step ({backward}) <= 1.0x Interleaved1F1B step (torch)", where,
+                        sched["ratio_to_1f1b"][f"{zb}/{backward}"], 1.0,
+                    ))
             rows.append(_target("zero-bubble step: ppbackward <= 0.9x torch's", where, ms[pp] / ms[up], 0.9))
             rows.append(_target(
                 "zero-bubble peak live saved bytes: ppbackward <= torch's", where,
@@ -254,10 +256,10 @@ def format_text(report: dict[str, Any]) -> str:
             for name in sched["variants"]:
                 m = sched["memory"][name]
                 schedule, backward = name.split("/")
-                other = f"{schedule}/{'upstream' if backward == 'ppbackward' else 'ppbackward'}"
+                other = f"{schedule}/upstream"
                 rows.append([
                     schedule, backward, f"{sched['step_ms'][name]:.1f}", _x(sched["ratio_to_1f1b"][name]),
-                    f"{sched['step_ms'][name] / sched['step_ms'][other]:.2f}" if backward == "ppbackward" else "",
+                    f"{sched['step_ms'][name] / sched['step_ms'][other]:.2f}" if backward != "upstream" else "",
                     _mib(m["rss_peak_bytes"]), _mib(m["rss_growth_bytes"]), _mib(m["saved_peak_bytes"], 2),
                 ])
             parts.append(
@@ -270,9 +272,35 @@ def format_text(report: dict[str, Any]) -> str:
                     ["schedule", "backward", "step ms", "vs 1F1B", "pp/up", "peak RSS", "RSS growth", "saved peak"],
                     rows, left=2,
                 )
+                + step_parts_table(sched)
             )
     parts.append(targets_table(report["targets"], "docs/performance.md"))
     return "\n".join(parts)
+
+
+def step_parts_table(sched: dict[str, Any], replayed: dict[str, float] | None = None) -> str:
+    """Where the real step's time goes, per variant and rank (Note [step parts] in ``_schedule_worker``):
+    ms of F, full backwards, B, W, waiting for a peer and the rest, in each variant's fastest step;
+    ``replayed``: ``{variant: replayed step ms}`` (the replay of the same stage shape, sending free),
+    shown beside the slowest rank's step."""
+    parts = sched.get("parts_ms")
+    if not parts:
+        return ""
+    kinds = ("F", "full", "B", "W", "wait", "other")
+    rows = []
+    for name, ranks in parts.items():
+        replay = (replayed or {}).get(name)
+        for r, p in enumerate(ranks):
+            rows.append([
+                name if r == 0 else "", str(r), f"{p['step']:.1f}", *(f"{p[k]:.1f}" for k in kinds),
+                f"{replay:.1f}" if replay is not None and r == 0 else "",
+            ])
+    return (
+        "\nStep parts (Note [step parts]: ms on each rank in the variant's fastest step; wait = blocked on a "
+        "peer's send or receive, other = the schedule's own work, posting sends, the loss; replayed = the "
+        "same step replayed from the split's costs, sending free)\n"
+        + format_table(["variant", "rank", "step", *kinds, "replayed"], rows, left=1)
+    )
 
 
 def targets_table(targets: list[dict[str, Any]], source: str) -> str:

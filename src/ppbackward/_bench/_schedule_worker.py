@@ -10,29 +10,42 @@ layers (stage ``i`` built from seed ``100 + i``, so every schedule trains the sa
   ``stage_backward`` and with ppbackward's;
 * ``ScheduleInterleavedZeroBubble`` (loop placement: this rank holds stages ``rank`` and
   ``rank + world``) and ``ScheduleZBVZeroBubble`` (V placement: ``rank`` and ``2 * world - 1 -
-  rank``), each with torch's B/W (``ppbackward.uninstall()``) and with ppbackward's
-  (``ppbackward.install()``).
+  rank``), each with torch's B/W (``ppbackward.uninstall()``), with ppbackward's
+  (``ppbackward.install()``), and ``merged``: with ppbackward's, the schedule built while
+  ``install(merge_bw=True)`` was on (each B directly followed by its own W one full backward: Note
+  [merged B and W] in ``ppbackward._merge``).
 
 After one warm-up step each, every repeat runs every variant once, in an order rotated by one per
-repeat; a step's time is the slowest rank's; the figure is the minimum over repeats. Then one
-untimed step per variant measures memory: the RSS high-water mark (``/proc/self/status`` ``VmHWM``,
-reset by writing ``5`` to ``/proc/self/clear_refs`` after ``malloc_trim`` returned freed heap to the
-system, so each variant starts from the same floor) and the peak bytes of live saved activations
-(after each stage forward, weak references to the storages the new graph saved, parameters
-excluded; saved tensors are only created by forwards here, so the largest sum seen right after a
-forward is the peak). No saved-tensor hook is installed (it would change what ppbackward's B does:
-Note [hooked saved tensors run once]). Exactness comes first, with each variant's first (warm-up)
-step: ``ScheduleInterleaved1F1B`` under torch's backward is the reference, its gradients gathered from
-every rank by global stage index (the V placement puts on this rank a stage that the loop placement
-puts on another), and every other variant's gradients are compared with it for every stage it holds;
-the verdict is reduced over ranks. Rank 0 writes the result as JSON to ``--out``; every rank writes
-its pid to ``rank<r>.pid`` next to it, for the launcher to kill it on a timeout (Note [killing a hung
-launch] in ``ppbackward._torchrun``).
+repeat; a step's time is the slowest rank's; the figure is the minimum over repeats. Then one untimed
+step per variant measures memory; the timed steps also record their parts (Note [step parts]). Memory:
+the RSS high-water mark (``/proc/self/status`` ``VmHWM``, reset by writing ``5`` to
+``/proc/self/clear_refs`` after ``malloc_trim`` returned freed heap to the system, so each variant
+starts from the same floor) and the peak bytes of live saved activations (after each stage forward, weak
+references to the storages the new graph saved, parameters excluded; saved tensors are only created by
+forwards here, so the largest sum seen right after a forward is the peak). No saved-tensor hook is
+installed (it would change what ppbackward's B does: Note [hooked saved tensors run once]). Exactness
+comes first, with each variant's first (warm-up) step: ``ScheduleInterleaved1F1B`` under torch's
+backward is the reference, its gradients gathered from every rank by global stage index (the V placement
+puts on this rank a stage that the loop placement puts on another), and every other variant's gradients
+are compared with it for every stage it holds; the verdict is reduced over ranks. Rank 0 writes the
+result as JSON to ``--out``; every rank writes its pid to ``rank<r>.pid`` next to it, for the launcher
+to kill it on a timeout (Note [killing a hung launch] in ``ppbackward._torchrun``).
+
+Note [step parts]: where a step's time goes on each rank, in the fastest timed step of each variant.
+While the steps are timed, every call of this rank's stages is timed (``forward_one_chunk``: F;
+``backward_one_chunk``: a full backward or B, by its ``full_backward`` argument;
+``backward_weight_one_chunk``: W), and so is every wait for a peer's send or receive (torch's
+``schedules._wait_batch_p2p``, called through, put back after; about a microsecond per call).
+``other`` is the step's rest on that rank: the schedule's own Python, posting sends and receives, the
+loss. Against the replayed step (compute at the costs measured alone, sending free) the parts say which
+share of a real step's excess is the split's cost (B + W against full), which is waiting for a peer,
+and which is the runtime's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -61,8 +74,10 @@ VARIANTS = (
     ("ScheduleInterleaved1F1B", "loop", "ppbackward"),
     ("ScheduleInterleavedZeroBubble", "loop", "upstream"),
     ("ScheduleInterleavedZeroBubble", "loop", "ppbackward"),
+    ("ScheduleInterleavedZeroBubble", "loop", "merged"),
     ("ScheduleZBVZeroBubble", "v", "upstream"),
     ("ScheduleZBVZeroBubble", "v", "ppbackward"),
+    ("ScheduleZBVZeroBubble", "v", "merged"),
 )
 
 
@@ -147,6 +162,50 @@ class _SavedPeak:
         self.storages.clear()
 
 
+class _StepParts:
+    """Where one step's time goes on this rank (Note [step parts]): while in place, every stage call and
+    every wait for a peer is timed, by kind, in ms."""
+
+    KINDS = ("F", "full", "B", "W", "wait")
+
+    def __init__(self, stages: Sequence[Any]) -> None:
+        self.ms = dict.fromkeys(self.KINDS, 0.0)
+        self.parts: dict[str, float] = {}
+        self._stages = list(stages)
+        for stage in self._stages:
+            fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+            stage.forward_one_chunk = self._timed(fwd, lambda *a, **k: "F")
+            stage.backward_one_chunk = self._timed(bwd, lambda *a, **k: "full" if k.get("full_backward", True) else "B")
+            stage.backward_weight_one_chunk = self._timed(wgt, lambda *a, **k: "W")
+        self._wait = _schedules._wait_batch_p2p
+        _schedules._wait_batch_p2p = self._timed(self._wait, lambda *a, **k: "wait")
+
+    def _timed(self, fn: Any, kind_of: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ms[kind_of(*args, **kwargs)] += (time.perf_counter() - t0) * 1e3
+
+        return timed
+
+    def reset(self) -> None:
+        self.ms = dict.fromkeys(self.KINDS, 0.0)
+
+    def finish(self, own_s: float) -> None:
+        """``parts``: the step's parts on this rank, ms, ``other`` the rest of its ``own_s`` seconds."""
+        step = own_s * 1e3
+        parts = {**self.ms, "other": step - sum(self.ms.values()), "step": step}
+        self.parts = {k: round(v, 3) for k, v in parts.items()}
+
+    def remove(self) -> None:
+        _schedules._wait_batch_p2p = self._wait
+        for stage in self._stages:  # the instance attributes go; the class's methods show again
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                vars(stage).pop(name, None)
+
+
 class _Variant:
     """One schedule over this rank's stages, with the backward it runs under."""
 
@@ -155,23 +214,33 @@ class _Variant:
     ) -> None:
         shape = (args.microbatch_size, args.seq, args.d_model)
         stages = build_stages(modules, stage_ids, 2 * dist.get_world_size(), shape, torch.device("cpu"))
+        self.stages = stages
         self.name = variant_name(schedule, backward)
         self.backward = backward
         self.stage_ids = list(stage_ids)
         self.modules = [modules[i] for i in stage_ids]
         self.params = [q for m in self.modules for q in m.parameters()]
-        self.schedule = getattr(_schedules, schedule)(
-            stages, n_microbatches=args.microbatches, loss_fn=_loss, scale_grads=False
-        )
+        merge = contextlib.nullcontext() if backward != "merged" else ppbackward.installed(merge_bw=True)
+        with merge:  # a schedule lowers its action list when it is built
+            self.schedule = getattr(_schedules, schedule)(
+                stages, n_microbatches=args.microbatches, loss_fn=_loss, scale_grads=False
+            )
 
-    def step(self, x: torch.Tensor, target: torch.Tensor) -> float:
-        (ppbackward.install if self.backward == "ppbackward" else ppbackward.uninstall)()
+    def step(self, x: torch.Tensor, target: torch.Tensor, timer: _StepParts | None = None) -> float:
+        """One step; its time in seconds on the slowest rank. ``timer``: reset first, and left holding this
+        rank's parts of the step (Note [step parts])."""
+        (ppbackward.uninstall if self.backward == "upstream" else ppbackward.install)()
         for q in self.params:
             q.grad = None
         dist.barrier()
+        if timer is not None:
+            timer.reset()
         t0 = time.perf_counter()
         self.schedule.step(x, target=target, losses=[])
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        own = time.perf_counter() - t0
+        if timer is not None:
+            timer.finish(own)
+        elapsed = torch.tensor([own], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed.item())
 
@@ -259,9 +328,19 @@ def _run(args: argparse.Namespace) -> int:
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
 
     best = {v.name: float("inf") for v in variants}
-    for order in _rotations(tuple(variants), args.repeats):
-        for v in order:
-            best[v.name] = min(best[v.name], v.step(x, target))
+    mine: dict[str, dict[str, float]] = {}  # this rank's parts of each variant's fastest step
+    timer = _StepParts([st for v in variants for st in v.stages])
+    try:
+        for order in _rotations(tuple(variants), args.repeats):
+            for v in order:
+                elapsed = v.step(x, target, timer)
+                if elapsed < best[v.name]:
+                    best[v.name], mine[v.name] = elapsed, timer.parts
+    finally:
+        timer.remove()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    parts = {v.name: [g[v.name] for g in gathered] for v in variants}
     memory = {v.name: _reduce_max(v.memory(x, target)) for v in variants}
     base = best[variant_name("ScheduleInterleaved1F1B", "upstream")]
     if rank == 0:
@@ -278,6 +357,7 @@ def _run(args: argparse.Namespace) -> int:
             "step_ms": {k: t * 1e3 for k, t in best.items()},
             "ratio_to_1f1b": {k: t / base for k, t in best.items()},
             "memory": memory,
+            "parts_ms": parts,
             "grads_match": bool(verdict.item()),
         }
         with open(args.out, "w") as f:
