@@ -38,7 +38,7 @@ def test_every_variant_runs_exactly(result):
 def test_lowered_backward_actions(result):
     per_step = _one_rank.STAGES * TINY.microbatches
     for name, acts in result["backward_actions"].items():
-        if name.startswith("Interleaved1F1B") or name.endswith("ppbackward-merged"):
+        if name.startswith("Interleaved1F1B") or name.endswith("merged"):
             # one rank: every W directly follows its own B, so every pair is merged
             assert acts == {"B": 0, "W": 0, "full": per_step}, name
         else:
@@ -60,7 +60,7 @@ def test_formatted_table(result):
     assert "One-rank step (cpu, gloo, world 1" in text
     for name in result["variants"]:
         assert name in text
-    assert "ZBVZeroBubble/ppbackward-merged" in text and "0/0/8" in text
+    assert "ZBVZeroBubble/merged" in text and "0/0/8" in text
 
 
 def test_a_schedule_torch_refuses_is_skipped_with_its_message(monkeypatch):

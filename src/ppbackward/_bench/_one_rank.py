@@ -55,10 +55,10 @@ VARIANTS = (
     ("ScheduleInterleaved1F1B", "ppbackward"),
     ("ScheduleInterleavedZeroBubble", "upstream"),
     ("ScheduleInterleavedZeroBubble", "ppbackward"),
-    ("ScheduleInterleavedZeroBubble", "ppbackward-merged"),
+    ("ScheduleInterleavedZeroBubble", "merged"),
     ("ScheduleZBVZeroBubble", "upstream"),
     ("ScheduleZBVZeroBubble", "ppbackward"),
-    ("ScheduleZBVZeroBubble", "ppbackward-merged"),
+    ("ScheduleZBVZeroBubble", "merged"),
 )
 
 
@@ -126,16 +126,11 @@ class _Variant:
         self.peak_bytes: int | None = None
         shape = (cfg.microbatch_size, cfg.seq, cfg.d_model)
         stages = build_stages(dict(enumerate(modules)), range(STAGES), STAGES, shape, device)
-        merged = backward == "ppbackward-merged"
-        if merged:  # the switch only matters while the schedule is built (it lowers its actions then)
-            ppbackward.install(merge_bw=True)
-        try:
+        merge = ppbackward.installed(merge_bw=True) if backward == "merged" else contextlib.nullcontext()
+        with merge:  # the switch only matters while the schedule is built (it lowers its actions then)
             self.schedule = getattr(_schedules, schedule)(
                 stages, n_microbatches=cfg.microbatches, loss_fn=_loss, scale_grads=False
             )
-        finally:
-            if merged:
-                ppbackward.install(merge_bw=False)
 
     def step(self, x: torch.Tensor, target: torch.Tensor) -> float:
         """One schedule step from grads ``None``; returns its seconds (device work included)."""
