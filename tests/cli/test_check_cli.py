@@ -105,6 +105,21 @@ def test_schedule_names_are_stripped_before_they_reach_the_workers():
     assert everything[everything.index("--schedules") + 1] == "all"
 
 
+def test_merge_bw_reaches_ppbackwards_workers_only():
+    """Issue 22: ``--merge-bw`` runs ppbackward's side as the harness's ``ppbackward-merged`` backward
+    (``install(merge_bw=True)``; tests/multiproc/test_merged.py shows that backward exact); torch's side
+    is torch's schedule as planned."""
+    from ppbackward._harness.scenarios import SCENARIOS
+
+    args = _check._parser().parse_args(["--merge-bw"])
+    ours = _check.worker_args("ppbackward", SCENARIOS["mlp"], args, None)
+    theirs = _check.worker_args("upstream", SCENARIOS["mlp"], args, None)
+    assert ours[ours.index("--backward") + 1] == "ppbackward-merged"
+    assert theirs[theirs.index("--backward") + 1] == "upstream"
+    plain = _check.worker_args("ppbackward", SCENARIOS["mlp"], _check._parser().parse_args([]), None)
+    assert plain[plain.index("--backward") + 1] == "ppbackward"
+
+
 def test_help_lists_exit_codes_and_the_models_of_each_scenario(capsys):
     with pytest.raises(SystemExit):
         main(["check", "--help"])

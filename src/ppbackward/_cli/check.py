@@ -106,6 +106,11 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a launch may go without any rank finishing a case, once every rank has started; then "
         "every rank's stack is written to its log and the launch is killed",
     )
+    p.add_argument(
+        "--merge-bw", action="store_true",
+        help="ppbackward's side builds its schedules under install(merge_bw=True): each B of a zero-bubble "
+        "schedule directly followed by its own W runs as one full backward (docs/api.md)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument(
         "--logs", metavar="DIR",
@@ -286,6 +291,8 @@ def _schedule_names(text: str) -> list[str] | None:
 
 def worker_args(backward: str, scenario: Any, args: argparse.Namespace, only: list[str] | None) -> list[str]:
     """The harness worker's arguments for one launch; the schedules as validated (names stripped)."""
+    if backward == "ppbackward" and getattr(args, "merge_bw", False):
+        backward = "ppbackward-merged"  # install(merge_bw=True) in the workers; results stay under "ppbackward"
     return [
         "--backward", backward, *scenario.worker_args(), "--schedules", "all" if only is None else ",".join(only),
         "--steps", str(args.steps), "--microbatches", str(args.microbatches),
@@ -484,6 +491,7 @@ def _write_json(path: str, args: argparse.Namespace, runs: list[_ScenarioRun], m
         },
         "memory": memory,
         "passed": passed,
+        "merge_bw": bool(args.merge_bw),
         "verdict": verdict,
         "logs": None if logs is None else str(logs),
     }
@@ -496,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     print(
         f"ppbackward check: torch {torch.__version__}; scenarios {', '.join(s.name for s in scenarios)}; "
-        f"{args.steps} step(s) per case",
+        f"{args.steps} step(s) per case" + ("; ppbackward with merge_bw=True" if args.merge_bw else ""),
         flush=True,
     )
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="ppbackward-check-"))
