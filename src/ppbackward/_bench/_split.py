@@ -365,7 +365,8 @@ def format_run(report: dict[str, Any], rep: Any) -> str:
     parts = [
         f"ppbackward bench --split  {m['date']}  torch {m['torch']}  device {report['split']['device']}  "
         f"{m['cpu_count']} CPU cores, 1 torch thread; ppbackward {m.get('ppbackward_commit')}; "
-        f"1-min load average {m.get('loadavg_start')} at start, {m.get('loadavg_end')} at end",
+        f"1-min load average {m.get('loadavg_start')} at start, {m.get('loadavg_end')} at end; "
+        f"CPU allocator: {m.get('allocator', 'not recorded')}",
         format_split(report["split"]),
     ]
     sched = report.get("schedule")

@@ -168,7 +168,18 @@ def _meta(argv: list[str]) -> dict[str, Any]:
         "ppbackward_commit": _git_commit(),
         "argv": argv,
         "loadavg_start": _loadavg(),
+        "allocator": _allocator(),
     }
+
+
+def _allocator() -> str:
+    """The CPU allocator settings that change W's cost (docs/performance.md, "The allocator"): the
+    ``MALLOC_*`` variables glibc reads and an ``LD_PRELOAD``ed jemalloc or tcmalloc; ``"glibc
+    defaults"`` without them."""
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") and k.endswith("_")]
+    preload = os.environ.get("LD_PRELOAD", "")
+    settings += [f"LD_PRELOAD {name}" for name in ("jemalloc", "tcmalloc") if name in preload]
+    return ", ".join(settings) or "glibc defaults"
 
 
 def _loadavg() -> float | None:
