@@ -166,7 +166,7 @@ def active_adapter() -> Adapter | None:
 def installed(allow_untested: bool | None = None, *, merge_bw: bool | None = None) -> Iterator[None]:
     """Context manager: :func:`install` (with ``allow_untested`` and ``merge_bw``) on entry; on exit,
     :func:`uninstall` unless it was already installed before entry (then ``merge_bw`` goes back to
-    what it was)."""
+    what it was, if ppbackward is still installed: an :func:`uninstall` inside the block stands)."""
     was, was_merging = is_installed(), merge_bw_enabled()
     install(allow_untested, merge_bw=merge_bw)
     try:
@@ -175,4 +175,11 @@ def installed(allow_untested: bool | None = None, *, merge_bw: bool | None = Non
         if not was:
             uninstall()
         else:
-            install(merge_bw=was_merging)
+            _restore_merge(was_merging)
+
+
+def _restore_merge(on: bool) -> None:
+    """Put ``merge_bw`` back to ``on`` where ppbackward is still installed; never installs it again."""
+    with _lock:
+        if _originals:
+            _set_merge(on)

@@ -106,13 +106,23 @@ def lowering() -> tuple[type, Callable[..., Any]]:
 
 def merging(original: Callable[..., Any]) -> Callable[..., Any]:
     """``original`` (torch's ``_prepare_schedule_with_comms``) with every rank's compute-only list merged
-    first (:func:`merge_actions`); a ``compute_comms`` list passes untouched."""
+    first (:func:`merge_actions`); a ``compute_comms`` list passes untouched.
+
+    torch lowers the caller's own list first, so that a list it refuses raises torch's error naming the
+    caller's actions and positions (a merged list is shorter, and names full backwards the caller never
+    wrote); only a list it accepts is merged and lowered again (lowering runs once per schedule, when it
+    is built or loads a CSV, and is cheap next to a step).
+    """
 
     @functools.wraps(original)
     def prepare(self: Any, actions: dict[int, list[Any]], format: str = "compute_only") -> Any:
-        if format == "compute_only":
-            actions = {rank: merge_actions(acts)[0] for rank, acts in actions.items()}
-        return original(self, actions, format)
+        result = original(self, actions, format)  # torch's checks, on the caller's list
+        if format != "compute_only":
+            return result
+        merged = {rank: merge_actions(acts) for rank, acts in actions.items()}
+        if not any(n for _, n in merged.values()):
+            return result
+        return original(self, {rank: acts for rank, (acts, _) in merged.items()}, format)
 
     prepare.__ppbackward_merging__ = True  # type: ignore[attr-defined]
     return prepare

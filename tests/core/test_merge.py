@@ -112,3 +112,140 @@ def test_installed_context_restores_the_switch():
     with ppbackward.installed(merge_bw=True):
         assert merge_bw_enabled()
     assert ppbackward.is_installed() and not merge_bw_enabled()
+
+
+def test_an_uninstall_inside_an_installed_block_stands():
+    ppbackward.install()
+    with ppbackward.installed(merge_bw=True):
+        ppbackward.uninstall()
+    assert not ppbackward.is_installed() and not merge_bw_enabled()
+    cls = s._PipelineScheduleRuntime
+    assert not getattr(cls.__dict__["_prepare_schedule_with_comms"], "__ppbackward_merging__", False)
+
+
+MISSING = ["_PipelineScheduleRuntime", "_PipelineScheduleRuntime._prepare_schedule_with_comms"]
+
+
+def _names() -> dict:
+    import torch.distributed.pipelining._backward as backward_mod
+    import torch.distributed.pipelining.stage as stage_mod
+
+    return {(m.__name__, n): getattr(m, n) for m in (backward_mod, stage_mod) for n in ppbackward._install.NAMES}
+
+
+@pytest.mark.parametrize("missing", MISSING)
+@pytest.mark.parametrize("already", [False, True])
+def test_a_torch_without_the_lowering_refuses_merge_bw_and_patches_nothing(monkeypatch, missing: str, already: bool):
+    if already:
+        ppbackward.install()
+    before = _names()
+    if missing == "_PipelineScheduleRuntime":
+        monkeypatch.delattr(s, "_PipelineScheduleRuntime")
+    else:
+        monkeypatch.delattr(s._PipelineScheduleRuntime, "_prepare_schedule_with_comms")
+    with pytest.raises(RuntimeError, match=f"has no {missing}; cannot merge B and W"):
+        ppbackward.install(merge_bw=True)
+    with pytest.raises(RuntimeError, match=f"has no {missing};"), ppbackward.installed(merge_bw=True):
+        pass
+    assert _names() == before and ppbackward.is_installed() == already and not merge_bw_enabled()
+    ppbackward.uninstall()  # works on such a torch: the switch was never on
+    assert not ppbackward.is_installed()
+
+
+# --- real schedules in one process (gloo, world size 1: both stages on rank 0) ------------------------
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+def _schedule(name: str, n_microbatches: int = 3, scale_grads: bool = True):
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    torch.manual_seed(0)
+    chunks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(2)]
+    stages = [PipelineStage(c, i, 2, torch.device("cpu")) for i, c in enumerate(chunks)]
+    loss_fn = torch.nn.functional.mse_loss
+    return chunks, getattr(s, name)(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+
+
+def _step_grads(chunks, schedule, n_microbatches: int) -> list:
+    import torch
+
+    torch.manual_seed(1)
+    x, target = torch.randn(2 * n_microbatches, 8), torch.randn(2 * n_microbatches, 8)
+    for _ in range(2):  # two steps: grads accumulate across steps as well
+        schedule.step(x, target=target)
+    return [p.grad for c in chunks for p in c.parameters()]
+
+
+def _ran(schedule) -> dict:
+    return {k: sum(a.computation_type == k for a in schedule.pipeline_order_with_comms[0]) for k in (B, I, W)}
+
+
+@pytest.mark.parametrize("scale_grads", [True, False])
+@pytest.mark.parametrize("name", SPLIT)
+def test_a_merged_schedule_keeps_running_merged_and_exact_after_uninstall(process_group, name: str, scale_grads: bool):
+    import torch
+
+    n = 3  # odd: the last backward of a stage falls on a merged pair as well
+    ppbackward.install()
+    chunks, plain = _schedule(name, n, scale_grads)
+    expected = _step_grads(chunks, plain, n)
+    ppbackward.install(merge_bw=True)
+    chunks, merged = _schedule(name, n, scale_grads)
+    ppbackward.uninstall()
+    assert _ran(merged)[B] > _ran(plain)[B] and _ran(merged)[W] < _ran(plain)[W]
+    got = _step_grads(chunks, merged, n)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert _ran(merged)[B] > _ran(plain)[B]  # still the merged list
+
+
+def _refused(make_actions) -> list[str]:
+    """torch's error for the same bad compute-only list, lowered with the switch off and on."""
+    messages = []
+    for merge in (False, True):
+        ppbackward.install(merge_bw=merge)
+        _, schedule = _schedule("ScheduleInterleavedZeroBubble", 1)
+        with pytest.raises((ValueError, AssertionError)) as err:
+            schedule._prepare_schedule_with_comms(make_actions())
+        messages.append(str(err.value))
+    return messages
+
+
+@pytest.mark.parametrize(
+    ("bad", "where"),
+    [
+        (A(0, s.SEND_F, 0), "'0SEND_F0' at rank 0, position 4"),
+        (A(0, W, 1), "Rank 0, step 4: Running Backward Weight for stage 0, microbatch 1"),
+    ],
+)
+def test_a_list_torch_refuses_is_named_by_the_callers_own_positions(process_group, bad, where: str):
+    def actions():  # a pair that merges, then the bad action
+        return {0: [A(0, F, 0), A(1, F, 0), A(1, I, 0), A(1, W, 0), bad, A(0, I, 0), A(0, W, 0)]}
+
+    off, on = _refused(actions)
+    assert where in off and on == off
+
+
+def test_a_merged_pair_runs_the_full_backwards_custom_function(process_group):
+    """Documented in api.md: a custom function registered for I or W does not see a merged pair."""
+    from collections import Counter
+
+    ppbackward.install(merge_bw=True)
+    chunks, schedule = _schedule("ScheduleZBVZeroBubble", 2)
+    calls: Counter = Counter()
+    for kind in (I, W, B):
+        schedule.register_custom_function(kind, lambda action, ctx, kind=kind: calls.update([kind]))
+    _step_grads(chunks, schedule, 2)
+    ran = _ran(schedule)
+    assert calls == Counter({B: 2 * ran[B], I: 2 * ran[I], W: 2 * ran[W]}) and ran[B] == 4
