@@ -249,3 +249,67 @@ def test_a_merged_pair_runs_the_full_backwards_custom_function(process_group):
     _step_grads(chunks, schedule, 2)
     ran = _ran(schedule)
     assert calls == Counter({B: 2 * ran[B], I: 2 * ran[I], W: 2 * ran[W]}) and ran[B] == 4
+
+
+def _dp_grads(name: str, wrap: str, merge: bool, n_microbatches: int = 3) -> tuple[list, list]:
+    """Two steps of a world-1 data-parallel pipeline: the grads (full tensors) and DDP's all-reduces in
+    the second step."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    chunks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(2)]
+    reduced: list = []  # (stage, how many backwards the schedule had counted for it) per all-reduce
+    held: list = []  # the schedule, once built
+
+    def counting(i: int):
+        def hook(state, bucket):
+            reduced.append((i, held[0].backward_counter[i]))
+            return allreduce_hook(state, bucket)
+
+        return hook
+
+    if wrap == "ddp":
+        chunks = [DistributedDataParallel(c) for c in chunks]
+        for i, c in enumerate(chunks):
+            c.register_comm_hook(dist.group.WORLD, counting(i))
+    elif wrap == "fsdp":
+        for c in chunks:
+            fully_shard(c)
+    stages = [PipelineStage(c, i, 2, torch.device("cpu")) for i, c in enumerate(chunks)]
+    ppbackward.install(merge_bw=merge)
+    schedule = getattr(s, name)(stages, n_microbatches=n_microbatches, loss_fn=torch.nn.functional.mse_loss)
+    held.append(schedule)
+    assert (_ran(schedule)[B] > 0) == (merge or name == "ScheduleDualPipeV")
+    torch.manual_seed(1)
+    x, target = torch.randn(2 * n_microbatches, 8), torch.randn(2 * n_microbatches, 8)
+    schedule.step(x, target=target)
+    # the first step's first backward all-reduces with torch's own backward too (DDP's first iteration)
+    reduced.clear()
+    schedule.step(x, target=target)
+    grads = [p.grad for c in chunks for p in c.parameters()]
+    return [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads], reduced
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", SPLIT)
+def test_ddp_and_fsdp2_reduce_once_at_the_last_backward_when_merged(process_group, name: str, wrap: str):
+    """A merged pair counts as the stage's backward: DDP all-reduces only in a stage's last backward of
+    a step, as often as unmerged, and FSDP2's reduction (REDUCE_GRAD, after the last backward) still sees
+    every microbatch's grads (run earlier, later microbatches' grads would be left out of ``.grad``)."""
+    import torch
+
+    n = 3
+    plain, _ = _dp_grads(name, "none", False, n)
+    runs = {merge: _dp_grads(name, wrap, merge, n) for merge in (False, True)}
+    for grads, _ in runs.values():  # FSDP2 adds a step's reduced grads to the last: ulps off a plain stage
+        assert all((g - e).abs().max() <= 1e-6 * e.abs().max() for g, e in zip(grads, plain, strict=True))
+    assert all(torch.equal(g, e) for g, e in zip(runs[True][0], runs[False][0], strict=True))
+    if wrap == "ddp":
+        merged, unmerged = runs[True][1], runs[False][1]
+        assert merged == unmerged and {stage for stage, _ in merged} == {0, 1}
+        assert all(counted == n for _, counted in merged), merged  # only in the last backward
