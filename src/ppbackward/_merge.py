@@ -21,11 +21,16 @@ What changes for a step, and what does not:
 * the runtime's count of finished backwards per stage (which decides the last backward, and so when DDP
   and FSDP2 reduce) counts a full backward as it counts a W, so the last backward is unchanged;
 * the schedule's compute-only ``pipeline_order`` is left as torch planned it; what runs is
-  ``pipeline_order_with_comms``, lowered from the merged list.
+  ``pipeline_order_with_comms``, lowered from the merged list, and it stays merged after ``uninstall()``;
+* a function registered with ``register_custom_function`` for ``BACKWARD_INPUT`` or ``BACKWARD_WEIGHT``
+  does not see a merged pair: the runtime looks up the one for ``FULL_BACKWARD`` (registration comes
+  after the lowering, so the merge cannot know of it);
+* torch checks the caller's list before it is merged, so its errors name the caller's own positions.
 
 Only schedules built on torch's ``_PipelineScheduleRuntime`` (the ones that lower a compute-only list:
 ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` on torch 2.13) are
-merged, and only when they are built while the switch is on; a schedule that runs its time steps in
+merged, and only when their compute-only list is lowered (at construction, or by ``_load_csv`` /
+``_prepare_schedule_with_comms``) while the switch is on; a schedule that runs its time steps in
 lock step (``PipelineScheduleMulti`` without a lowering) is left as it is, since moving one rank's
 action would change which peer action it meets.
 """
