@@ -84,9 +84,9 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
             supported range, and for a newer torch the opt-in); nothing is patched then.
         ValueError: on a newer torch, ``PPBACKWARD_ALLOW_UNTESTED_TORCH`` is set to something other
             than 0 or 1 (and ``allow_untested`` is ``None``).
-        RuntimeError: the pipelining modules lack one of the expected names, or ``merge_bw=True`` and
-            this torch has no ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (nothing is
-            patched then).
+        RuntimeError: the pipelining modules lack one of the expected names; or (an
+            ``UnsupportedTorchError``) ``merge_bw=True`` and this torch has no
+            ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (nothing is patched then).
     """
     with _lock:
         if merge_bw:

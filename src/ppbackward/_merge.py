@@ -28,7 +28,8 @@ What changes for a step, and what does not:
 * torch checks the caller's list before it is merged, so its errors name the caller's own positions.
 
 Only schedules built on torch's ``_PipelineScheduleRuntime`` (the ones that lower a compute-only list:
-``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` on torch 2.13) are
+``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` on torch 2.10+; only
+``ScheduleDualPipeV`` on 2.9; 2.5-2.8 have no such lowering, see docs/compatibility.md) are
 merged, and only when their compute-only list is lowered (at construction, or by ``_load_csv`` /
 ``_prepare_schedule_with_comms``) while the switch is on; a schedule that runs its time steps in
 lock step (``PipelineScheduleMulti`` without a lowering) is left as it is, since moving one rank's
@@ -98,14 +99,24 @@ def lowering() -> tuple[type, Callable[..., Any]]:
     """``(torch's _PipelineScheduleRuntime, its _prepare_schedule_with_comms)``, the method the switch wraps.
 
     Raises:
-        RuntimeError: the installed torch has no such class or method (the message names which).
+        ppbackward.UnsupportedTorchError: (a ``RuntimeError``) the installed torch has no such class or
+            method (torch 2.5's runtime lowers with ``_load_actions``); the message names which, and the
+            version. ``python -m ppbackward.run --merge-bw`` and ``ppbackward check --merge-bw`` refuse
+            such a torch with it before starting anything.
     """
     s = _schedules()
     cls = getattr(s, "_PipelineScheduleRuntime", None)
     method = getattr(cls, "_prepare_schedule_with_comms", None) if cls is not None else None
     if cls is None or method is None:
+        import torch
+
+        from ppbackward._compat import UnsupportedTorchError
+
         missing = "_PipelineScheduleRuntime" if cls is None else "_PipelineScheduleRuntime._prepare_schedule_with_comms"
-        raise RuntimeError(f"merge_bw: this torch's pipelining/schedules.py has no {missing}; cannot merge B and W")
+        raise UnsupportedTorchError(
+            f"merge_bw: torch {torch.__version__}'s pipelining/schedules.py has no {missing}; cannot merge B and W "
+            "(install() without merge_bw is unaffected)"
+        )
     return cls, method
 
 
