@@ -258,10 +258,26 @@ def test_microbatch_loop_variants_run_and_are_exact():
 
 @pytest.mark.slow
 def test_schedule_step_runs_every_variant_exactly():
-    """One real torchrun launch: three schedules x two backwards, gradients equal, memory measured."""
+    """One real torchrun launch: three schedules x two backwards (and the two zero-bubble ones merged),
+    gradients equal, memory and each rank's step parts measured (Note [step parts])."""
     result = run_schedule(repeats=1, timeout_s=600)
     assert result["grads_match"] is True
-    assert len(result["variants"]) == 6 and set(result["step_ms"]) == set(result["variants"])
+    assert len(result["variants"]) == 8 and set(result["step_ms"]) == set(result["variants"])
+    assert {v for v in result["variants"] if v.endswith("/merged")} == {
+        "InterleavedZeroBubble/merged", "ZBVZeroBubble/merged"
+    }
+    for name in result["variants"]:
+        ranks = result["parts_ms"][name]
+        assert len(ranks) == result["ranks"]
+        for parts in ranks:  # the parts add up to the rank's step; each kind ran where the schedule runs it
+            total = sum(parts[k] for k in ("F", "full", "B", "W", "wait", "other"))
+            assert total == pytest.approx(parts["step"], abs=0.01)  # each part rounded to a microsecond
+            assert parts["F"] > 0 and (parts["full"] > 0 or parts["B"] > 0)
+            assert (parts["B"] > 0) == (parts["W"] > 0)
+            if name.startswith("Interleaved1F1B"):
+                assert parts["B"] == 0
+        if name.startswith("ZBVZeroBubble/merged"):
+            assert any(parts["full"] > 0 for parts in ranks)  # the merge ran full backwards
     assert result["ratio_to_1f1b"]["Interleaved1F1B/upstream"] == pytest.approx(1.0)
     for name in result["variants"]:
         mem = result["memory"][name]

@@ -1,5 +1,6 @@
 """scripts/gpu_bench.sh (issue 22) runs on CPU with ``--device cpu``: the split table, the replayed
-steps and the targets come out, in one process, and it exits 0. No timing is asserted."""
+steps, the one-rank step (every variant, exact) and the targets come out, in one process, and it exits
+0. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from ppbackward._bench import _one_rank
+from ppbackward._bench._schedule_worker import variant_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +37,12 @@ def test_gpu_bench_script_runs_on_cpu(tmp_path):
     rp = cfg["replay"]["2 ranks"]
     assert rp["ratio_to_1f1b"]["ScheduleInterleaved1F1B"] == 1.0
     assert 0 < rp["merged_share"]["ScheduleZBVZeroBubble"] <= 1
+    one = report["one_rank_step"]
+    assert "One-rank step" in proc.stdout
+    assert one["ranks"] == 1 and one["device"] == "cpu" and one["grads_match"] is True
+    assert one["skipped"] == {} and one["variants"] == [variant_name(*v) for v in _one_rank.VARIANTS]
+    assert all(one["step_ms"][v] > 0 and one["peak_bytes"][v] is None for v in one["variants"])
+    assert one["ratio_to_1f1b"]["Interleaved1F1B/upstream"] == 1.0
     assert {t["status"] for t in report["targets"]} <= {"PASS", "MISS"}
     assert any(t["target"].startswith("split: B alone") for t in report["targets"])
 

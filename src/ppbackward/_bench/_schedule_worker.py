@@ -118,6 +118,29 @@ def _reset_rss_peak() -> bool:
         return False
 
 
+def build_stages(
+    modules: Mapping[int, nn.Module], stage_ids: Sequence[int], num_stages: int, shape: tuple[int, ...],
+    device: torch.device,
+) -> list[PipelineStage]:
+    """A ``PipelineStage`` per index of ``stage_ids`` (of ``num_stages``), over ``modules[i]``, with static
+    metadata: one input and one output of ``shape`` on ``device`` (no shape-inference forward). Shared
+    with the one-rank step (``_one_rank``)."""
+    # a receive buffer requires grad only when its example does: every stage input but stage 0's
+    return [
+        PipelineStage(
+            modules[i], i, num_stages, device,
+            input_args=(torch.zeros(shape, device=device, requires_grad=i > 0),),
+            output_args=(torch.zeros(shape, device=device, requires_grad=True),),
+        )
+        for i in stage_ids
+    ]
+
+
+def grads_close(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> bool:
+    """The same parameters have grads in both, each close to the reference's (rtol 1e-4, atol 1e-5)."""
+    return set(ref) == set(got) and all(torch.allclose(got[n], g, rtol=1e-4, atol=1e-5) for n, g in ref.items())
+
+
 class _SavedPeak:
     """Forward hooks that track the peak bytes of live saved activations (module docstring)."""
 
@@ -189,17 +212,8 @@ class _Variant:
     def __init__(
         self, schedule: str, stage_ids: list[int], backward: str, modules: Mapping[int, nn.Module], args: Any
     ) -> None:
-        world = dist.get_world_size()
         shape = (args.microbatch_size, args.seq, args.d_model)
-        # a receive buffer requires grad only when its example does: every stage input but stage 0's
-        stages = [
-            PipelineStage(
-                modules[i], i, 2 * world, torch.device("cpu"),
-                input_args=(torch.zeros(shape, requires_grad=i > 0),),
-                output_args=(torch.zeros(shape, requires_grad=True),),
-            )
-            for i in stage_ids
-        ]
+        stages = build_stages(modules, stage_ids, 2 * dist.get_world_size(), shape, torch.device("cpu"))
         self.stages = stages
         self.name = variant_name(schedule, backward)
         self.backward = backward
@@ -309,10 +323,7 @@ def _run(args: argparse.Namespace) -> int:
     for v in others:
         v.step(x, target)
         for i, m in zip(v.stage_ids, v.modules):
-            got, ref = _grads(m), reference[i]
-            match = match and set(ref) == set(got) and all(
-                torch.allclose(got[n], g, rtol=1e-4, atol=1e-5) for n, g in ref.items()
-            )
+            match = match and grads_close(_grads(m), reference[i])
     verdict = torch.tensor([1 if match else 0])
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
 

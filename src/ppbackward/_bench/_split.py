@@ -276,8 +276,9 @@ def format_split(result: dict[str, Any]) -> str:
 
 
 def run(args: Any, meta: dict[str, Any]) -> int:
-    """``ppbackward bench --split``: measure, replay, optionally the real torchrun step; print and
-    write JSON (``args.json``). Returns 0, or 1 when the schedule run failed or its grads differ."""
+    """``ppbackward bench --split``: measure, replay, optionally the real torchrun step and the one-rank
+    step (``_one_rank``); print and write JSON (``args.json``). Returns 0, or 1 when a schedule run
+    failed or its grads differ."""
     import json
 
     from ppbackward._bench import _models, _report
@@ -304,6 +305,9 @@ def run(args: Any, meta: dict[str, Any]) -> int:
         except _schedule.ScheduleBenchError as e:
             report["schedule"] = {"error": str(e)}
             failed = True
+    if args.one_rank_step:
+        report["one_rank_step"] = _one_rank_step(args, device)
+        failed = failed or not report["one_rank_step"].get("grads_match", False)
     report["targets"] = targets(report["split"], report.get("schedule"))
     report["meta"]["loadavg_end"] = _loadavg()
     print(format_run(report, _report))
@@ -311,6 +315,19 @@ def run(args: Any, meta: dict[str, Any]) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 1 if failed else 0
+
+
+def _one_rank_step(args: Any, device: torch.device) -> dict[str, Any]:
+    """``--one-rank-step``: ``_one_rank.measure`` (tiny with ``--quick``), or ``{"error": why}``."""
+    from ppbackward._bench import _one_rank
+
+    cfg = _one_rank.QUICK if args.quick else _one_rank.OneRankConfig(
+        d_model=args.schedule_d_model, repeats=args.schedule_repeats
+    )
+    try:
+        return _one_rank.measure(cfg, device)
+    except RuntimeError as e:
+        return {"error": str(e)}
 
 
 def _loadavg() -> float | None:
@@ -364,5 +381,9 @@ def format_run(report: dict[str, Any], rep: Any) -> str:
                 + "  ".join(f"{k} {v:.2f}x" for k, v in r.items())
                 + rep.step_parts_table(sched, replayed_steps(report["split"], sched))
             )
+    if "one_rank_step" in report:
+        from ppbackward._bench._one_rank import format_one_rank
+
+        parts.append(format_one_rank(report["one_rank_step"]))
     parts.append(rep.targets_table(report["targets"], "issue 22; docs/performance.md"))
     return "\n".join(parts)

@@ -63,7 +63,10 @@ def _parser() -> argparse.ArgumentParser:
         help="also time the schedule step under torchrun (2 ranks, gloo): Interleaved1F1B, InterleavedZeroBubble "
         "and ZBVZeroBubble with torch's backward and ppbackward's, with peak memory per rank",
     )
-    p.add_argument("--schedule-repeats", type=int, default=8, help="timed steps per schedule variant (default 8)")
+    p.add_argument(
+        "--schedule-repeats", type=int, default=8,
+        help="timed steps per schedule variant, of --schedule and --one-rank-step (default 8)"
+    )
     p.add_argument(
         "--schedule-timeout", type=float, default=300.0,
         help="seconds before the torchrun process group is killed (default 300)",
@@ -74,8 +77,18 @@ def _parser() -> argparse.ArgumentParser:
         "--configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and with "
         "--schedule the real torchrun step; targets and verdicts",
     )
+    p.add_argument(
+        "--one-rank-step", action="store_true",
+        help="with --split: also time one schedule step with every stage on one rank in this process (world-1 "
+        "process group, 2 stages x 4 layers d --schedule-d-model, --schedule-repeats repeats; tiny with --quick) on "
+        "--device: Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble with torch's backward, ppbackward's "
+        "and merged; no bubble, so it shows the runtime's and the split's overhead",
+    )
     p.add_argument("--device", default="cpu", help="device of the --split measurement: cpu (default) or cuda")
-    p.add_argument("--schedule-d-model", type=int, default=128, help="d_model of the --schedule stages (default 128)")
+    p.add_argument(
+        "--schedule-d-model", type=int, default=128,
+        help="d_model of the --schedule and --one-rank-step stages (default 128)"
+    )
     p.add_argument("--no-scaling", action="store_true", help="skip the graph-analysis scaling sweep")
     p.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes profile")
     p.add_argument("--profile-config", default="16x64x16", help="configuration profiled (default 16x64x16)")
@@ -101,6 +114,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         parser.error("--repeats and --schedule-repeats must be >= 1")
     if args.schedule_d_model < 4 or args.schedule_d_model % 4:
         parser.error(f"--schedule-d-model {args.schedule_d_model}: must be a positive multiple of 4 (nhead)")
+    if args.one_rank_step and not args.split:
+        parser.error("--one-rank-step: only with --split")
     if args.device.split(":")[0] not in ("cpu", "cuda"):
         parser.error(f"--device {args.device!r}: cpu or cuda (cuda:N)")
     if args.json:
