@@ -313,3 +313,26 @@ def test_ddp_and_fsdp2_reduce_once_at_the_last_backward_when_merged(process_grou
         merged, unmerged = runs[True][1], runs[False][1]
         assert merged == unmerged and {stage for stage, _ in merged} == {0, 1}
         assert all(counted == n for _, counted in merged), merged  # only in the last backward
+
+
+def test_dump_csv_writes_torchs_plan_compute_only_and_what_runs_with_comms(process_group, tmp_path):
+    ppbackward.install()
+    _, plain = _schedule("ScheduleZBVZeroBubble", 2)
+    ppbackward.install(merge_bw=True)
+    _, merged = _schedule("ScheduleZBVZeroBubble", 2)
+    assert merged.pipeline_order == plain.pipeline_order  # torch's plan, untouched
+    for schedule, name in ((plain, "plain"), (merged, "merged")):
+        schedule._dump_csv(str(tmp_path / f"{name}-plan.csv"), format="compute_only")
+        schedule._dump_csv(str(tmp_path / f"{name}-runs.csv"))
+    assert (tmp_path / "merged-plan.csv").read_text() == (tmp_path / "plain-plan.csv").read_text()
+    assert (tmp_path / "merged-runs.csv").read_text() != (tmp_path / "plain-runs.csv").read_text()
+    # what runs, loaded back with the switch off (a compute-and-comms list runs as given): still merged
+    ppbackward.install(merge_bw=False)
+    _, loaded = _schedule("ScheduleZBVZeroBubble", 2)
+    loaded._load_csv(str(tmp_path / "merged-runs.csv"), format="compute_comms")
+    assert loaded.pipeline_order_with_comms == merged.pipeline_order_with_comms
+    assert _ran(loaded) == {B: 4, I: 0, W: 0}
+    # torch's plan, loaded back with the switch on, is merged again
+    ppbackward.install(merge_bw=True)
+    loaded._load_csv(str(tmp_path / "plain-plan.csv"))
+    assert loaded.pipeline_order_with_comms == merged.pipeline_order_with_comms
