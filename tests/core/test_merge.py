@@ -336,3 +336,37 @@ def test_dump_csv_writes_torchs_plan_compute_only_and_what_runs_with_comms(proce
     ppbackward.install(merge_bw=True)
     loaded._load_csv(str(tmp_path / "plain-plan.csv"))
     assert loaded.pipeline_order_with_comms == merged.pipeline_order_with_comms
+
+
+def test_threads_switching_at_once_leave_one_consistent_state():
+    """install(merge_bw=...) and uninstall() from 8 threads at once (the module lock): afterwards the
+    lowering is wrapped exactly once or not at all, as merge_bw_enabled() says, and uninstall() puts back
+    torch's own objects."""
+    import threading
+
+    cls = s._PipelineScheduleRuntime
+    original, names = cls.__dict__["_prepare_schedule_with_comms"], _names()
+    start, errors = threading.Barrier(8), []
+
+    def switch(i: int) -> None:
+        try:
+            start.wait()
+            for k in range(30):
+                [lambda: ppbackward.install(merge_bw=True), lambda: ppbackward.install(merge_bw=False),
+                 ppbackward.uninstall][(i + k) % 3]()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=switch, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    current = cls.__dict__["_prepare_schedule_with_comms"]
+    if merge_bw_enabled():
+        assert ppbackward.is_installed() and current.__wrapped__ is original
+    else:
+        assert current is original
+    ppbackward.uninstall()
+    assert cls.__dict__["_prepare_schedule_with_comms"] is original and _names() == names
