@@ -100,7 +100,7 @@ def lowering() -> tuple[type, Callable[..., Any]]:
 
     Raises:
         ppbackward.UnsupportedTorchError: (a ``RuntimeError``) the installed torch has no such class or
-            method (torch 2.5's runtime lowers with ``_load_actions``); the message names which, and the
+            method (torch 2.5-2.8; 2.5's runtime lowers with ``_load_actions``); the message names which, and the
             version. ``python -m ppbackward.run --merge-bw`` and ``ppbackward check --merge-bw`` refuse
             such a torch with it before starting anything.
     """
