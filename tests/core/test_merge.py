@@ -225,13 +225,15 @@ def _refused(make_actions) -> list[str]:
 @pytest.mark.parametrize(
     ("bad", "where"),
     [
-        (A(0, s.SEND_F, 0), "'0SEND_F0' at rank 0, position 4"),
-        (A(0, W, 1), "Rank 0, step 4: Running Backward Weight for stage 0, microbatch 1"),
+        ([A(0, s.SEND_F, 0)], "'0SEND_F0' at rank 0, position 4"),
+        ([A(0, W, 1)], "Rank 0, step 4: Running Backward Weight for stage 0, microbatch 1"),
+        # a pair the merge would make a full backward: torch names the B the caller wrote
+        ([A(0, I, 1), A(0, W, 1)], "Rank 0, step 4: Running Backward Input for stage 0, microbatch 1 without"),
     ],
 )
-def test_a_list_torch_refuses_is_named_by_the_callers_own_positions(process_group, bad, where: str):
-    def actions():  # a pair that merges, then the bad action
-        return {0: [A(0, F, 0), A(1, F, 0), A(1, I, 0), A(1, W, 0), bad, A(0, I, 0), A(0, W, 0)]}
+def test_a_list_torch_refuses_is_named_by_the_callers_own_positions(process_group, bad: list, where: str):
+    def actions():  # a pair that merges, then the bad actions
+        return {0: [A(0, F, 0), A(1, F, 0), A(1, I, 0), A(1, W, 0), *bad, A(0, I, 0), A(0, W, 0)]}
 
     off, on = _refused(actions)
     assert where in off and on == off
