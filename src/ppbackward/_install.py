@@ -84,9 +84,9 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
             supported range, and for a newer torch the opt-in); nothing is patched then.
         ValueError: on a newer torch, ``PPBACKWARD_ALLOW_UNTESTED_TORCH`` is set to something other
             than 0 or 1 (and ``allow_untested`` is ``None``).
-        RuntimeError: the pipelining modules lack one of the expected names, or ``merge_bw=True`` and
-            this torch has no ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (nothing is
-            patched then).
+        RuntimeError: the pipelining modules lack one of the expected names; or (an
+            ``UnsupportedTorchError``) ``merge_bw=True`` and this torch has no
+            ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (nothing is patched then).
     """
     with _lock:
         if merge_bw:
@@ -166,7 +166,7 @@ def active_adapter() -> Adapter | None:
 def installed(allow_untested: bool | None = None, *, merge_bw: bool | None = None) -> Iterator[None]:
     """Context manager: :func:`install` (with ``allow_untested`` and ``merge_bw``) on entry; on exit,
     :func:`uninstall` unless it was already installed before entry (then ``merge_bw`` goes back to
-    what it was)."""
+    what it was, if ppbackward is still installed: an :func:`uninstall` inside the block stands)."""
     was, was_merging = is_installed(), merge_bw_enabled()
     install(allow_untested, merge_bw=merge_bw)
     try:
@@ -175,4 +175,11 @@ def installed(allow_untested: bool | None = None, *, merge_bw: bool | None = Non
         if not was:
             uninstall()
         else:
-            install(merge_bw=was_merging)
+            _restore_merge(was_merging)
+
+
+def _restore_merge(on: bool) -> None:
+    """Put ``merge_bw`` back to ``on`` where ppbackward is still installed; never installs it again."""
+    with _lock:
+        if _originals:
+            _set_merge(on)

@@ -21,11 +21,17 @@ What changes for a step, and what does not:
 * the runtime's count of finished backwards per stage (which decides the last backward, and so when DDP
   and FSDP2 reduce) counts a full backward as it counts a W, so the last backward is unchanged;
 * the schedule's compute-only ``pipeline_order`` is left as torch planned it; what runs is
-  ``pipeline_order_with_comms``, lowered from the merged list.
+  ``pipeline_order_with_comms``, lowered from the merged list, and it stays merged after ``uninstall()``;
+* a function registered with ``register_custom_function`` for ``BACKWARD_INPUT`` or ``BACKWARD_WEIGHT``
+  does not see a merged pair: the runtime looks up the one for ``FULL_BACKWARD`` (registration comes
+  after the lowering, so the merge cannot know of it);
+* torch checks the caller's list before it is merged, so its errors name the caller's own positions.
 
 Only schedules built on torch's ``_PipelineScheduleRuntime`` (the ones that lower a compute-only list:
-``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` on torch 2.13) are
-merged, and only when they are built while the switch is on; a schedule that runs its time steps in
+``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` on torch 2.10+; only
+``ScheduleDualPipeV`` on 2.9; 2.5-2.8 have no such lowering, see docs/compatibility.md) are
+merged, and only when their compute-only list is lowered (at construction, or by ``_load_csv`` /
+``_prepare_schedule_with_comms``) while the switch is on; a schedule that runs its time steps in
 lock step (``PipelineScheduleMulti`` without a lowering) is left as it is, since moving one rank's
 action would change which peer action it meets.
 """
@@ -93,26 +99,46 @@ def lowering() -> tuple[type, Callable[..., Any]]:
     """``(torch's _PipelineScheduleRuntime, its _prepare_schedule_with_comms)``, the method the switch wraps.
 
     Raises:
-        RuntimeError: the installed torch has no such class or method (the message names which).
+        ppbackward.UnsupportedTorchError: (a ``RuntimeError``) the installed torch has no such class or
+            method (torch 2.5-2.8; 2.5's runtime lowers with ``_load_actions``); the message names which, and the
+            version. ``python -m ppbackward.run --merge-bw`` and ``ppbackward check --merge-bw`` refuse
+            such a torch with it before starting anything.
     """
     s = _schedules()
     cls = getattr(s, "_PipelineScheduleRuntime", None)
     method = getattr(cls, "_prepare_schedule_with_comms", None) if cls is not None else None
     if cls is None or method is None:
+        import torch
+
+        from ppbackward._compat import UnsupportedTorchError
+
         missing = "_PipelineScheduleRuntime" if cls is None else "_PipelineScheduleRuntime._prepare_schedule_with_comms"
-        raise RuntimeError(f"merge_bw: this torch's pipelining/schedules.py has no {missing}; cannot merge B and W")
+        raise UnsupportedTorchError(
+            f"merge_bw: torch {torch.__version__}'s pipelining/schedules.py has no {missing}; cannot merge B and W "
+            "(install() without merge_bw is unaffected)"
+        )
     return cls, method
 
 
 def merging(original: Callable[..., Any]) -> Callable[..., Any]:
     """``original`` (torch's ``_prepare_schedule_with_comms``) with every rank's compute-only list merged
-    first (:func:`merge_actions`); a ``compute_comms`` list passes untouched."""
+    first (:func:`merge_actions`); a ``compute_comms`` list passes untouched.
+
+    torch lowers the caller's own list first, so that a list it refuses raises torch's error naming the
+    caller's actions and positions (a merged list is shorter, and names full backwards the caller never
+    wrote); only a list it accepts is merged and lowered again (lowering runs once per schedule, when it
+    is built or loads a CSV, and is cheap next to a step).
+    """
 
     @functools.wraps(original)
     def prepare(self: Any, actions: dict[int, list[Any]], format: str = "compute_only") -> Any:
-        if format == "compute_only":
-            actions = {rank: merge_actions(acts)[0] for rank, acts in actions.items()}
-        return original(self, actions, format)
+        result = original(self, actions, format)  # torch's checks, on the caller's list
+        if format != "compute_only":
+            return result
+        merged = {rank: merge_actions(acts) for rank, acts in actions.items()}
+        if not any(n for _, n in merged.values()):
+            return result
+        return original(self, {rank: acts for rank, (acts, _) in merged.items()}, format)
 
     prepare.__ppbackward_merging__ = True  # type: ignore[attr-defined]
     return prepare

@@ -18,9 +18,10 @@ zero-bubble schedule directly followed by its own W runs as one full backward (N
 ``ppbackward._merge``). Under torchrun
 every rank runs this module, so every rank installs ppbackward before the target starts.
 
-A refusal -- the installed torch outside ``ppbackward.SUPPORTED_TORCH``, or a ``stage.py`` whose contract
-ppbackward does not know (:class:`ppbackward.UnsupportedTorchError`) -- is one line on stderr and exit
-code 3 before the target runs; a usage error is exit code 2.
+A refusal -- the installed torch outside ``ppbackward.SUPPORTED_TORCH``, a ``stage.py`` whose contract
+ppbackward does not know, or ``--merge-bw`` on a torch without the schedule lowering it wraps
+(:class:`ppbackward.UnsupportedTorchError`) -- is one line on stderr and exit code 3 before the target
+runs; a usage error is exit code 2.
 
 Launchers that start their own worker processes (not through ``python -m ppbackward.run``) get no
 ppbackward in those workers: there is deliberately no environment switch that installs it at interpreter

@@ -81,6 +81,19 @@ def test_check_unknown_schedules_message_is_bounded(capsys):
     assert len(line) < 1000
 
 
+def test_check_merge_bw_on_a_torch_without_the_lowering_is_a_clear_error(monkeypatch, capsys):
+    """torch 2.5's runtime schedule has no _prepare_schedule_with_comms: refused before any launch (it
+    used to launch every scenario and fail every ppbackward worker in install(merge_bw=True))."""
+    from torch.distributed.pipelining import schedules
+
+    monkeypatch.delattr(schedules._PipelineScheduleRuntime, "_prepare_schedule_with_comms")
+    rc, out, err = _check_main(capsys, "--merge-bw")
+    assert rc == 2, out + err
+    assert "ppbackward check: error: merge_bw: torch " in err
+    assert "has no _PipelineScheduleRuntime._prepare_schedule_with_comms; cannot merge B and W" in err
+    assert "launching" not in out
+
+
 def test_check_without_torchrun_is_a_clear_error(monkeypatch, capsys):
     import importlib.util
 

@@ -142,6 +142,21 @@ def test_unsupported_torch_is_refused_before_the_target_starts(probe, tmp_path):
     assert "PPBACKWARD_ALLOW_UNTESTED_TORCH=1" in lines[0], lines[0]  # the line says how to opt in
 
 
+def test_merge_bw_on_a_torch_without_the_lowering_is_refused_before_the_target_starts(probe, tmp_path):
+    # torch 2.5's runtime schedule has no _prepare_schedule_with_comms: removed here to pose as one
+    code = ("import sys, runpy; from torch.distributed.pipelining import schedules as s; "
+            "del s._PipelineScheduleRuntime._prepare_schedule_with_comms; "
+            f"sys.argv = ['ppbackward.run', '--merge-bw', {str(probe)!r}]; "
+            "runpy.run_module('ppbackward.run', run_name='__main__')")
+    result = _python("-c", code, cwd=tmp_path)
+    assert result.returncode == 3, result.stderr
+    assert result.stdout == ""  # the probe never ran
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"ppbackward.run: not running {probe}: merge_bw: torch "), lines[0]
+    assert "has no _PipelineScheduleRuntime._prepare_schedule_with_comms; cannot merge B and W" in lines[0]
+
+
 @pytest.mark.skipif(torch_release() >= (2, 15, 0), reason="this torch's stage.py has the newest known shape")
 def test_untested_newer_torch_opt_in_reaches_install(probe, tmp_path):
     # PPBACKWARD_ALLOW_UNTESTED_TORCH reaches install() through the launcher: on this torch 2.13 posing as

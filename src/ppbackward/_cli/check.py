@@ -197,6 +197,14 @@ def _validate(args: argparse.Namespace) -> tuple[list[Any], list[str] | None]:
     """Check the request before launching anything; return the scenarios and the schedule filter."""
     if importlib.util.find_spec("torch.distributed.run") is None or not torch.distributed.is_available():
         raise CheckError(f"torch {torch.__version__} has no torch.distributed / torchrun on this machine")
+    if args.merge_bw:
+        from ppbackward import UnsupportedTorchError
+        from ppbackward._merge import lowering
+
+        try:
+            lowering()
+        except UnsupportedTorchError as e:
+            raise CheckError(str(e)) from None
     scenarios = _scenarios(args)
     _check_numbers(args)
     _check_machine(args, max(s.nproc for s in scenarios))
