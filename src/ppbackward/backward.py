@@ -447,7 +447,7 @@ def stage_backward_weight(
     it: gradients flow through each parameter's ``AccumulateGrad`` node exactly as in a full
     backward, so tensor hooks and ``register_post_accumulate_grad_hook`` hooks (DDP,
     optimizer-in-backward; pytorch/pytorch#144530) fire once per parameter, and the grad layout is
-    the one a full backward produces. Two engine calls per chunk of param groups holding about 8 MiB
+    the one a full backward produces. Two engine calls per chunk of param groups holding about 4 MiB
     of parameters (one chunk for a small stage; Note [W in chunks]): one computes the
     intermediates' weight edges (Note [W computes only weight edges] in
     ``ppbackward._weight_edges``), one runs the weight-only subgraphs and accumulates every
@@ -470,7 +470,7 @@ def stage_backward_weight(
         These three are raised before anything runs; ``param_groups`` stays usable then. Once W has
         started, ``param_groups`` is released whatever happens. An exception while computing a
         chunk's weight edges leaves that chunk's and later chunks' ``.grad`` untouched (a stage
-        under 8 MiB of parameters is one chunk: every ``.grad``); one raised inside an
+        under 4 MiB of parameters is one chunk: every ``.grad``); one raised inside an
         accumulating call (e.g. by a user hook) can leave the parameters accumulated before it, but
         never half-accumulates one: each gets exactly one ``AccumulateGrad`` call.
     """
@@ -507,13 +507,19 @@ _CONSUMED = (
 # system afterwards, every microbatch (page faults a full backward, which adds each gradient as it is
 # made, does not pay). W therefore runs its two engine calls per chunk of consecutive param groups
 # holding about ``_W_CHUNK_BYTES`` of parameters, so the temporaries of one chunk are freed before the
-# next is made and their memory is reused (16 layers, d 256, grads accumulating: W 45 -> 33 ms; 4 to
-# 32 MiB measure alike, 1 MiB is slower again: more engine calls). Exactness is kept: a param group's
-# weight-only nodes and
-# parameters belong to it alone, so every gradient reaching one node is still summed in one engine
-# call in the order of Note [accumulation order], and each parameter still gets exactly one
-# ``AccumulateGrad`` call. A small stage is one chunk (two engine calls, as before).
-_W_CHUNK_BYTES = 8 * 2**20
+# next is made and their memory is reused (16 layers, d 256, grads accumulating: W 45 -> 33 ms with
+# 8 MiB chunks). On glibc, freeing a chunk's temporaries at once leaves a free region at the top of the
+# heap larger than its trim threshold, which is then returned to the system and faulted in again by the
+# next microbatch (raising MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ removes it: docs/
+# performance.md, "The allocator"); 4 MiB chunks trigger it less. Measured side by side in one process,
+# twice (issue 22): W accumulating 8.4-8.8 -> 6.4 ms at 4 layers d 256, 28.2-29.3 -> 24.6-28.1 ms at
+# 16 layers d 256; alike within noise at d 128 and d 64; W with grads None +5% at 16 layers d 256
+# (once a step); 2 and 1 MiB are slower again where layers are narrow (more engine calls). Exactness
+# is kept: a param group's weight-only nodes and parameters belong to it alone, so every gradient
+# reaching one node is still summed in one engine call in the order of Note [accumulation order], and
+# each parameter still gets exactly one ``AccumulateGrad`` call. A small stage is one chunk (two
+# engine calls, as before).
+_W_CHUNK_BYTES = 4 * 2**20
 
 
 def _chunks(groups: list[ParamGroup], limit: int) -> Iterator[list[ParamGroup]]:

@@ -1,6 +1,6 @@
 """Note [W in chunks]: W split into chunks of param groups stays exact and fires every hook once.
 
-The zoo stages are far below W's 8 MiB chunk, so each is one chunk by default; these tests lower the
+The zoo stages are far below W's 4 MiB chunk, so each is one chunk by default; these tests lower the
 limit to 1 byte (every param group its own chunk, the most engine calls W can make) and rerun the
 exactness, hook and property tests under it.
 """
