@@ -170,6 +170,24 @@ def _wait_until_gone(pattern: str, seconds: float = 10.0) -> None:
     assert not _running(pattern), "left behind after the timeout:\n" + "\n".join(_running(pattern))
 
 
+def test_the_allocator_header_names_every_setting_that_changes_ws_cost(monkeypatch):
+    """The meta's allocator line: glibc's MALLOC_* variables with or without the trailing underscore
+    (MALLOC_ARENA_MAX has none), GLIBC_TUNABLES' malloc entries, a preloaded allocator; else the defaults."""
+    from ppbackward._cli.bench import _allocator
+
+    for name in [k for k in os.environ if k.startswith("MALLOC_")] + ["GLIBC_TUNABLES", "LD_PRELOAD"]:
+        monkeypatch.delenv(name, raising=False)
+    assert _allocator() == "glibc defaults"
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1073741824")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.hwcaps=-AVX2:glibc.malloc.trim_threshold=1073741824")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libjemalloc.so.2")
+    assert _allocator() == (
+        "MALLOC_ARENA_MAX=2, MALLOC_TRIM_THRESHOLD_=1073741824, GLIBC_TUNABLES glibc.malloc.trim_threshold=1073741824, "
+        "LD_PRELOAD jemalloc"
+    )
+
+
 def test_schedule_timeout_kills_the_process_group():
     with pytest.raises(ScheduleBenchError) as info:
         run_schedule(repeats=1, timeout_s=0.5)

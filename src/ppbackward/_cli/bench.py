@@ -173,10 +173,13 @@ def _meta(argv: list[str]) -> dict[str, Any]:
 
 
 def _allocator() -> str:
-    """The CPU allocator settings that change W's cost (docs/performance.md, "The allocator"): the
-    ``MALLOC_*`` variables glibc reads and an ``LD_PRELOAD``ed jemalloc or tcmalloc; ``"glibc
-    defaults"`` without them."""
-    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") and k.endswith("_")]
+    """The CPU allocator settings that change W's cost (docs/performance.md, "The allocator"): every
+    ``MALLOC_*`` variable (glibc's ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_ARENA_MAX``, ...; jemalloc's
+    ``MALLOC_CONF``), the ``glibc.malloc.*`` entries of ``GLIBC_TUNABLES`` (the same thresholds set the
+    newer way) and an ``LD_PRELOAD``ed jemalloc or tcmalloc; ``"glibc defaults"`` without any."""
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")]
+    tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
+    settings += [f"GLIBC_TUNABLES {t}" for t in tunables if t.startswith("glibc.malloc.")]
     preload = os.environ.get("LD_PRELOAD", "")
     settings += [f"LD_PRELOAD {name}" for name in ("jemalloc", "tcmalloc") if name in preload]
     return ", ".join(settings) or "glibc defaults"
