@@ -33,3 +33,34 @@ def test_replay_ideal_split_is_never_slower_than_measured_and_merging_a_free_spl
         assert slow[f"{zb}/ideal"] == pytest.approx(ratio[f"{zb}/ideal"])
         assert slow[f"{zb}/measured"] > slow[f"{zb}/ideal"]
         assert slow[f"{zb}/merged"] <= slow[f"{zb}/measured"]
+
+
+def test_the_real_steps_replay_is_the_one_of_its_stage_shape_ranks_and_microbatches():
+    """``_split.replayed_steps``: the replay shown beside the real step's parts is that of the split
+    configuration with the real step's stage shape and microbatch size, at its ranks and microbatches."""
+    from ppbackward._bench._split import replayed_steps
+
+    def config(name: str, scale: float, microbatches: int = 8) -> dict:
+        costs = {"F": scale, "full": 2 * scale, "B": 1.5 * scale, "W": 1.5 * scale}
+        return {"name": name, "batch": 2, "replay": {"2 ranks": _replay.replay(costs, 2, microbatches)}}
+
+    split = {"configs": [config("4x64x16", 1.0), config("4x128x16", 10.0)]}
+    sched = {"layers_per_stage": 4, "d_model": 128, "seq": 16, "ranks": 2, "microbatches": 8, "microbatch_size": 2}
+    got = replayed_steps(split, sched)
+    ms = split["configs"][1]["replay"]["2 ranks"]["step_ms"]
+    assert got == {
+        "Interleaved1F1B/upstream": ms["ScheduleInterleaved1F1B"],
+        "Interleaved1F1B/ppbackward": ms["ScheduleInterleaved1F1B"],
+        "InterleavedZeroBubble/ppbackward": ms["ScheduleInterleavedZeroBubble/measured"],
+        "InterleavedZeroBubble/merged": ms["ScheduleInterleavedZeroBubble/merged"],
+        "ZBVZeroBubble/ppbackward": ms["ScheduleZBVZeroBubble/measured"],
+        "ZBVZeroBubble/merged": ms["ScheduleZBVZeroBubble/merged"],
+    }
+    # no replay of that shape, rank count, microbatch count or microbatch size: nothing shown
+    for other in ({"d_model": 256}, {"ranks": 4}, {"microbatches": 4}, {"microbatch_size": 1}):
+        assert replayed_steps(split, {**sched, **other}) == {}, other
+    # a replay at another microbatch count is the one of a real step at that count (not only at 8)
+    four = {"configs": [config("4x128x16", 10.0, microbatches=4)]}
+    got = replayed_steps(four, {**sched, "microbatches": 4})
+    replayed = four["configs"][0]["replay"]["2 ranks"]["step_ms"]
+    assert got["ZBVZeroBubble/merged"] == replayed["ScheduleZBVZeroBubble/merged"]

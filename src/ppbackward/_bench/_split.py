@@ -121,10 +121,10 @@ def measure_config(
     """One configuration: min-of-N ms of every figure per regime, and the ratios to the full backward.
 
     Returns:
-        ``{"name", "label", "repeats", "time_ms": {regime: {key: ms}}, "ratios": {regime: {key:
-        {"min_ratio", "median", "q1", "q3"}}}}`` where the keys are ``<variant>_b``, ``<variant>_w``,
-        ``<variant>_bw`` for every split variant (``pp``, ``torch`` and ``extra``'s), ratios taken
-        against ``full`` (ppbackward's ``stage_backward``).
+        ``{"name", "label", "batch" (microbatch size), "repeats", "time_ms": {regime: {key: ms}},
+        "ratios": {regime: {key: {"min_ratio", "median", "q1", "q3"}}}}`` where the keys are
+        ``<variant>_b``, ``<variant>_w``, ``<variant>_bw`` for every split variant (``pp``, ``torch`` and
+        ``extra``'s), ratios taken against ``full`` (ppbackward's ``stage_backward``).
     """
     stage = on_device(build(cfg), device)
     runners = _variants(extra or {})
@@ -144,6 +144,7 @@ def measure_config(
     return {
         "name": cfg.name,
         "label": cfg.label,
+        "batch": cfg.batch,
         "repeats": n,
         "limit_bw": LIMITS.get(cfg.name),
         "time_ms": {rg: {k: 1e3 * min(r[k] for r in rs) for k in ["fwd", "full", *keys]} for rg, rs in rounds.items()},
@@ -341,22 +342,22 @@ def _loadavg() -> float | None:
 
 def replayed_steps(split: dict[str, Any], sched: dict[str, Any]) -> dict[str, float]:
     """``{real-step variant name: replayed step ms}`` from the split configuration of the real step's stage
-    shape (``layers_per_stage``, ``d_model``, ``seq``) at its rank count; ``{}`` when none was measured.
-    ppbackward's variants get the replay of ppbackward's costs (``merged``: the merged replay); torch's
-    zero-bubble variants have none (the replay is of ppbackward's split)."""
-    shape = f"{sched['layers_per_stage']}x{sched['d_model']}x{sched['seq']}"  # Config.name; batch 2 both
-    for c in split["configs"]:
-        if c["name"] == shape and sched["microbatches"] == 8 and sched.get("microbatch_size") == 2:
-            rp = c.get("replay", {}).get(f"{sched['ranks']} ranks")
-            if rp is None:
-                return {}
-            ms = rp["step_ms"]
-            out = {f"Interleaved1F1B/{b}": ms["ScheduleInterleaved1F1B"] for b in ("upstream", "ppbackward")}
-            for zb in ("InterleavedZeroBubble", "ZBVZeroBubble"):
-                out[f"{zb}/ppbackward"] = ms[f"Schedule{zb}/measured"]
-                out[f"{zb}/merged"] = ms[f"Schedule{zb}/merged"]
-            return out
-    return {}
+    shape (``layers_per_stage``, ``d_model``, ``seq``, microbatch size) replayed at its rank and microbatch
+    counts; ``{}`` when none was. ppbackward's variants get the replay of ppbackward's costs (``merged``:
+    the merged replay); torch's zero-bubble variants have none (the replay is of ppbackward's split)."""
+    shape = f"{sched['layers_per_stage']}x{sched['d_model']}x{sched['seq']}"  # Config.name
+    config = next((c for c in split["configs"] if c["name"] == shape), None)
+    if config is None or config.get("batch") != sched.get("microbatch_size"):
+        return {}
+    rp = config.get("replay", {}).get(f"{sched['ranks']} ranks")
+    if rp is None or rp["microbatches"] != sched["microbatches"]:
+        return {}
+    ms = rp["step_ms"]
+    out = {f"Interleaved1F1B/{b}": ms["ScheduleInterleaved1F1B"] for b in ("upstream", "ppbackward")}
+    for zb in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+        out[f"{zb}/ppbackward"] = ms[f"Schedule{zb}/measured"]
+        out[f"{zb}/merged"] = ms[f"Schedule{zb}/merged"]
+    return out
 
 
 def format_run(report: dict[str, Any], rep: Any) -> str:
