@@ -1,6 +1,6 @@
-"""Fixtures for tests/compat: a one-process gloo group, a loopback transport for torch 2.5, and a
-cyclic-garbage meter. These tests run on whatever torch is installed (``scripts/compat.sh`` runs
-them on each version) and skip what does not apply to it."""
+"""Fixtures for tests/compat: a loopback transport for torch 2.5 and a cyclic-garbage meter (the
+one-process gloo group, ``process_group``, is tests/conftest.py's). These tests run on whatever torch
+is installed (``scripts/compat.sh`` runs them on each version) and skip what does not apply to it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import gc
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.pipelining import schedules
 
 import ppbackward as pb
@@ -20,17 +19,6 @@ def _always_uninstalled():
     pb.uninstall()
     yield
     pb.uninstall()
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """World size 1 (gloo, in-memory store): every stage of a schedule lives in this process."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
 
 
 class _Work:

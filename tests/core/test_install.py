@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import _backward as upstream_backward
@@ -76,13 +75,6 @@ def test_supported_versions_pass(version):
 
 
 # --- a real PipelineStage and schedule, in one process (gloo, world size 1) ---------------------
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class RecordingStage(PipelineStage):

@@ -155,18 +155,6 @@ def test_a_torch_without_the_lowering_refuses_merge_bw_and_patches_nothing(monke
 # --- real schedules in one process (gloo, world size 1: both stages on rank 0) ------------------------
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
-
-
 def _schedule(name: str, n_microbatches: int = 3, scale_grads: bool = True):
     import torch
     from torch.distributed.pipelining import PipelineStage
