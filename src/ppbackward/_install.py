@@ -140,10 +140,15 @@ def _set_merge(on: bool) -> None:
         return
     cls, method = _merge.lowering()
     if on:
-        _merge_original.append(cls.__dict__["_prepare_schedule_with_comms"])
+        # the class's own entry, or None where it inherits the method: then uninstall deletes ours
+        _merge_original.append(cls.__dict__.get("_prepare_schedule_with_comms"))
         setattr(cls, "_prepare_schedule_with_comms", _merge.merging(method))  # noqa: B010
+        return
+    original = _merge_original.pop()
+    if original is None:
+        delattr(cls, "_prepare_schedule_with_comms")
     else:
-        setattr(cls, "_prepare_schedule_with_comms", _merge_original.pop())  # noqa: B010
+        setattr(cls, "_prepare_schedule_with_comms", original)  # noqa: B010
 
 
 def merge_bw_enabled() -> bool:

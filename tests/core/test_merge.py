@@ -102,6 +102,21 @@ def test_uninstall_puts_back_exactly_torchs_lowering():
     assert not merge_bw_enabled() and cls.__dict__["_prepare_schedule_with_comms"] is original
 
 
+def test_a_lowering_inherited_from_a_base_class_is_wrapped_and_put_back_by_deleting_ours(monkeypatch):
+    """Where the runtime inherits ``_prepare_schedule_with_comms`` (posed here by moving torch's to
+    ``PipelineScheduleMulti``), install(merge_bw=True) wraps it on the runtime (it used to raise KeyError
+    with the stage names already patched) and uninstall() deletes the wrapper, leaving the base's."""
+    cls, base = s._PipelineScheduleRuntime, s.PipelineScheduleMulti
+    original = cls.__dict__["_prepare_schedule_with_comms"]
+    monkeypatch.setattr(base, "_prepare_schedule_with_comms", original, raising=False)
+    monkeypatch.delattr(cls, "_prepare_schedule_with_comms")
+    ppbackward.install(merge_bw=True)
+    assert merge_bw_enabled() and cls.__dict__["_prepare_schedule_with_comms"].__wrapped__ is original
+    ppbackward.uninstall()
+    assert "_prepare_schedule_with_comms" not in cls.__dict__ and cls._prepare_schedule_with_comms is original
+    assert not merge_bw_enabled() and not ppbackward.is_installed()
+
+
 def test_installed_context_restores_the_switch():
     cls = s._PipelineScheduleRuntime
     original = cls.__dict__["_prepare_schedule_with_comms"]
