@@ -88,6 +88,36 @@ def test_a_wrong_grad_is_caught(monkeypatch):
     assert [k for k, ok in r["grads_match_by_variant"].items() if not ok] == ["ZBVZeroBubble/ppbackward"]
 
 
+@pytest.mark.parametrize("backward", ["ppbackward", "merged"])
+def test_a_first_step_that_raises_under_ppbackward_is_an_error_not_a_skip(monkeypatch, backward: str):
+    """A skip is torch refusing a schedule; ppbackward's backward raising is a failure of the run, named."""
+    step, bad = _one_rank._Variant.step, f"ZBVZeroBubble/{backward}"
+
+    def failing_step(self, x, target):
+        if self.name == bad:
+            raise ValueError("boom")
+        return step(self, x, target)
+
+    monkeypatch.setattr(_one_rank._Variant, "step", failing_step)
+    with pytest.raises(RuntimeError, match=f"one-rank step: {bad}'s first step raised: ValueError: boom"):
+        _one_rank.measure(TINY)
+    assert not dist.is_initialized()
+
+
+def test_a_first_step_that_raises_under_torchs_backward_is_skipped(monkeypatch):
+    step = _one_rank._Variant.step
+
+    def failing_step(self, x, target):
+        if self.name == "ZBVZeroBubble/upstream":
+            raise ValueError("torch's own zero bubble failed")
+        return step(self, x, target)
+
+    monkeypatch.setattr(_one_rank._Variant, "step", failing_step)
+    r = _one_rank.measure(TINY)
+    assert r["skipped"] == {"ZBVZeroBubble/upstream": "ValueError: torch's own zero bubble failed"}
+    assert "ZBVZeroBubble/upstream" not in r["variants"] and r["grads_match"] is True
+
+
 def test_refuses_an_existing_process_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

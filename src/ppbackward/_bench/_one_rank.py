@@ -17,12 +17,15 @@ ppbackward's, and InterleavedZeroBubble and ZBVZeroBubble with torch's B/W (``pp
 with ppbackward's (``ppbackward.install()``) and merged (built while ``ppbackward.install(merge_bw=True)``
 is on: Note [merged B and W] in ``ppbackward._merge``; on one rank every W directly follows its own B,
 so every pair is merged). Each is built once and stepped once untimed; that first step's grads are
-compared with the reference's (``_schedule_worker.grads_close``). A variant whose construction or first
-step raises is recorded as skipped with the message. Then every repeat steps every variant once, in an
-order rotated by one per repeat (Note [interleaved repeats] in ``_timing``), the gc off within a repeat;
-the figure is the minimum over repeats, timed with a clock that waits for the device
-(``_split._clock``). On CUDA, each step's peak is ``torch.cuda.max_memory_allocated`` (reset before the
-step); ``None`` on CPU. The installed state of ppbackward found at the start is put back at the end.
+compared with the reference's (``_schedule_worker.grads_close``). A variant that torch refuses to build
+(e.g. DualPipeV with fewer microbatches than stages), or whose first step raises under torch's own
+backward, is recorded as skipped with the message; a first step that raises under ppbackward's backward
+(``ppbackward`` or ``merged``) is an error, as is any failure of the reference. Then every repeat
+steps every variant once, in an order rotated by one per repeat (Note [interleaved repeats] in
+``_timing``), the gc off within a repeat; the figure is the minimum over repeats, timed with a clock
+that waits for the device (``_split._clock``). On CUDA, each step's peak is
+``torch.cuda.max_memory_allocated`` (reset before the step); ``None`` on CPU. The installed state of
+ppbackward found at the start is put back at the end.
 """
 
 from __future__ import annotations
@@ -175,12 +178,16 @@ def _first_steps(
     reference: list[dict[str, torch.Tensor]] = []
     for schedule, backward in VARIANTS:
         name = variant_name(schedule, backward)
+        built = False
         try:
             v = _Variant(schedule, backward, modules, cfg, device)
+            built = True
             v.step(x, target)
-        except Exception as e:  # a schedule torch cannot run on one rank is reported, not fatal
+        except Exception as e:  # a schedule torch cannot build, or torch's backward cannot run: reported
             if (schedule, backward) == REFERENCE:
                 raise RuntimeError(f"one-rank step: the reference {name} did not run: {_message(e)}") from e
+            if built and backward != "upstream":  # ppbackward's backward failed: never a skip
+                raise RuntimeError(f"one-rank step: {name}'s first step raised: {_message(e)}") from e
             skipped[name] = _message(e)
             continue
         grads = [_grads(m) for m in modules]
@@ -197,7 +204,8 @@ def measure(cfg: OneRankConfig = DEFAULT, device: torch.device | str = "cpu") ->
     on CPU), the lowered B/W/full backward counts and the grads verdict; torch's thread count at 1.
 
     Raises:
-        RuntimeError: a default process group already exists, or the reference variant did not run.
+        RuntimeError: a default process group already exists, the reference variant did not run, or
+            the first step of a variant under ppbackward's backward raised (the message names it).
     """
     device = torch.device(device)
     threads = torch.get_num_threads()
