@@ -51,7 +51,8 @@ _PROGRESS_TIMEOUT_S = 300  # no rank finishing an optimizer step for this long i
 SAC_CRASH = ("Trying to backward an extra time. You are only allowed to backward once on any region computed "
              "under selective activation checkpoint.")
 
-pytestmark = pytest.mark.timeout(_BUILD_TIMEOUT_S + 1200)
+# slow: about 2.3 minutes of torchrun launches, the longest part of the suite (README: the quick suite skips it)
+pytestmark = [pytest.mark.timeout(_BUILD_TIMEOUT_S + 1200), pytest.mark.slow]
 
 
 @functools.cache
