@@ -5,7 +5,8 @@ Public surface (see ``docs/api.md``):
 * :func:`stage_backward`, :func:`stage_backward_input`, :func:`stage_backward_weight` — drop-in
   replacements of the functions of the same names in ``torch.distributed.pipelining._backward``;
 * :func:`install`, :func:`uninstall`, :func:`is_installed`, :func:`installed` — swap them into torch;
-  :func:`active_adapter` — which adapter :func:`install` chose;
+  :func:`active_adapter` — which adapter :func:`install` chose; :func:`merge_bw_enabled` — whether
+  schedules built now merge a B with the W that directly follows it (``install(merge_bw=True)``);
 * :class:`ParamGroups` — the opaque B→W hand-off; :class:`StageBackwardError` — a bad call (a
   ``RuntimeError``, and a ``ValueError`` or ``TypeError``); :class:`UnsupportedTorchError`;
   :class:`UntestedTorchWarning` (``install(allow_untested=True)`` on a torch newer than the newest known);
@@ -14,7 +15,7 @@ Public surface (see ``docs/api.md``):
 
 from ppbackward._compat import SUPPORTED_TORCH, UnsupportedTorchError, UntestedTorchWarning
 from ppbackward._errors import StageBackwardError
-from ppbackward._install import active_adapter, install, installed, is_installed, uninstall
+from ppbackward._install import active_adapter, install, installed, is_installed, merge_bw_enabled, uninstall
 from ppbackward._param_groups import ParamGroups
 from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
 
@@ -30,6 +31,7 @@ __all__ = [
     "install",
     "installed",
     "is_installed",
+    "merge_bw_enabled",
     "stage_backward",
     "stage_backward_input",
     "stage_backward_weight",

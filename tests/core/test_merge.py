@@ -91,6 +91,14 @@ def test_a_schedule_built_while_installed_with_merge_bw_runs_the_merged_list(nam
     assert _lowered_kinds(name) == plain
 
 
+def test_the_package_exports_the_switchs_state():
+    assert "merge_bw_enabled" in ppbackward.__all__ and ppbackward.merge_bw_enabled is merge_bw_enabled
+    ppbackward.install(merge_bw=True)
+    assert ppbackward.merge_bw_enabled()
+    ppbackward.install(merge_bw=False)
+    assert not ppbackward.merge_bw_enabled() and ppbackward.is_installed()
+
+
 def test_uninstall_puts_back_exactly_torchs_lowering():
     cls = s._PipelineScheduleRuntime
     original = cls.__dict__["_prepare_schedule_with_comms"]
