@@ -88,6 +88,8 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
             ``UnsupportedTorchError``) ``merge_bw=True`` and this torch has no
             ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (nothing is patched then).
     """
+    if merge_bw is not None and not isinstance(merge_bw, bool):
+        raise TypeError(f"install(merge_bw={merge_bw!r}): expected True, False or None (leave it as it is)")
     with _lock:
         if merge_bw:
             _merge.lowering()  # raises before anything is patched on a torch without the lowering

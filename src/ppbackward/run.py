@@ -39,6 +39,14 @@ import traceback
 __all__ = ["main"]
 
 USAGE = "usage: python -m ppbackward.run [--merge-bw] (SCRIPT | -m MODULE) [ARGS...]"
+HELP = (
+    f"{USAGE}\n\n"
+    "Install ppbackward (ppbackward.install()), then run SCRIPT, or MODULE with -m, as __main__ with ARGS, as\n"
+    "python would; under torchrun every rank does. Exit code: the target's; 2 usage error; 3 ppbackward refuses\n"
+    "this torch (one line, nothing ran).\n\n"
+    "  --merge-bw  install(merge_bw=True): in zero-bubble schedules the target builds, each B directly followed\n"
+    "              by its own W runs as one full backward (docs/api.md, docs/performance.md)"
+)
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
 
@@ -87,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parsed = _parse(argv[1:] if merge_bw else argv)
     if isinstance(parsed, str):
         if not parsed:
-            print(USAGE)
+            print(HELP)
             return 0
         print(f"ppbackward.run: {parsed}\n{USAGE}", file=sys.stderr)
         return EXIT_USAGE

@@ -195,3 +195,12 @@ def test_composes_with_torchrun_every_rank_installs(probe, tmp_path):
         assert report["rank"] == str(rank)
         assert report["argv"] == [str(probe), "--flag", "1"]
         assert (report["name"], report["installed"], report["swapped"]) == ("__main__", True, True)
+
+
+def test_help_describes_the_launchers_one_option_and_its_exit_codes(capsys):
+    from ppbackward.run import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m ppbackward.run [--merge-bw]")
+    assert "--merge-bw  install(merge_bw=True)" in out and "3 ppbackward refuses" in out

@@ -91,6 +91,15 @@ def test_a_schedule_built_while_installed_with_merge_bw_runs_the_merged_list(nam
     assert _lowered_kinds(name) == plain
 
 
+@pytest.mark.parametrize("value", ["yes", 1, 0])
+def test_merge_bw_other_than_a_bool_or_none_is_refused_before_anything_is_patched(value):
+    cls = s._PipelineScheduleRuntime
+    original = cls.__dict__["_prepare_schedule_with_comms"]
+    with pytest.raises(TypeError, match=r"install\(merge_bw=.*\): expected True, False or None"):
+        ppbackward.install(merge_bw=value)
+    assert not ppbackward.is_installed() and cls.__dict__["_prepare_schedule_with_comms"] is original
+
+
 def test_the_package_exports_the_switchs_state():
     assert "merge_bw_enabled" in ppbackward.__all__ and ppbackward.merge_bw_enabled is merge_bw_enabled
     ppbackward.install(merge_bw=True)

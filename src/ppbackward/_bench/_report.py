@@ -295,10 +295,14 @@ def step_parts_table(sched: dict[str, Any], replayed: dict[str, float] | None = 
                 name if r == 0 else "", str(r), f"{p['step']:.1f}", *(f"{p[k]:.1f}" for k in kinds),
                 f"{replay:.1f}" if replay is not None and r == 0 else "",
             ])
+    why = "" if replayed else (
+        "; replayed: none here, as the split configurations do not include the real step's stage shape "
+        "(add it with --configs, e.g. 4x128x16; --quick measures 4x64x16 only)" if replayed is not None else ""
+    )
     return (
         "\nStep parts (Note [step parts]: ms on each rank in the variant's fastest step; wait = blocked on a "
         "peer's send or receive, other = the schedule's own work, posting sends, the loss; replayed = the "
-        "same step replayed from the split's costs, sending free)\n"
+        f"same step replayed from the split's costs, sending free{why})\n"
         + format_table(["variant", "rank", "step", *kinds, "replayed"], rows, left=1)
     )
 

@@ -379,7 +379,10 @@ def format_run(report: dict[str, Any], rep: Any) -> str:
             parts.append(
                 f"\nReal step (torchrun {sched['ranks']} ranks, {sched['stages']} stages x "
                 f"{sched['layers_per_stage']} layers d {sched['d_model']} s {sched['seq']}, "
-                f"{sched['microbatches']} microbatches; ratio to Interleaved1F1B): "
+                f"{sched['microbatches']} microbatches; min of {sched['repeats']} steps; ratio to Interleaved1F1B "
+                "with torch's backward; merged: built under install(merge_bw=True), each B directly followed by "
+                "its own W run as one full backward; on shared cores these ratios move by tens of percent between "
+                "runs, docs/performance.md): "
                 + "  ".join(f"{k} {v:.2f}x" for k, v in r.items())
                 + rep.step_parts_table(sched, replayed_steps(report["split"], sched))
             )

@@ -56,12 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
     p.add_argument(
         "--quick", action="store_true",
-        help="only 4x64x16, few repeats, small scaling sweep, no profile (smoke test, CI)",
+        help="only 4x64x16, few repeats, small scaling sweep, no profile (smoke test, CI); overrides --configs, "
+        "and the schedule steps run 2 repeats whatever --schedule-repeats says",
     )
     p.add_argument(
         "--schedule", action="store_true",
         help="also time the schedule step under torchrun (2 ranks, gloo): Interleaved1F1B, InterleavedZeroBubble "
-        "and ZBVZeroBubble with torch's backward and ppbackward's, with peak memory per rank",
+        "and ZBVZeroBubble with torch's backward, ppbackward's and merged (install(merge_bw=True)), with peak "
+        "memory per rank (without --split) or where each rank's time goes (with --split)",
     )
     p.add_argument(
         "--schedule-repeats", type=int, default=8,
