@@ -46,6 +46,33 @@ def _run_in_thread(target) -> threading.Thread:
     return thread
 
 
+def _race(call, inside: threading.Event, go_on: threading.Event) -> dict[str, object]:
+    """Run ``call`` on two threads: the first until a hook of its own sets ``inside`` and waits for
+    ``go_on``; the second while the first is held there, setting ``go_on`` when it is done. Returns what
+    each returned or raised, under ``"first"`` and ``"second"``."""
+    results: dict[str, object] = {}
+
+    def first() -> None:
+        try:
+            results["first"] = call()
+        except BaseException as e:
+            results["first"] = e
+
+    def second() -> None:
+        try:
+            assert inside.wait(_WAIT), "the first call never reached its hook"
+            results["second"] = call()
+        except BaseException as e:
+            results["second"] = e
+        finally:
+            go_on.set()
+
+    threads = [_run_in_thread(first), _run_in_thread(second)]
+    for t in threads:
+        t.join(_WAIT)
+    return results
+
+
 # -- W ------------------------------------------------------------------------------------------
 
 
@@ -91,29 +118,8 @@ def test_two_threads_running_w_on_the_same_param_groups_one_runs_the_other_is_re
             assert go_on.wait(_WAIT), "the second thread never finished its W"
 
     mod[0].weight.register_hook(hold_the_first)
-    results: dict[str, object] = {}
-
-    def first() -> None:
-        try:
-            pb.stage_backward_weight(mod.parameters(), groups)
-            results["first"] = "ok"
-        except BaseException as e:
-            results["first"] = e
-
-    def second() -> None:
-        try:
-            assert inside.wait(_WAIT), "the first W never reached its hook"
-            pb.stage_backward_weight(mod.parameters(), groups)
-            results["second"] = "ok"
-        except BaseException as e:
-            results["second"] = e
-        finally:
-            go_on.set()
-
-    threads = [_run_in_thread(first), _run_in_thread(second)]
-    for t in threads:
-        t.join(_WAIT)
-    assert results["first"] == "ok", results
+    results = _race(lambda: pb.stage_backward_weight(mod.parameters(), groups), inside, go_on)
+    assert "first" in results and not isinstance(results["first"], BaseException), results
     error = results["second"]
     assert isinstance(error, pb.StageBackwardError), results
     assert "already consumed by an earlier stage_backward_weight call (finished, or still running" in str(error)
@@ -192,26 +198,7 @@ def test_two_threads_running_b_on_the_same_outputs_one_runs_the_other_is_refused
             assert go_on.wait(_WAIT), "the second thread never finished its B"
 
     h.register_hook(hold_the_first)
-    results: dict[str, object] = {}
-
-    def first() -> None:
-        try:
-            results["first"] = pb.stage_backward_input((out,), (grad,), [x], mod.parameters())
-        except BaseException as e:
-            results["first"] = e
-
-    def second() -> None:
-        try:
-            assert inside.wait(_WAIT), "the first B never reached its hook"
-            results["second"] = pb.stage_backward_input((out,), (grad,), [x], mod.parameters())
-        except BaseException as e:
-            results["second"] = e
-        finally:
-            go_on.set()
-
-    threads = [_run_in_thread(first), _run_in_thread(second)]
-    for t in threads:
-        t.join(_WAIT)
+    results = _race(lambda: pb.stage_backward_input((out,), (grad,), [x], mod.parameters()), inside, go_on)
     error = results["second"]
     assert isinstance(error, pb.StageBackwardError), results
     assert "is being backpropagated by another stage_backward_input call, still running" in str(error)
