@@ -10,12 +10,15 @@ import json
 import os
 import shutil
 import sys
+import threading
 import weakref
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import torch
 
 from ppbackward.leaks import LeakReport, TensorLeakError, check_tensor_leaks
+from ppbackward.leaks import _gc_phase
 
 
 def _make_cycle(n: int = 4) -> weakref.ref:
@@ -189,6 +192,71 @@ def test_a_block_that_clears_the_gc_debug_flags_still_has_its_leak_caught(collec
         assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
     finally:
         gc.set_debug(old_debug)
+
+
+@contextmanager
+def _another_thread_collecting():
+    """Another thread sits inside a gc collection (a finaliser of its garbage waits) until the event
+    yielded is set; the GIL is free meanwhile."""
+    inside, release = threading.Event(), threading.Event()
+
+    class _Waits:
+        def __del__(self) -> None:
+            inside.set()
+            release.wait()
+
+    def _collect() -> None:
+        obj = _Waits()
+        obj.self = obj  # type: ignore[attr-defined]
+        del obj
+        gc.collect()
+
+    thread = threading.Thread(target=_collect, daemon=True)
+    thread.start()
+    inside.wait()
+    try:
+        yield release
+    finally:
+        release.set()
+        thread.join()
+
+
+def test_plain_gc_collect_does_nothing_while_another_thread_collects():
+    """The CPython behaviour behind Note [a collection that surely ran] (the control of the next test)."""
+    with _another_thread_collecting():
+        storage = _make_cycle()
+        assert gc.collect() == 0 and storage() is not None  # nothing collected
+    gc.collect()
+    assert storage() is None
+
+
+def test_a_leak_is_caught_while_another_thread_collects(monkeypatch):
+    """CI once reported a leaky block clean: a background thread was collecting when the checker
+    exited, so its gc.collect() returned 0 unseen. The checker now retries until its own collection ran."""
+    retries = []
+    with ExitStack() as other_thread:  # still collecting when the checker below exits
+        with check_tensor_leaks(strict=False, max_chains=0) as report:
+            release = other_thread.enter_context(_another_thread_collecting())
+
+            def _release_then_yield() -> None:
+                retries.append(1)
+                release.set()
+                threading.Event().wait(0.001)
+
+            monkeypatch.setattr(_gc_phase, "_yield_gil", _release_then_yield)
+            _make_cycle(4)
+    assert (report.num_tensors, report.num_nodes, report.tensor_bytes, report.num_storages) == (1, 0, 16, 1)
+    assert not report.ok and retries  # the retry ran: the other thread was still collecting at exit
+
+
+def test_full_collect_names_a_collection_that_never_ends(monkeypatch):
+    callbacks = list(gc.callbacks)
+    monkeypatch.setattr(_gc_phase, "_FULL_COLLECT_TIMEOUT_S", 0.0)
+    with _another_thread_collecting():
+        with pytest.raises(RuntimeError, match="could not start a collection for 0 s: a collection in progress"):
+            _gc_phase.full_collect()
+    assert gc.callbacks == callbacks
+    assert _gc_phase.full_collect() >= 0
 
 
 def test_body_exception_wins_over_the_leak_and_carries_the_report():

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ppbackward.leaks._chains import _find_chain, _format_chain, _referrer_index, _write_graph
+from ppbackward.leaks._gc_phase import full_collect
 from ppbackward.leaks._report import LeakReport, TensorLeakError
 from ppbackward.leaks._storage import _node_saved_tensors, _unique_storage_bytes
 
@@ -109,7 +110,7 @@ class _TensorLeakCheck:
             self._warmup()  # before arming: one-time lazy imports and caches are not leaks
         self._prev_debug = gc.get_debug()
         self._prev_enabled = gc.isenabled()
-        gc.collect()
+        full_collect()  # Note [a collection that surely ran] in _gc_phase.py
         self._start = len(gc.garbage)
         gc.set_debug(self._prev_debug | gc.DEBUG_SAVEALL)
         gc.callbacks.append(self._save_all)  # Note [checker survives the block's gc flags]
@@ -125,7 +126,7 @@ class _TensorLeakCheck:
         self._armed = False
         caught: list[Any] = []
         try:
-            gc.collect()
+            full_collect()  # Note [a collection that surely ran] in _gc_phase.py
             # Note [checker clears gc.garbage]: take what the block added, and only that.
             start = self._start if len(gc.garbage) >= self._start else 0
             caught = gc.garbage[start:]
@@ -146,7 +147,7 @@ class _TensorLeakCheck:
             caught.clear()
             del caught
             if caught_any:
-                gc.collect()  # frees the cycles we took out of gc.garbage
+                full_collect()  # frees the cycles we took out of gc.garbage
         self.report.done = True
         self.report.body_raised = exc_type is not None
         if self.report.ok:

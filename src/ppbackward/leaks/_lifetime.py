@@ -287,7 +287,7 @@ class ActivationTracker:
         gc.disable()  # a consistent snapshot: no automatic collection while classifying
         try:
             if collect:
-                gc.collect()
+                _gc_phase.full_collect()  # Note [a collection that surely ran]
             saved = [self._snapshot(r) for r in self._records]
         finally:
             if was_enabled:
