@@ -14,18 +14,19 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
+from ppbackward.leaks._gc_phase import full_collect
 from tests.core.helpers import clone_inputs, output_grads
 from tests.core.stages import ZOO, build
 
 
 def _garbage_of(fn, *args):
     """Objects that ``fn(*args)`` left in cyclic garbage (gc.DEBUG_SAVEALL), any type."""
-    gc.collect()
+    full_collect()  # not gc.collect(): Note [a collection that surely ran]
     flags = gc.get_debug()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         result = fn(*args)
-        gc.collect()
+        full_collect()
         found = list(gc.garbage)
     finally:
         gc.garbage.clear()
