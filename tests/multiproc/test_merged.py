@@ -69,3 +69,35 @@ def test_the_merge_is_what_ran(name: str, plain: str, launches) -> None:
                 assert p["B"] == 0, where  # torch's own lowering splits every backward of these
             total += m["B"] - p["B"]
     assert total > 0, f"{name}: no B and W were merged"
+
+
+@pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
+def test_check_s_merge_lines_count_what_each_rank_ran(launches) -> None:
+    """``ppbackward check --merge-bw`` prints, per case, the pairs merged of all backwards, summed over
+    the ranks' lowered lists; the same cases unmerged read 0; with no splitting schedule it says so."""
+    from ppbackward._cli import cells
+    from ppbackward._cli import check as _check
+    from ppbackward._harness.scenarios import Scenario
+
+    scenario = Scenario("pp", "pipeline", 2, ("one", "two"))  # two models: rows are whole case ids
+
+    def lines(result: Any, only: list[str] | None) -> list[str]:
+        results = {"ppbackward": {c: cells.cell_values(result.case(c)) for c in result.case_ids()}}
+        return _check._merge_lines([_check._ScenarioRun(scenario, {}, results)], only)
+
+    def row(result: Any, case: str) -> str:
+        acts = _actions(result, case).values()
+        return f"{case} {sum(a['B'] for a in acts)}/{sum(a['B'] + a['I'] for a in acts)}"
+
+    header = "merge_bw: B/W pairs run as one full backward, of all backwards (all ranks, one step):"
+    merged, plain = launches("merged-ws2"), launches("ws2")
+    ran = [c for c in merged.case_ids() if merged.case_status(c) != "skip"]
+    assert ran and any(_actions(merged, c)[0]["B"] > 0 for c in ran), merged.summary()
+    assert lines(merged, None) == [header, "  pp: " + ", ".join(row(merged, c) for c in ran)]
+    split = ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
+    plain_ran = [c for c in plain.case_ids() if c.split("/")[0] in split and plain.case_status(c) != "skip"]
+    assert plain_ran and all(row(plain, c).endswith(" 0/" + row(plain, c).split("/")[-1]) for c in plain_ran)
+    assert lines(plain, split) == [header, "  pp: " + ", ".join(row(plain, c) for c in plain_ran)]
+    assert lines(plain, ["Schedule1F1B"]) == [
+        "merge_bw: no schedule run splits its backward into B and W: nothing was merged"
+    ]

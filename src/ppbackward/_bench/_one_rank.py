@@ -30,7 +30,6 @@ ppbackward found at the start is put back at the end.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -47,6 +46,7 @@ from ppbackward._bench._schedule_worker import _grads, _loss, build_stages, grad
 from ppbackward._bench._split import _clock
 from ppbackward._bench._timing import _gc_paused, _rotations
 from ppbackward._install import merge_bw_enabled
+from ppbackward._merge import count_compute
 
 __all__: list[str] = []  # private module
 
@@ -154,13 +154,8 @@ class _Variant:
 
     def backward_actions(self) -> dict[str, int]:
         """How many B, W and full backward actions this rank's lowered action list runs per step."""
-        kinds = {_schedules.BACKWARD_INPUT: "B", _schedules.BACKWARD_WEIGHT: "W", _schedules.FULL_BACKWARD: "full"}
-        counts = collections.Counter(
-            kinds[a.computation_type]
-            for a in self.schedule.pipeline_order_with_comms[0]
-            if a is not None and a.computation_type in kinds
-        )
-        return {k: counts.get(k, 0) for k in ("B", "W", "full")}
+        counts = count_compute(self.schedule.pipeline_order_with_comms[0])
+        return {"B": counts["I"], "W": counts["W"], "full": counts["B"]}
 
 
 def _message(e: BaseException) -> str:

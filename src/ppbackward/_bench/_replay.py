@@ -24,15 +24,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ppbackward._merge import merge_actions
+from ppbackward._merge import compute_kind, merge_actions
 
 __all__: list[str] = []  # private module
 
 SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
-
-
-# torch's _ComputationType names -> the kinds replayed (communication and resharding are not compute)
-_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 
 
 class Action(NamedTuple):
@@ -66,10 +62,8 @@ def action_lists(
             rank_ops = merge_actions(rank_ops)[0]
         acts = []
         for a in rank_ops:
-            if a is None:
-                continue
-            kind = _KINDS.get(getattr(a.computation_type, "name", ""), "")
-            if kind and a.microbatch_index is not None:
+            kind = compute_kind(a)
+            if kind and a is not None and a.microbatch_index is not None:
                 acts.append(Action(a.stage_index, kind, a.microbatch_index))
         out.append(acts)
     return out

@@ -139,9 +139,20 @@ def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
         "step_seconds": max(sum(s) / len(s) for s in seconds.values()),
         "worst": {column: list(where) for column, where in worst.items()},
         "wrap": next((r.get("wrap", "none") for r in records.values()), "none"),
+        "actions": _summed_actions(records),
         "failures": failures,
         "findings": findings,
     }
+
+
+def _summed_actions(records: dict[int, dict[str, Any]]) -> dict[str, int]:
+    """The compute actions of the ranks' lowered action lists (``F``, ``B``, ``I``, ``W``: what one step
+    runs), summed over ranks; ``{}`` where no rank recorded them (a schedule without a lowered list)."""
+    total: dict[str, int] = {}
+    for record in records.values():
+        for kind, n in (record.get("actions") or {}).items():
+            total[kind] = total.get(kind, 0) + n
+    return total
 
 
 def cell_ok(values: dict[str, Any]) -> dict[str, bool]:

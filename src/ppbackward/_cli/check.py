@@ -439,6 +439,30 @@ def _print_scenario(run: _ScenarioRun, only: list[str] | None, tally: _Tally) ->
             tally.upstream_failing.append((f"{scenario.name} {_row_label(case, scenario)}", values))
 
 
+def _merge_lines(runs: list[_ScenarioRun], only: list[str] | None) -> list[str]:
+    """What ``--merge-bw`` did on ppbackward's side: per scenario, each case of a schedule that splits
+    its backward with the B/W pairs its ranks ran merged, out of all its backwards (from each rank's
+    lowered action list: full backwards / full backwards + Bs, summed over ranks, one step); a line
+    saying so when no schedule run splits its backward."""
+    from ppbackward._harness import schedules
+
+    lines = []
+    for run in runs:
+        cases = []
+        for case, values in run.results["ppbackward"].items():
+            name = case.split("/")[0]
+            rule = schedules.RULES.get(name)
+            acts = values.get("actions") or {}
+            if (only is None or name in only) and rule is not None and rule.split_backward and acts:
+                merged, total = acts.get("B", 0), acts.get("B", 0) + acts.get("I", 0)
+                cases.append(f"{_row_label(case, run.scenario)} {merged}/{total}")
+        if cases:
+            lines.append(f"  {run.scenario.name}: " + ", ".join(cases))
+    if not lines:
+        return ["merge_bw: no schedule run splits its backward into B and W: nothing was merged"]
+    return ["merge_bw: B/W pairs run as one full backward, of all backwards (all ranks, one step):", *lines]
+
+
 def _print_upstream_footnotes(tally: _Tally, logs: Path, keep: bool) -> None:
     if not tally.upstream_failing:
         return
@@ -524,6 +548,8 @@ def run(args: argparse.Namespace) -> int:
     for scenario_run in runs:
         _print_scenario(scenario_run, only, tally)
     print()
+    if args.merge_bw:
+        print("\n".join(_merge_lines(runs, only)) + "\n")
     for line in _memory_lines(memory):
         print(line)
     elapsed = time.perf_counter() - t0

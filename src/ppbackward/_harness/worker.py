@@ -73,6 +73,7 @@ from ppbackward._harness import gloo_p2p, parallel, probes
 from ppbackward._harness import models as zoo
 from ppbackward._harness import schedules as sched
 from ppbackward._install import NAMES
+from ppbackward._merge import count_compute
 
 __all__ = ["ATOL", "RTOL", "main"]
 
@@ -399,13 +400,7 @@ def action_counts(schedule: Any) -> dict[str, int]:
     lowered = getattr(schedule, "pipeline_order_with_comms", None)
     if not lowered:
         return {}
-    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-    counts = dict.fromkeys(kinds.values(), 0)
-    for action in lowered[schedule.rank]:
-        kind = kinds.get(action.computation_type.name)
-        if kind:
-            counts[kind] += 1
-    return counts
+    return count_compute(lowered[schedule.rank])
 
 
 def run_case(
