@@ -241,12 +241,12 @@ def test_schedule_timeout_kills_workers_in_sessions_of_their_own(tmp_path, monke
 
 
 def test_repeats_fit_the_budget_and_orders_rotate():
-    assert _timing._fit_repeats(100, None, 1.0) == 100
-    assert _timing._fit_repeats(100, 20.0, 1.0) == 20
-    assert _timing._fit_repeats(100, 1.0, 1.0) == 3  # never below 3 ...
-    assert _timing._fit_repeats(2, 1.0, 1.0) == 2  # ... nor above the repeats asked for
-    assert _timing._fit_repeats(100, 20.0, 0.0) == 100
-    orders = list(_timing._rotations(("a", "b", "c"), 4))
+    assert _timing.fit_repeats(100, None, 1.0) == 100
+    assert _timing.fit_repeats(100, 20.0, 1.0) == 20
+    assert _timing.fit_repeats(100, 1.0, 1.0) == 3  # never below 3 ...
+    assert _timing.fit_repeats(2, 1.0, 1.0) == 2  # ... nor above the repeats asked for
+    assert _timing.fit_repeats(100, 20.0, 0.0) == 100
+    orders = list(_timing.rotations(("a", "b", "c"), 4))
     assert orders == [("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b"), ("a", "b", "c")]
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ppbackward._bench._impls import SPLIT
 from ppbackward._bench._models import Config, build
-from ppbackward._bench._timing import _fit_repeats, _gc_paused, _rotations
+from ppbackward._bench._timing import fit_repeats, gc_paused, rotations
 
 __all__: list[str] = []  # private module
 
@@ -102,17 +102,17 @@ def time_loop(
 ) -> dict[str, Any]:
     """Min-of-N seconds of the whole loop per variant, interleaved; and the plan it replays.
 
-    One warm-up round sizes N as in ``_timing.time_config`` (``_timing._fit_repeats``): with ``budget_s``
+    One warm-up round sizes N as in ``_timing.time_config`` (``_timing.fit_repeats``): with ``budget_s``
     (seconds), N is lowered (not below 3, nor above ``repeats``) so that the repeats take about that long.
     """
     loop = _Loop(cfg, n_microbatches)
     t0 = time.perf_counter()
     for variant in VARIANTS:  # warm-up
         loop.run(variant)
-    repeats = _fit_repeats(repeats, budget_s, time.perf_counter() - t0)
+    repeats = fit_repeats(repeats, budget_s, time.perf_counter() - t0)
     best = {v: float("inf") for v in VARIANTS}
-    for order in _rotations(VARIANTS, repeats):
-        with _gc_paused():
+    for order in rotations(VARIANTS, repeats):
+        with gc_paused():
             for variant in order:
                 best[variant] = min(best[variant], loop.run(variant))
     return {

@@ -23,7 +23,7 @@ backward, is recorded as skipped with the message; a first step that raises unde
 (``ppbackward`` or ``merged``) is an error, as is any failure of the reference. Then every repeat
 steps every variant once, in an order rotated by one per repeat (Note [interleaved repeats] in
 ``_timing``), the gc off within a repeat; the figure is the minimum over repeats, timed with a clock
-that waits for the device (``_split._clock``). On CUDA, each step's peak is
+that waits for the device (``_split.device_clock``). On CUDA, each step's peak is
 ``torch.cuda.max_memory_allocated`` (reset before the step); ``None`` on CPU. The installed state of
 ppbackward found at the start is put back at the end.
 """
@@ -42,9 +42,9 @@ from torch.distributed.pipelining import schedules as _schedules
 
 import ppbackward
 from ppbackward._bench._models import build_stack
-from ppbackward._bench._schedule_worker import _grads, _loss, build_stages, grads_close, variant_name
-from ppbackward._bench._split import _clock
-from ppbackward._bench._timing import _gc_paused, _rotations
+from ppbackward._bench._schedule_worker import build_stages, grads_close, mse_loss, param_grads, variant_name
+from ppbackward._bench._split import device_clock
+from ppbackward._bench._timing import gc_paused, rotations
 from ppbackward._install import merge_bw_enabled
 from ppbackward._merge import count_compute
 
@@ -132,7 +132,7 @@ class _Variant:
         merge = ppbackward.installed(merge_bw=True) if backward == "merged" else contextlib.nullcontext()
         with merge:  # the switch only matters while the schedule is built (it lowers its actions then)
             self.schedule = getattr(_schedules, schedule)(
-                stages, n_microbatches=cfg.microbatches, loss_fn=_loss, scale_grads=False
+                stages, n_microbatches=cfg.microbatches, loss_fn=mse_loss, scale_grads=False
             )
 
     def step(self, x: torch.Tensor, target: torch.Tensor) -> float:
@@ -141,7 +141,7 @@ class _Variant:
         for q in self.params:
             q.grad = None
         cuda = self.device.type == "cuda"
-        clock = _clock(self.device)
+        clock = device_clock(self.device)
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -185,7 +185,7 @@ def _first_steps(
                 raise RuntimeError(f"one-rank step: {name}'s first step raised: {_message(e)}") from e
             skipped[name] = _message(e)
             continue
-        grads = [_grads(m) for m in modules]
+        grads = [param_grads(m) for m in modules]
         if not reference:
             reference = [{n: g.clone() for n, g in gs.items()} for gs in grads]
         match[name] = all(grads_close(got, ref) for got, ref in zip(grads, reference))
@@ -221,8 +221,8 @@ def _measure(cfg: OneRankConfig, device: torch.device) -> dict[str, Any]:
     variants, match, skipped = _first_steps(modules, cfg, device, x, target)
     best = {v.name: float("inf") for v in variants}
     peak: dict[str, int | None] = {v.name: None for v in variants}
-    for order in _rotations(tuple(variants), cfg.repeats):
-        with _gc_paused():
+    for order in rotations(tuple(variants), cfg.repeats):
+        with gc_paused():
             for v in order:
                 best[v.name] = min(best[v.name], v.step(x, target))
                 if v.peak_bytes is not None:

@@ -62,7 +62,7 @@ from torch.distributed.pipelining import schedules as _schedules
 
 import ppbackward
 from ppbackward._bench._models import build_stack
-from ppbackward._bench._timing import _rotations
+from ppbackward._bench._timing import rotations
 from ppbackward._memory import alive_bytes, saved_storages
 
 __all__: list[str] = []  # private module
@@ -85,7 +85,7 @@ def variant_name(schedule: str, backward: str) -> str:
     return f"{schedule.removeprefix('Schedule')}/{backward}"
 
 
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).mean()
 
 
@@ -223,7 +223,7 @@ class _Variant:
         merge = contextlib.nullcontext() if backward != "merged" else ppbackward.installed(merge_bw=True)
         with merge:  # a schedule lowers its action list when it is built
             self.schedule = getattr(_schedules, schedule)(
-                stages, n_microbatches=args.microbatches, loss_fn=_loss, scale_grads=False
+                stages, n_microbatches=args.microbatches, loss_fn=mse_loss, scale_grads=False
             )
 
     def step(self, x: torch.Tensor, target: torch.Tensor, timer: _StepParts | None = None) -> float:
@@ -261,7 +261,7 @@ class _Variant:
         }
 
 
-def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+def param_grads(module: nn.Module) -> dict[str, torch.Tensor]:
     """``{parameter name: grad}`` of the parameters of ``module`` that have a grad."""
     return {n: q.grad for n, q in module.named_parameters() if q.grad is not None}
 
@@ -269,7 +269,8 @@ def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
 def _reference_grads(reference: _Variant) -> dict[int, dict[str, torch.Tensor]]:
     """``{global stage index: grads}`` of every stage, from whichever rank ``reference`` holds it on
     (after its step; copied, every rank gets all of them)."""
-    mine = {i: {n: g.clone() for n, g in _grads(m).items()} for i, m in zip(reference.stage_ids, reference.modules)}
+    held = zip(reference.stage_ids, reference.modules)
+    mine = {i: {n: g.clone() for n, g in param_grads(m).items()} for i, m in held}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return {i: grads for part in gathered for i, grads in part.items()}
@@ -323,7 +324,7 @@ def _run(args: argparse.Namespace) -> int:
     for v in others:
         v.step(x, target)
         for i, m in zip(v.stage_ids, v.modules):
-            match = match and grads_close(_grads(m), reference[i])
+            match = match and grads_close(param_grads(m), reference[i])
     verdict = torch.tensor([1 if match else 0])
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
 
@@ -331,7 +332,7 @@ def _run(args: argparse.Namespace) -> int:
     mine: dict[str, dict[str, float]] = {}  # this rank's parts of each variant's fastest step
     timer = _StepParts([st for v in variants for st in v.stages])
     try:
-        for order in _rotations(tuple(variants), args.repeats):
+        for order in rotations(tuple(variants), args.repeats):
             for v in order:
                 elapsed = v.step(x, target, timer)
                 if elapsed < best[v.name]:

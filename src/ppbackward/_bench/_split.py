@@ -25,7 +25,7 @@ import torch
 import ppbackward.backward as _ours
 from ppbackward._bench._impls import UPSTREAM_B, UPSTREAM_W
 from ppbackward._bench._models import Config, Stage, build, reset_grads
-from ppbackward._bench._timing import REGIMES, _fit_repeats, _gc_paused, _rotations, prepare_regime
+from ppbackward._bench._timing import REGIMES, fit_repeats, gc_paused, prepare_regime, rotations
 
 __all__: list[str] = []  # private module
 
@@ -36,7 +36,7 @@ LIMITS = {"4x128x16": 1.30, "4x256x16": 1.15, "16x64x16": 1.5, "16x256x16": 1.15
 Split = tuple[Callable[..., Any], Callable[..., Any]]
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
+def device_clock(device: torch.device) -> Callable[[], float]:
     """``time.perf_counter``, after waiting for the device's queued work (CUDA runs asynchronously)."""
     if device.type != "cuda":
         return time.perf_counter
@@ -49,7 +49,7 @@ def _clock(device: torch.device) -> Callable[[], float]:
 
 
 def _time_full(stage: Stage) -> dict[str, float]:
-    clock = _clock(stage.x.device)
+    clock = device_clock(stage.x.device)
     t0 = clock()
     out = stage.model(stage.x)
     t1 = clock()
@@ -59,7 +59,7 @@ def _time_full(stage: Stage) -> dict[str, float]:
 
 def _time_split(name: str, pair: Split, stage: Stage) -> dict[str, float]:
     b, w = pair
-    clock = _clock(stage.x.device)
+    clock = device_clock(stage.x.device)
     out = stage.model(stage.x)
     t0 = clock()
     _, groups = b((out,), (stage.grad,), [stage.x], iter(stage.params))
@@ -83,7 +83,7 @@ def _variants(extra: dict[str, Split]) -> dict[str, Callable[[Stage], dict[str, 
 
 def _round(stage: Stage, runners: dict, order: tuple[str, ...], regime: str) -> dict[str, float]:
     got: dict[str, float] = {}
-    with _gc_paused():
+    with gc_paused():
         for name in order:
             prepare_regime(stage, regime)
             got.update(runners[name](stage))
@@ -134,9 +134,9 @@ def measure_config(
     t0 = time.perf_counter()
     for regime in REGIMES:
         _round(stage, runners, names, regime)
-    n = _fit_repeats(repeats, budget_s, time.perf_counter() - t0)
+    n = fit_repeats(repeats, budget_s, time.perf_counter() - t0)
     rounds: dict[str, list[dict[str, float]]] = {regime: [] for regime in REGIMES}
-    for order in _rotations(names, n):
+    for order in rotations(names, n):
         for regime in REGIMES:
             rounds[regime].append(_round(stage, runners, order, regime))
     reset_grads(stage)

@@ -6,7 +6,7 @@ order rotated by one from the previous repeat, and each figure is the minimum ov
 run least disturbed by the machine. Ratios are taken between minima of the same run. The forward
 is re-run before every timed backward and is not timed; the gc is run before each repeat and
 disabled during it (a ``gc.collect()`` costs tens of ms in a process that imported torch). The
-helpers :func:`_fit_repeats`, :func:`_rotations` and :func:`_gc_paused` are shared with the
+helpers :func:`fit_repeats`, :func:`rotations` and :func:`gc_paused` are shared with the
 microbatch loop (``_loop``).
 
 Note [regimes]: a stage's first microbatch of a step finds every parameter's ``.grad`` ``None``; the
@@ -40,7 +40,7 @@ REGIMES = ("first", "accumulating")
 _T = TypeVar("_T")
 
 
-def _fit_repeats(repeats: int, budget_s: float | None, per_repeat_s: float) -> int:
+def fit_repeats(repeats: int, budget_s: float | None, per_repeat_s: float) -> int:
     """N, the repeats to time: ``repeats``, lowered so that N repeats of ``per_repeat_s`` seconds take
     about ``budget_s`` seconds, but never below 3 (nor above ``repeats``); ``repeats`` itself when there
     is no budget (``None``) or ``per_repeat_s`` is not positive."""
@@ -49,7 +49,7 @@ def _fit_repeats(repeats: int, budget_s: float | None, per_repeat_s: float) -> i
     return max(min(repeats, 3), min(repeats, int(budget_s / per_repeat_s)))
 
 
-def _rotations(items: tuple[_T, ...], repeats: int) -> Iterator[tuple[_T, ...]]:
+def rotations(items: tuple[_T, ...], repeats: int) -> Iterator[tuple[_T, ...]]:
     """The order of each of ``repeats`` repeats: ``items`` rotated by one more each time (Note [interleaved
     repeats])."""
     for r in range(repeats):
@@ -58,7 +58,7 @@ def _rotations(items: tuple[_T, ...], repeats: int) -> Iterator[tuple[_T, ...]]:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Collect, then keep the gc off for the block (Note [interleaved repeats])."""
     gc.collect()
     gc.disable()
@@ -79,7 +79,7 @@ def prepare_regime(stage: Stage, regime: str) -> None:
 
 def _one_round(stage: Stage, order: tuple[str, ...], regime: str) -> dict[str, float]:
     got: dict[str, float] = {}
-    with _gc_paused():
+    with gc_paused():
         for name in order:
             prepare_regime(stage, regime)
             t = run_variant(name, stage)
@@ -105,9 +105,9 @@ def time_config(
     t0 = time.perf_counter()
     for regime in REGIMES:  # not counted either; sizes N
         _one_round(stage, VARIANTS, regime)
-    n = _fit_repeats(repeats, budget_s, time.perf_counter() - t0)
+    n = fit_repeats(repeats, budget_s, time.perf_counter() - t0)
     rounds: dict[str, list[dict[str, float]]] = {regime: [] for regime in REGIMES}
-    for order in _rotations(VARIANTS, n):
+    for order in rotations(VARIANTS, n):
         for regime in REGIMES:
             rounds[regime].append(_one_round(stage, order, regime))
     reset_grads(stage)
