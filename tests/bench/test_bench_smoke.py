@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppbackward._bench import _loop, _models, _schedule, _timing, main
+from ppbackward._bench import _loop, _models, _report, _schedule, _timing, main
 from ppbackward._bench._schedule import ScheduleBenchError, run_schedule
 from ppbackward._harness.launch import alive
 
@@ -272,6 +272,13 @@ def test_microbatch_loop_variants_run_and_are_exact():
     for variant in ("upstream", "ppbackward"):
         for a, b in zip(grads[variant], grads["plain"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_step_parts_table_has_the_worker_s_parts_in_its_order():
+    parts = {"F": 1.0, "full": 0.0, "B": 2.0, "W": 3.0, "wait": 0.5, "other": 0.5, "step": 7.0}
+    lines = _report.step_parts_table({"parts_ms": {"ZBV/ppbackward": [parts]}}, {"ZBV/ppbackward": 6.0}).splitlines()
+    assert lines[2].split() == ["variant", "rank", "step", "F", "full", "B", "W", "wait", "other", "replayed"]
+    assert lines[4].split() == ["ZBV/ppbackward", "0", "7.0", "1.0", "0.0", "2.0", "3.0", "0.5", "0.5", "6.0"]
 
 
 @pytest.mark.slow

@@ -286,7 +286,8 @@ def step_parts_table(sched: dict[str, Any], replayed: dict[str, float] | None = 
     parts = sched.get("parts_ms")
     if not parts:
         return ""
-    kinds = ("F", "full", "B", "W", "wait", "other")
+    first = next(iter(parts.values()))[0]
+    kinds = [k for k in first if k != "step"]  # the worker's kinds, in its order (_StepParts), "other" last
     rows = []
     for name, ranks in parts.items():
         replay = (replayed or {}).get(name)
