@@ -227,6 +227,21 @@ def test_activation_probe_counts_what_releasing_the_receive_buffers_frees(with_f
     assert (result["freed_only_by_gc"], result["held_after_gc"]) == (0, 0)
 
 
+def test_garbage_probe_keeps_the_chains_as_text_and_leaves_no_graph_folder(tmp_path: Path, monkeypatch) -> None:
+    """A worker's leak (torch's backward, in check and the torchrun matrix) used to leave a
+    ``ppbackward-leaks-*`` folder of graph files in the system temp dir that nothing read."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with probes.garbage_probe() as garbage:
+        holder: list = [torch.ones(3, requires_grad=True) * 2]
+        holder.append(holder)  # a cycle holding a tensor with a graph
+        del holder
+    assert garbage.tensors == 1 and not garbage.ok
+    assert garbage.chains and garbage.chains[0].startswith("[0] Tensor float32[3]")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_hook_counter_counts_post_accumulate_calls_and_removes_its_hooks() -> None:
     lin = torch.nn.Linear(2, 2)
     lin.bias.requires_grad_(False)

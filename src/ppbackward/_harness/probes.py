@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import shutil
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -105,7 +106,8 @@ def garbage_probe(max_chains: int = 2) -> Iterator[GarbageResult]:
     """``check_tensor_leaks`` around the block; the result is filled on exit.
 
     Strict semantics, but the leak is returned, not raised: the worker turns a non-zero count into a
-    failure and keeps running the remaining cases.
+    failure and keeps running the remaining cases. The chains are kept as text; the graph files the
+    checker wrote for them (into a fresh temporary folder) are deleted, as nothing reads them.
     """
     result = GarbageResult()
     with check_tensor_leaks(strict=False, max_chains=max_chains) as report:
@@ -116,6 +118,8 @@ def garbage_probe(max_chains: int = 2) -> Iterator[GarbageResult]:
     result.garbage_objects = int(report.num_garbage)
     result.garbage_types = dict(report.garbage_types)  # other garbage (torch's own cycles) is only counted
     result.chains = [str(c) for c in report.chains][:max_chains]
+    if report.output_dir is not None:
+        shutil.rmtree(report.output_dir, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------
