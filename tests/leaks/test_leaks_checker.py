@@ -12,13 +12,14 @@ import shutil
 import sys
 import threading
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import pytest
 import torch
 
 from ppbackward.leaks import LeakReport, TensorLeakError, check_tensor_leaks
 from ppbackward.leaks import _gc_phase
+from tests.leaks.gc_threads import another_thread_collecting
 
 
 def _make_cycle(n: int = 4) -> weakref.ref:
@@ -180,7 +181,7 @@ def test_a_block_that_clears_the_gc_debug_flags_still_has_its_leak_caught(collec
             gc.set_debug(0)
             _make_cycle()
             if collect_inside:
-                gc.collect()
+                _gc_phase.full_collect()
                 assert gc.get_debug() == 0  # the block's own flags are back after each collection
         assert report.num_tensors == 1 and not report.ok
         assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
@@ -194,39 +195,12 @@ def test_a_block_that_clears_the_gc_debug_flags_still_has_its_leak_caught(collec
         gc.set_debug(old_debug)
 
 
-@contextmanager
-def _another_thread_collecting():
-    """Another thread sits inside a gc collection (a finaliser of its garbage waits) until the event
-    yielded is set; the GIL is free meanwhile."""
-    inside, release = threading.Event(), threading.Event()
-
-    class _Waits:
-        def __del__(self) -> None:
-            inside.set()
-            release.wait()
-
-    def _collect() -> None:
-        obj = _Waits()
-        obj.self = obj  # type: ignore[attr-defined]
-        del obj
-        gc.collect()
-
-    thread = threading.Thread(target=_collect, daemon=True)
-    thread.start()
-    inside.wait()
-    try:
-        yield release
-    finally:
-        release.set()
-        thread.join()
-
-
 def test_plain_gc_collect_does_nothing_while_another_thread_collects():
     """The CPython behaviour behind Note [a collection that surely ran] (the control of the next test)."""
-    with _another_thread_collecting():
+    with another_thread_collecting():
         storage = _make_cycle()
         assert gc.collect() == 0 and storage() is not None  # nothing collected
-    _gc_phase.full_collect()  # the suite's own background threads may be collecting now
+    _gc_phase.full_collect()
     assert storage() is None
 
 
@@ -236,7 +210,7 @@ def test_a_leak_is_caught_while_another_thread_collects(monkeypatch):
     retries = []
     with ExitStack() as other_thread:  # still collecting when the checker below exits
         with check_tensor_leaks(strict=False, max_chains=0) as report:
-            release = other_thread.enter_context(_another_thread_collecting())
+            release = other_thread.enter_context(another_thread_collecting())
 
             def _release_then_yield() -> None:
                 retries.append(1)
@@ -249,14 +223,59 @@ def test_a_leak_is_caught_while_another_thread_collects(monkeypatch):
     assert not report.ok and retries  # the retry ran: the other thread was still collecting at exit
 
 
-def test_full_collect_names_a_collection_that_never_ends(monkeypatch):
+def test_full_collect_names_a_collection_that_never_ends_and_leaves_gc_callbacks_alone(monkeypatch):
     callbacks = list(gc.callbacks)
-    monkeypatch.setattr(_gc_phase, "_FULL_COLLECT_TIMEOUT_S", 0.0)
-    with _another_thread_collecting():
-        with pytest.raises(RuntimeError, match="could not start a collection for 0 s: a collection in progress"):
+    with another_thread_collecting():
+        monkeypatch.setattr(_gc_phase, "_FULL_COLLECT_TIMEOUT_S", 0.0)  # once the helper is inside its own
+        storage = _make_cycle()
+        with pytest.raises(RuntimeError, match="could not start a collection for 0 s: another thread's"):
             _gc_phase.full_collect()
+        assert gc.callbacks == callbacks and storage() is not None
+    monkeypatch.undo()
+    assert _gc_phase.full_collect() >= 1 and storage() is None
     assert gc.callbacks == callbacks
-    assert _gc_phase.full_collect() >= 0
+
+
+def test_full_collect_from_a_finaliser_of_its_own_collection_is_refused_at_once():
+    errors: list[BaseException] = []
+
+    class _CollectsInDel:
+        def __del__(self) -> None:
+            try:
+                _gc_phase.full_collect()
+            except RuntimeError as e:
+                errors.append(e)
+
+    obj = _CollectsInDel()
+    obj.self = obj  # type: ignore[attr-defined]
+    del obj
+    _gc_phase.full_collect()
+    assert [str(e) for e in errors] == [
+        "full_collect: called from inside this thread's own gc collection (a finaliser or callback)"
+    ]
+
+
+def test_no_collection_at_exit_is_an_error_and_never_masks_the_body_s_exception(monkeypatch):
+    debug, enabled = gc.get_debug(), gc.isenabled()
+    with ExitStack() as other_thread:
+        with pytest.raises(RuntimeError, match="check_tensor_leaks: no report: full_collect: gc.collect"):
+            with check_tensor_leaks(max_chains=0) as report:
+                other_thread.enter_context(another_thread_collecting())
+                monkeypatch.setattr(_gc_phase, "_FULL_COLLECT_TIMEOUT_S", 0.0)
+                _make_cycle()
+        assert not report.done and (gc.get_debug(), gc.isenabled()) == (debug, enabled)
+    monkeypatch.undo()
+    with ExitStack() as other_thread:
+        with pytest.raises(KeyError) as info:
+            with check_tensor_leaks(max_chains=0) as report:
+                other_thread.enter_context(another_thread_collecting())
+                monkeypatch.setattr(_gc_phase, "_FULL_COLLECT_TIMEOUT_S", 0.0)
+                raise KeyError("the body's own")
+        assert not report.done and (gc.get_debug(), gc.isenabled()) == (debug, enabled)
+    if sys.version_info >= (3, 11):
+        assert any("check_tensor_leaks: no report" in n for n in info.value.__notes__)
+    monkeypatch.undo()
+    _gc_phase.full_collect()
 
 
 def test_body_exception_wins_over_the_leak_and_carries_the_report():

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from tests.leaks.gc_threads import another_thread_collecting
 from tests.leaks.leaky_variants import HIDDEN_BYTES, OUT_BYTES, make_input, make_stage
 from ppbackward.leaks import (
     ActivationReport,
@@ -140,6 +141,18 @@ def test_a_reference_cycle_is_freed_only_by_gc():
     assert _rows(verified.freed_only_by_gc) == [("ExpBackward0", (5,), 20, "freed_by_gc", False)]
     assert verified.alive == verified.freed_only_by_gc and verified.held_after_gc == []
     assert (verified.bytes_alive, verified.bytes_freed_only_by_gc, verified.bytes_held_after_gc) == (20, 20, 0)
+
+
+def test_a_free_by_refcount_while_another_thread_collects_is_by_refcount():
+    """Note [freed by gc vs refcount]: the collector's phase is per thread. The tracker used to read any
+    thread's collection as its own and count this tensor, freed by ``del``, as freed only by gc."""
+    with track_activations() as tracker:
+        y = torch.ones(5, requires_grad=True).exp()
+    with another_thread_collecting():
+        del y  # freed by reference counting here, while the helper thread is inside a collection
+    report = tracker.report()
+    assert _rows(report.saved) == [("ExpBackward0", (5,), 20, "freed_by_refcount", False)]
+    assert report.freed_only_by_gc == [] and report.held_after_gc == []
 
 
 def test_custom_function_nodes_are_named():

@@ -145,13 +145,16 @@ def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
     }
 
 
-def _summed_actions(records: dict[int, dict[str, Any]]) -> dict[str, int]:
-    """The compute actions of the ranks' lowered action lists (``F``, ``B``, ``I``, ``W``: what one step
-    runs), summed over ranks; ``{}`` where no rank recorded them (a schedule without a lowered list)."""
-    total: dict[str, int] = {}
+def _summed_actions(records: dict[int, dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The ranks' compute actions for one step (``{"lowered": {kind: n}, "planned": {kind: n}}``, kinds
+    ``F``, ``B`` = full backward, ``I`` = B, ``W``; see the worker's ``action_counts``), summed over ranks;
+    ``{}`` where no rank recorded them (a schedule without a lowered list)."""
+    total: dict[str, dict[str, int]] = {}
     for record in records.values():
-        for kind, n in (record.get("actions") or {}).items():
-            total[kind] = total.get(kind, 0) + n
+        for which, counts in (record.get("actions") or {}).items():
+            into = total.setdefault(which, {})
+            for kind, n in counts.items():
+                into[kind] = into.get(kind, 0) + n
     return total
 
 

@@ -441,9 +441,10 @@ def _print_scenario(run: _ScenarioRun, only: list[str] | None, tally: _Tally) ->
 
 def _merge_lines(runs: list[_ScenarioRun], only: list[str] | None) -> list[str]:
     """What ``--merge-bw`` did on ppbackward's side: per scenario, each case of a schedule that splits
-    its backward with the B/W pairs its ranks ran merged, out of all its backwards (from each rank's
-    lowered action list: full backwards / full backwards + Bs, summed over ranks, one step); a line
-    saying so when no schedule run splits its backward."""
+    its backward as *pairs merged / B actions planned*, summed over the ranks (from each rank's action
+    lists: the full backwards its lowered list runs beyond those torch planned, against the B actions
+    of torch's compute-only list; Note [merged B and W]), or a line saying that no schedule run splits
+    its backward."""
     from ppbackward._harness import schedules
 
     lines = []
@@ -454,13 +455,14 @@ def _merge_lines(runs: list[_ScenarioRun], only: list[str] | None) -> list[str]:
             rule = schedules.RULES.get(name)
             acts = values.get("actions") or {}
             if (only is None or name in only) and rule is not None and rule.split_backward and acts:
-                merged, total = acts.get("B", 0), acts.get("B", 0) + acts.get("I", 0)
-                cases.append(f"{_row_label(case, run.scenario)} {merged}/{total}")
+                lowered, planned = acts["lowered"], acts["planned"]
+                cases.append(f"{_row_label(case, run.scenario)} {lowered['B'] - planned['B']}/{planned['I']}")
         if cases:
             lines.append(f"  {run.scenario.name}: " + ", ".join(cases))
     if not lines:
         return ["merge_bw: no schedule run splits its backward into B and W: nothing was merged"]
-    return ["merge_bw: B/W pairs run as one full backward, of all backwards (all ranks, one step):", *lines]
+    return ["merge_bw: B/W pairs run as one full backward, of the B actions torch planned (all ranks, one step):",
+            *lines]
 
 
 def _print_upstream_footnotes(tally: _Tally, logs: Path, keep: bool) -> None:

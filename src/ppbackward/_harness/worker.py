@@ -21,9 +21,9 @@ Per rank and per step of every case it records (numbers in ``<out>/rank<r>.json`
 
 ``--backward`` selects the stage backward: ``upstream`` (torch's own), ``ppbackward``
 (``ppbackward.install()``), ``ppbackward-merged`` (``ppbackward.install(merge_bw=True)``: Note [merged B
-and W] in :mod:`ppbackward._merge`; each case records its rank's lowered compute actions by kind in
-``actions``), or ``leaky:<module or path.py>`` (a test-only module whose ``install()``
-swaps in a deliberately leaky backward).
+and W] in :mod:`ppbackward._merge`; each case records its rank's compute actions by kind, as lowered and
+as torch planned them, in ``actions``: :func:`action_counts`), or ``leaky:<module or path.py>`` (a
+test-only module whose ``install()`` swaps in a deliberately leaky backward).
 
 Every case runs on its own gloo subgroup with ``--case-timeout``; an exception in a case is recorded and
 the ranks resynchronise on the world group (``--pg-timeout``) before the next case. The verdict file is
@@ -393,14 +393,17 @@ def case_id(schedule: str, model: str, wrap: str = "none") -> str:
     return f"{schedule}/{model}" + ("" if wrap == "none" else f"+{wrap}")
 
 
-def action_counts(schedule: Any) -> dict[str, int]:
-    """This rank's compute actions as the schedule will run them, by kind: ``{"F": n, "B": n (full
-    backwards), "I": n (B), "W": n}`` from a runtime schedule's lowered list (its top-level actions),
-    ``{}`` for a schedule without one."""
+def action_counts(schedule: Any) -> dict[str, dict[str, int]]:
+    """This rank's compute actions by kind (``{"F": n, "B": n (full backwards), "I": n (B), "W": n}``,
+    top-level actions): ``"lowered"``, the list the runtime runs (``pipeline_order_with_comms``), and
+    ``"planned"``, the compute-only list as torch planned it (``pipeline_order``, which the merge of
+    Note [merged B and W] leaves alone), so that ``lowered["B"] - planned["B"]`` is the pairs merged.
+    ``{}`` for a schedule without a lowered list."""
     lowered = getattr(schedule, "pipeline_order_with_comms", None)
-    if not lowered:
+    planned = getattr(schedule, "pipeline_order", None)
+    if not lowered or not planned:
         return {}
-    return count_compute(lowered[schedule.rank])
+    return {"lowered": count_compute(lowered[schedule.rank]), "planned": count_compute(planned[schedule.rank])}
 
 
 def run_case(

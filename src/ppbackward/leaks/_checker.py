@@ -125,8 +125,12 @@ class _TensorLeakCheck:
     ) -> None:
         self._armed = False
         caught: list[Any] = []
+        no_collection: RuntimeError | None = None
         try:
-            full_collect()  # Note [a collection that surely ran] in _gc_phase.py
+            try:
+                full_collect()  # Note [a collection that surely ran] in _gc_phase.py
+            except RuntimeError as e:  # none could start: the garbage is unknown, so nothing is reported
+                no_collection = e
             # Note [checker clears gc.garbage]: take what the block added, and only that.
             start = self._start if len(gc.garbage) >= self._start else 0
             caught = gc.garbage[start:]
@@ -142,12 +146,19 @@ class _TensorLeakCheck:
                 gc.disable()
         caught_any = bool(caught)
         try:
-            self._fill(caught)
+            if no_collection is None:
+                self._fill(caught)
         finally:
             caught.clear()
             del caught
             if caught_any:
-                full_collect()  # frees the cycles we took out of gc.garbage
+                gc.collect()  # frees the cycles we took out of gc.garbage (a later one would too)
+        if no_collection is not None:
+            if exc is not None:
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(f"check_tensor_leaks: no report: {no_collection}")
+                return None  # never mask the body's own exception
+            raise RuntimeError(f"check_tensor_leaks: no report: {no_collection}") from no_collection
         self.report.done = True
         self.report.body_raised = exc_type is not None
         if self.report.ok:
@@ -243,6 +254,11 @@ def check_tensor_leaks(
         TensorLeakError: on exit, when ``strict`` and anything leaked (``error.report`` has the report).
         ValueError: for ``max_chains < 0`` or ``max_depth < 1``.
         TypeError: when ``warmup`` is neither ``None`` nor callable.
+        RuntimeError: the checker entered while it is active; or, on entry or exit, no full collection
+            could start (called from a finaliser of this thread's own collection, or another thread's
+            collection never ended for 60 s: Note [a collection that surely ran] in ``_gc_phase``). On
+            exit the report then stays not ``done``, the gc state is restored all the same, and a body
+            that raised keeps its own exception (with a note).
 
     Example::
 

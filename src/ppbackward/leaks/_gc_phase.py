@@ -1,25 +1,27 @@
-"""The cycle collector's phases: whether it is running right now (to tell *how* a storage was
-freed), and a full collection that surely ran (:func:`full_collect`).
+"""The cycle collector's phases: whether this thread is inside a collection right now (to tell *how*
+a storage was freed), and a full collection that surely ran (:func:`full_collect`).
 
-Private module. A weak-reference callback that fires while ``gc`` is collecting means the object
-died because a collection broke a reference cycle; one that fires outside a collection means it
-died by reference counting. The watcher is a ``gc.callbacks`` entry, installed while at least one
-activation tracker is alive and removed after the last one is gone.
+Private module. One ``gc.callbacks`` entry, :func:`_on_gc`, appended when this module is first imported
+and never removed: adding and removing entries while another thread walks the list (CPython walks it
+by index) could make that thread skip an entry, such as the tracker's own "stop".
 
 Note [freed by gc vs refcount]
-The classification is exact for single-threaded code. A weakref callback running during a collection
-may release the GIL; a tensor freed by reference counting in *another* thread during that window
-is then counted as freed by the collector.
+A weak-reference callback that fires while *its own thread* is inside a collection means the object
+died because that collection broke a reference cycle (a collection frees its garbage, and so runs the
+callbacks, in the thread that collects); one that fires anywhere else means it died by reference
+counting. So the watcher records which thread is collecting, and :func:`_collecting` answers for the
+calling thread only: a tensor freed by reference counting in one thread while another thread is
+inside a collection (any Python code a collection runs, a finaliser or a callback, may let other
+threads run) is counted as freed by reference counting, as it was.
 
 Note [a collection that surely ran]
 ``gc.collect()`` returns 0 *without collecting* while another collection is in progress: CPython
-keeps one ``collecting`` flag per interpreter, and a finaliser or weak-reference callback run by a
-collection in another thread may release the GIL mid-collection. A checker that called
-``gc.collect()`` there saw none of its block's cycles and reported a leaky block as clean (seen in
-CI: a background thread of the test suite was collecting while ``check_tensor_leaks`` exited). So
-the leak tools collect through :func:`full_collect`, which watches, through a ``gc.callbacks``
-entry, for a full collection *started by the calling thread* and calls again, yielding the GIL in
-between, until one ran.
+keeps one ``collecting`` flag per interpreter, and Python code run by a collection in another thread
+(a finaliser, a weak-reference callback) may let this thread run mid-collection. A checker that
+called ``gc.collect()`` there saw none of its block's cycles and reported a leaky block as clean (seen
+in CI: a background thread of the test suite was collecting while ``check_tensor_leaks`` exited). So
+the leak tools collect through :func:`full_collect`, which counts, through the watcher, the full
+collections this thread started, and calls again, yielding the GIL in between, until one ran.
 """
 
 from __future__ import annotations
@@ -33,41 +35,33 @@ __all__: list[str] = []  # private module
 
 _FULL_COLLECT_TIMEOUT_S = 60.0  # a hang guard only: a collection takes milliseconds to a few seconds
 
-_lock = threading.Lock()
-_users = 0
-_depth = 0
+_collector: int | None = None  # the thread inside a collection now, if any
+_own = threading.local()  # per thread: ``full``, the full collections this thread has started
 
 
 def _on_gc(phase: str, info: dict[str, Any]) -> None:
-    global _depth
+    global _collector
     if phase == "start":
-        _depth += 1
+        _collector = threading.get_ident()
+        if info.get("generation") == 2:
+            _own.full = getattr(_own, "full", 0) + 1
     elif phase == "stop":
-        _depth = max(0, _depth - 1)
+        _collector = None
+
+
+gc.callbacks.append(_on_gc)  # once, at first import
 
 
 def _collecting() -> bool:
-    """``True`` while a ``gc`` collection (automatic or ``gc.collect()``) is in progress."""
-    return _depth > 0
+    """``True`` while the calling thread is inside a ``gc`` collection (automatic or ``gc.collect()``);
+    Note [freed by gc vs refcount]."""
+    return _collector == threading.get_ident()
 
 
-def _acquire() -> None:
-    """Install the ``gc.callbacks`` watcher (reference counted)."""
-    global _users, _depth
-    with _lock:
-        _users += 1
-        if _users == 1 and _on_gc not in gc.callbacks:
-            _depth = 0  # a watcher removed mid-collection never saw its "stop"
-            gc.callbacks.append(_on_gc)
-
-
-def _release() -> None:
-    """Drop one user of the watcher; remove it from ``gc.callbacks`` after the last one."""
-    global _users
-    with _lock:
-        _users = max(0, _users - 1)
-        if _users == 0 and _on_gc in gc.callbacks:
-            gc.callbacks.remove(_on_gc)
+def ensure_watcher() -> None:
+    """Put the watcher back should a caller have removed it from ``gc.callbacks``."""
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
 
 
 def _yield_gil() -> None:
@@ -82,30 +76,22 @@ def full_collect() -> int:
         What the collection that ran returned: the number of unreachable objects it found.
 
     Raises:
-        RuntimeError: when no collection could start for ``_FULL_COLLECT_TIMEOUT_S`` seconds (60):
-            another thread's collection never ended, or this was called from a finaliser or
-            weak-reference callback of this thread's own collection.
+        RuntimeError: at once when called from inside this thread's own collection (a finaliser or a
+            weak-reference callback: no collection can start there); or when another thread's
+            collection kept any from starting for ``_FULL_COLLECT_TIMEOUT_S`` seconds (60).
     """
-    me = threading.get_ident()
-    ran: list[bool] = []
-
-    def _seen(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start" and info.get("generation") == 2 and threading.get_ident() == me:
-            ran.append(True)
-
-    gc.callbacks.append(_seen)
-    try:
-        deadline = time.monotonic() + _FULL_COLLECT_TIMEOUT_S
-        while True:
-            found = gc.collect()
-            if ran:
-                return found
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"gc.collect() could not start a collection for {_FULL_COLLECT_TIMEOUT_S:.0f} s: "
-                    "a collection in progress (another thread's, or this thread's own when called from a "
-                    "finaliser) did not end"
-                )
-            _yield_gil()
-    finally:
-        gc.callbacks.remove(_seen)
+    if _collecting():
+        raise RuntimeError("full_collect: called from inside this thread's own gc collection (a finaliser or callback)")
+    ensure_watcher()
+    deadline = time.monotonic() + _FULL_COLLECT_TIMEOUT_S
+    while True:
+        before = getattr(_own, "full", 0)
+        found = gc.collect()
+        if getattr(_own, "full", 0) > before:
+            return found
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"full_collect: gc.collect() could not start a collection for {_FULL_COLLECT_TIMEOUT_S:g} s: "
+                "another thread's collection did not end"
+            )
+        _yield_gil()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -112,8 +111,7 @@ class ActivationTracker:
         self._seq_start: int | None = None
         self._stack: contextlib.ExitStack | None = None
         self._thread: int | None = None
-        _gc_phase._acquire()
-        weakref.finalize(self, _gc_phase._release)
+        _gc_phase.ensure_watcher()  # Note [freed by gc vs refcount]
 
     # -- context manager ---------------------------------------------------------------------
     def __enter__(self) -> ActivationTracker:
@@ -277,11 +275,17 @@ class ActivationTracker:
         """Classify every recorded activation.
 
         Args:
-            collect: run ``gc.collect()`` first, so ``held_after_gc`` means "held by a live
-                reference" and cycles are broken into ``freed_only_by_gc``.
+            collect: run a full collection first (one that surely ran, even while another thread
+                collects: Note [a collection that surely ran] in ``_gc_phase``), so ``held_after_gc``
+                means "held by a live reference" and cycles are broken into ``freed_only_by_gc``.
 
         Returns:
             An :class:`ActivationReport` snapshot (keeps no tensor alive).
+
+        Raises:
+            RuntimeError: with ``collect``, when called from a finaliser or weak-reference callback of
+                this thread's own collection, or when another thread's collection kept any from
+                starting for 60 s.
         """
         was_enabled = gc.isenabled()
         gc.disable()  # a consistent snapshot: no automatic collection while classifying
