@@ -34,6 +34,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
 from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
+from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._graph import EagerWork, analyze, eager_work, gradient_edge, is_accumulate_grad
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
@@ -203,7 +204,8 @@ def stage_backward_input(
     weight_ids = WeightSet(frozenset(map(id, weight_list)), len(weight_list), any(map(_is_dtensor, weight_list)))
     if not flat.tensors:
         return tuple(None for _ in input_values), ParamGroups([], weight_ids)
-    with _outputs_claimed(flat.tensors):  # Note [B claims its outputs]
+    # Note [B claims its outputs]; Note [no collection inside B and W] in ppbackward._gc_pause
+    with _outputs_claimed(flat.tensors), automatic_gc_paused():
         return _backward_input(flat, output_grads is not None, input_values, wanted, weight_ids)
 
 
@@ -487,8 +489,9 @@ def stage_backward_weight(
         raise StageBackwardError(_CONSUMED)
     try:
         param_groups._check_unchanged(weight_list)  # Note [captured gradients are checked at W]
-        for chunk in _chunks(param_groups._groups, _W_CHUNK_BYTES):
-            _weight_chunk(chunk, retain_graph)
+        with automatic_gc_paused():  # Note [no collection inside B and W] in ppbackward._gc_pause
+            for chunk in _chunks(param_groups._groups, _W_CHUNK_BYTES):
+                _weight_chunk(chunk, retain_graph)
     finally:
         if not retain_graph:
             release_pinned(param_groups._pinned)  # Note [outputs detached after B]
