@@ -45,8 +45,9 @@ def main(argv):
             bw.stage_backward(st.model(st.x), st.grad, [st.x])
 
         best, seen = {}, {}
-        for _ in range(rounds):
-            for name in ("unpaused", "paused", "full"):
+        names = ["unpaused", "paused", "full"]
+        for r in range(rounds):
+            for name in names[r % 3:] + names[: r % 3]:  # the order rotates by one per round
                 bw.automatic_gc_paused = contextlib.nullcontext if name == "unpaused" else PAUSED
                 fn = full if name == "full" else split
                 fn(), fn()

@@ -4,51 +4,71 @@ Private module.
 
 Note [no collection inside B and W]
 B's graph analysis holds a stage graph's worth of short-lived Python objects at once (a wrapper per
-autograd node, its ``next_functions`` tuples, the analysis' lists and dicts; about 3,000 at 16 layers),
+autograd node, its ``next_functions`` tuples, the analysis' lists and dicts; thousands at 16 layers),
 and W a smaller set. All of them die by reference counting before the call returns (Note [no closure
 cycle] in ``ppbackward.backward``), but while they live they push the collector's allocation count
-over its threshold: a 16-layer stage's B+W started 4.6 young collections per microbatch, each promoting
-the live temporaries to an older generation, and so, every few dozen microbatches, a full collection
-(tens of milliseconds in a process that imported torch, during which this rank, and so the pipeline,
-stands still). A full backward starts none. So B and W run with the automatic collector paused and put
-it back as they found it: none of their own work needs a collection, and the allocation count they
-leave behind is what they keep (the param groups), about what a full backward's would be.
+over its threshold: on the 16-layer stage of tests/core/test_gc_pause.py, B's work started 8 young
+collections per microbatch and W's 1, each promoting the live temporaries to an older generation, and
+so, every few dozen microbatches, a full collection (tens of milliseconds in a process that imported
+torch, during which this rank, and so the pipeline, stands still; docs/performance.md). So B and W run
+with the automatic collector paused and put it back as they found it: none of their own work needs a
+collection. What B keeps for W (the param groups) still counts, and may start one collection after B.
 
-Shared by threads (DualPipeV's overlap runs a backward on a worker thread): a counter under a lock;
-the first B or W to enter disables an enabled collector, the last to leave enables it again. Other
-threads' allocations meanwhile only count; their collection runs at their first allocation after.
-``gc.collect()`` is unaffected. A hook that calls ``gc.disable()`` inside B or W finds the collector
-enabled again when the outermost B or W returns (docs/api.md, Differences).
+Process-wide, as the collector's switch is: B and W may run on several threads at once (a schedule's
+custom ``OVERLAP_F_B`` function, autograd's device threads running W's hooks), so a counter under a
+lock: the first B or W to enter disables an enabled collector, the last to leave enables it again.
+Meanwhile other threads' allocations only count (their collection runs at their first allocation
+after), ``gc.isenabled()`` reads ``False`` on every thread, and a ``gc.disable()`` made on any thread
+is undone when the last B or W leaves. ppbackward's own leak tools read the switch through
+:func:`collector_enabled`, so that a checker entered on another thread during a B does not restore
+"disabled" for good. ``PPBACKWARD_PAUSE_GC=0`` in the environment (read at import) switches the pause
+off (docs/api.md, Differences).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
 __all__: list[str] = []  # private module
+
+PAUSE = os.environ.get("PPBACKWARD_PAUSE_GC", "1").strip() != "0"  # the opt-out, read once
 
 _lock = threading.RLock()  # re-entrant: a finaliser run by a collection could in principle call B
 _depth = 0  # B and W calls inside the pause now, all threads together
 _disabled_here = False  # whether the outermost of them disabled the collector
 
 
+def collector_enabled() -> bool:
+    """``gc.isenabled()``, but ``True`` while the collector is off only because B or W paused it."""
+    with _lock:
+        return gc.isenabled() or (_depth > 0 and _disabled_here)
+
+
 @contextlib.contextmanager
 def automatic_gc_paused() -> Iterator[None]:
-    """The automatic collector off for the block, then as it was (Note [no collection inside B and W])."""
+    """The automatic collector off for the block, then as it was (Note [no collection inside B and W]);
+    nothing with ``PPBACKWARD_PAUSE_GC=0``."""
     global _depth, _disabled_here
-    with _lock:
-        _depth += 1
-        if _depth == 1:
-            _disabled_here = gc.isenabled()
-            gc.disable()
+    if not PAUSE:
+        yield
+        return
+    entered = False
     try:
+        with _lock:
+            _depth += 1
+            entered = True
+            if _depth == 1:
+                _disabled_here = gc.isenabled()
+                gc.disable()
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _disabled_here:
-                _disabled_here = False
-                gc.enable()
+        if entered:
+            with _lock:
+                _depth -= 1
+                if _depth == 0 and _disabled_here:
+                    _disabled_here = False
+                    gc.enable()

@@ -76,12 +76,81 @@ def test_b_and_w_start_no_collection_where_they_used_to_start_several(monkeypatc
     _b_then_w(model, x)  # warm-up
     assert _b_then_w(model, x) == (0, 0)
     monkeypatch.setattr(backward, "automatic_gc_paused", contextlib.nullcontext)  # the control
-    in_b, _ = _b_then_w(model, x)
-    assert in_b >= 1  # a 16-layer stage's analysis alone holds thousands of short-lived objects
+    in_b, in_w = _b_then_w(model, x)
+    assert in_b >= 1 and in_w >= 1  # a 16-layer stage's analysis alone holds thousands of short-lived objects
+
+
+def test_hooks_inside_b_and_w_see_the_collector_off_and_a_disable_there_is_undone():
+    model, x = _stage()
+    seen: list[tuple[str, bool]] = []
+    out = model(x)
+    out.register_hook(lambda g: seen.append(("B", gc.isenabled())) or gc.disable())
+    weight = model[0].linear1.weight
+    handle = weight.register_post_accumulate_grad_hook(lambda p: seen.append(("W", gc.isenabled())))
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        _, groups = pb.stage_backward_input([out], [torch.ones_like(out)], [x], model.parameters())
+        assert gc.isenabled()  # the hook's gc.disable() was undone when B returned
+        pb.stage_backward_weight(model.parameters(), groups)
+        assert seen == [("B", False), ("W", False)] and gc.isenabled()
+    finally:
+        handle.remove()
+        (gc.enable if was else gc.disable)()
+
+
+def test_the_opt_out_leaves_the_collector_alone(monkeypatch):
+    """``PPBACKWARD_PAUSE_GC=0`` (read at import) is ``_gc_pause.PAUSE``."""
+    import ppbackward._gc_pause as pause
+
+    monkeypatch.setattr(pause, "PAUSE", False)
+    model, x = _stage()
+    seen: list[bool] = []
+    out = model(x)
+    out.register_hook(lambda g: seen.append(gc.isenabled()))
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        pb.stage_backward_input([out], [torch.ones_like(out)], [x], model.parameters())
+        assert seen == [True]
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_a_leak_checker_entered_on_another_thread_during_a_pause_restores_enabled():
+    """A checker entered on another thread while a B paused the collector, and left after that B
+    returned, used to restore "disabled" for good (it had saved gc.isenabled())."""
+    from ppbackward.leaks import check_tensor_leaks
+
+    was = gc.isenabled()
+    gc.enable()
+    paused, in_checker, b_done, checked = (threading.Event() for _ in range(4))
+
+    def other() -> None:
+        assert paused.wait(60)
+        with check_tensor_leaks():
+            in_checker.set()
+            assert b_done.wait(60)
+        checked.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        with automatic_gc_paused():  # what a B on this thread does
+            paused.set()
+            assert in_checker.wait(60)
+        b_done.set()
+        assert checked.wait(60)
+        assert gc.isenabled()
+    finally:
+        paused.set()
+        b_done.set()
+        thread.join(60)
+        (gc.enable if was else gc.disable)()
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["gc-enabled", "gc-disabled"])
-def test_the_collector_is_left_as_found_after_b_w_and_a_b_that_raised(enabled):
+def test_the_collector_is_left_as_found_after_b_w_and_a_b_or_w_that_raised(enabled):
     model, x = _stage()
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
@@ -95,6 +164,16 @@ def test_the_collector_is_left_as_found_after_b_w_and_a_b_that_raised(enabled):
         out.register_hook(lambda g: (_ for _ in ()).throw(KeyError("a hook's own error")))
         with pytest.raises(KeyError):
             pb.stage_backward_input([out], [torch.ones_like(out)], [x], model.parameters())
+        assert gc.isenabled() is enabled
+        out = model(x)
+        _, groups = pb.stage_backward_input([out], [torch.ones_like(out)], [x], model.parameters())
+        weight = model[0].linear1.weight
+        handle = weight.register_post_accumulate_grad_hook(lambda p: (_ for _ in ()).throw(KeyError("in W")))
+        try:
+            with pytest.raises(KeyError):
+                pb.stage_backward_weight(model.parameters(), groups)
+        finally:
+            handle.remove()
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()

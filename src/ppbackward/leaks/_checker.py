@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from ppbackward._gc_pause import collector_enabled
 from ppbackward.leaks._chains import _find_chain, _format_chain, _referrer_index, _write_graph
 from ppbackward.leaks._gc_phase import full_collect
 from ppbackward.leaks._report import LeakReport, TensorLeakError
@@ -109,7 +110,7 @@ class _TensorLeakCheck:
         if self._warmup is not None:
             self._warmup()  # before arming: one-time lazy imports and caches are not leaks
         self._prev_debug = gc.get_debug()
-        self._prev_enabled = gc.isenabled()
+        self._prev_enabled = collector_enabled()  # not gc.isenabled(): a B on another thread may pause it
         full_collect()  # Note [a collection that surely ran] in _gc_phase.py
         self._start = len(gc.garbage)
         gc.set_debug(self._prev_debug | gc.DEBUG_SAVEALL)

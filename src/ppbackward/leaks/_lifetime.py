@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ppbackward._gc_pause import collector_enabled
 from ppbackward.leaks import _gc_phase
 from ppbackward.leaks._activations import (
     ALIVE,
@@ -287,7 +288,7 @@ class ActivationTracker:
                 this thread's own collection, or when another thread's collection kept any from
                 starting for 60 s.
         """
-        was_enabled = gc.isenabled()
+        was_enabled = collector_enabled()  # not gc.isenabled(): a B on another thread may pause it
         gc.disable()  # a consistent snapshot: no automatic collection while classifying
         try:
             if collect:
