@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
 __all__: list[str] = []  # private module
@@ -99,6 +100,8 @@ class Analysis(NamedTuple):
             intermediates), in BFS order.
         output_consumers: the intermediates and W-only nodes with an edge into an output's node: they
             may have saved that output (Note [outputs detached after B] in ``ppbackward._saved``).
+        structure: what :func:`eager_work` reads.
+        cheap: the weight gradients B computes itself (Note [cheap weight gradients in B]).
     """
 
     groups: list[GroupSpec]
@@ -107,6 +110,7 @@ class Analysis(NamedTuple):
     w_only: list[Node]
     output_consumers: list[Node]
     structure: _Structure
+    cheap: CheapWork
 
 
 class _Structure(NamedTuple):
@@ -135,6 +139,163 @@ class EagerWork(NamedTuple):
 
     nodes: set[Node]
     frontier: list[tuple[GroupSpec, GradientEdge, int]]
+
+
+class CheapLeaf(NamedTuple):
+    """A weight leaf whose whole gradient B computes (Note [cheap weight gradients in B]).
+
+    Attributes:
+        group: the param group the leaf belongs to.
+        edge: ``GradientEdge(leaf AccumulateGrad, 0)``: B's engine call returns the gradient there.
+        seq: the largest sequence number among the intermediates feeding it (Note [accumulation order]).
+    """
+
+    group: GroupSpec
+    edge: GradientEdge
+    seq: int
+
+
+class CheapWork(NamedTuple):
+    """The weight gradients B computes in its one engine call (Note [cheap weight gradients in B]).
+
+    Attributes:
+        edges: intermediate -> the indices of its weight edges B computes (W calls the node again only
+            for its other weight edges, if any).
+        leaves: the weight leaves whose gradient B returns complete.
+        nodes: the W-only nodes (leaves aside) B runs on the way to those leaves; W never runs them.
+    """
+
+    edges: dict[Node, tuple[int, ...]]
+    leaves: list[CheapLeaf]
+    nodes: list[Node]
+
+
+NO_CHEAP_WORK = CheapWork({}, [], [])
+
+# Note [cheap weight gradients in B]: a zero-bubble split is worth it for the weight-gradient matrix
+# products it defers; every other weight gradient (biases, norm affine parameters, elementwise scales)
+# costs W more than it saves. Deferring a LayerNorm's weight gradient runs its backward kernel twice
+# (once in B for the input, once in W for the weight) and holds its input activation from B to W for a
+# ``d``-element result. So B computes these in its one engine call: it adds the edge into each such
+# weight's ``AccumulateGrad`` to the gradients it asks the engine for, the engine computes the edges
+# that lead there as part of the nodes it runs anyway (``native_layer_norm_backward`` with all three
+# outputs, as a full backward does), and B holds the small results until W, which feeds them to the
+# ``AccumulateGrad`` nodes with the rest (hooks, ``.grad`` and reductions see them at W, once).
+# The nodes whose every weight edge is computed in B never run in W; B releases what they saved.
+#
+# The rule, per *weight component* (weight leaves and the W-only nodes that connect them, not joined
+# through intermediates): B computes a component when
+#   * every edge into it from an intermediate is one whose gradient is a fresh, weight-sized result of
+#     an elementwise or normalisation kernel: any weight edge of a norm node or of ``Mul``/``Div``; the
+#     bias edge of ``addmm``/``baddbmm``/``addmv``/``convolution`` and the edges of ``Add``/``Sub`` only
+#     where the engine reduces the gradient to the weight's smaller shape (``sum_to``: a new tensor);
+#   * every W-only node in it is a cast, view or elementwise node (``_CHEAP_W_NODES``), so what B
+#     holds is weight-sized, never more than the activation a deferred node would hold;
+#   * no stage output leads into it, and no saved-tensor hook is involved (then B's hooked work
+#     applies unchanged, Note [hooked saved tensors run once]).
+# Everything else stays in W: matrix products (``mm``, ``addmm``'s operands, ``bmm``, convolution
+# weights), embeddings and index ops (a vocabulary-sized gradient is never held between B and W),
+# custom ``autograd.Function`` nodes, and any node not in the tables (unknown cost: W, as before).
+# Freshness matters for exactness: a gradient that merely aliases the one flowing on (``x + b`` with
+# ``b`` of the activation's shape) could be changed in place by a hook later in B; a fresh one is seen
+# by nobody else. A component is taken whole, so every gradient reaching its leaves comes from B's call
+# (complete, summed by the engine in its own order) and W adds nothing to it.
+_CHEAP_EDGES: dict[str, tuple[int, ...] | None] = {  # node type -> weight edges with a fresh gradient (None: all)
+    "NativeLayerNormBackward0": None,
+    "NativeGroupNormBackward0": None,
+    "NativeBatchNormBackward0": None,
+    "CudnnBatchNormBackward0": None,
+    "MiopenBatchNormBackward0": None,
+    "_FusedRmsNormBackward0": None,
+    "MulBackward0": None,
+    "DivBackward0": None,
+    "ConvolutionBackward0": (2,),
+}
+_REDUCED_EDGES: dict[str, tuple[int, ...] | None] = {  # fresh only where the engine reduces the gradient
+    "AddmmBackward0": (0,),
+    "BaddbmmBackward0": (0,),
+    "AddmvBackward0": (0,),
+    "AddBackward0": None,
+    "SubBackward0": None,
+}
+_CHEAP_W_NODES = frozenset(
+    {
+        "ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+        "ExpandBackward0", "TBackward0", "PermuteBackward0", "TransposeBackward0", "UnsqueezeBackward0",
+        "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "AliasBackward0", "CloneBackward0",
+        "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "AddBackward0", "AddBackward1",
+        "SubBackward0", "SubBackward1", "RsubBackward1", "NegBackward0", "ExpBackward0", "SqrtBackward0",
+        "PowBackward0", "SigmoidBackward0", "TanhBackward0", "SoftplusBackward0",
+    }
+)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _fresh_edge(node: Node, j: int, kid: Node, nr: int) -> bool:
+    """Whether the gradient ``node`` sends along its edge ``j`` (into input ``nr`` of ``kid``) is a new
+    tensor of a cheap kernel (Note [cheap weight gradients in B])."""
+    name = type(node).__name__
+    edges = _CHEAP_EDGES.get(name, ())
+    if edges is None or j in edges:
+        return True
+    edges = _REDUCED_EDGES.get(name, ())
+    if edges is not None and j not in edges:
+        return False
+    try:  # reduced by the engine's sum_to: the slot holds fewer elements than the node's gradient
+        into = kid._input_metadata[nr].shape  # not in every torch's stub
+        out = node._input_metadata[0].shape
+    except (AttributeError, IndexError, RuntimeError):  # a torch without it: not cheap
+        return False
+    return _numel(into) < _numel(out)
+
+
+def _cheap_work(
+    st: _Structure, leaves: list[int], intermediates: list, comp: dict[int, int], roots: set[int]
+) -> CheapWork:
+    """The weight components B computes (Note [cheap weight gradients in B]); ``comp`` maps each W-only
+    node to its component, ``intermediates`` are ``(number, weight edges)``."""
+    nodes, nexts, number = st.nodes, st.nexts, st.number
+    leaf_set = set(leaves)
+    bad = {comp[k] for k in roots if k in comp}
+    for i in st.w_only:
+        if i not in leaf_set and type(nodes[i]).__name__ not in _CHEAP_W_NODES:
+            bad.add(comp[i])
+    feeding: dict[int, list[tuple[int, int]]] = {}  # component -> (intermediate, edge) into it
+    for i, w_edges in intermediates:
+        node = nodes[i]
+        custom = isinstance(node, BackwardCFunction)
+        for j in w_edges:
+            kid, nr = nexts[i][j]
+            c = comp[number[kid]]
+            if c in bad:
+                continue
+            if custom or not _fresh_edge(node, j, kid, nr):
+                bad.add(c)
+            else:
+                feeding.setdefault(c, []).append((i, j))
+    if len(bad) == len(set(comp.values())):
+        return NO_CHEAP_WORK
+    edges: dict[Node, list[int]] = {}
+    seq: dict[int, int] = {}
+    for c, pairs in feeding.items():
+        if c in bad:
+            continue
+        for i, j in pairs:
+            edges.setdefault(nodes[i], []).append(j)
+            seq[c] = max(seq.get(c, -1), nodes[i]._sequence_nr())
+    cheap_leaves = [
+        CheapLeaf(_group(st.groups, st.union, k), GradientEdge(nodes[k], 0), seq[comp[k]])
+        for k in leaves
+        if comp[k] in seq
+    ]
+    w_nodes = [nodes[i] for i in sorted(st.w_only) if i not in leaf_set and comp[i] in seq]
+    return CheapWork({n: tuple(js) for n, js in edges.items()}, cheap_leaves, w_nodes)
 
 
 def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
@@ -195,7 +356,7 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
     nodes, index, nexts, parents, leaves = _walk(root_edges, input_nodes)
     reaches_input = _sweep_up(parents, [index[n] for n in input_nodes if n in index])
     w_only, inter = _weight_side(parents, leaves, reaches_input)
-    parent, intermediates = _union_groups(nexts, index, w_only, inter)
+    parent, intermediates, comp = _union_groups(nexts, index, w_only, inter)
 
     groups: dict[int, GroupSpec] = {}
     for i, edge in enumerate(root_edges):
@@ -217,7 +378,8 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
             if p in inter or p in w_only:
                 consumers[p] = None
     structure = _Structure(nodes, index, nexts, parents, inter, w_only, parent, groups)
-    return Analysis(list(groups.values()), used, b_only, w_nodes, [nodes[i] for i in consumers], structure)
+    cheap = _cheap_work(structure, leaves, intermediates, comp, roots)
+    return Analysis(list(groups.values()), used, b_only, w_nodes, [nodes[i] for i in consumers], structure, cheap)
 
 
 def _walk(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> tuple:
@@ -285,12 +447,14 @@ def _weight_side(parents: list[list[int]], leaves: list[int], reaches_input: set
 
 def _union_groups(nexts: list[tuple], index: dict[Node, int], w_only: set[int], inter: set[int]) -> tuple:
     """Pass 3: union-find over the edges into W-only nodes; each intermediate (by number, sorted)
-    with the indices of its ``next_functions`` that lead into W-only nodes."""
+    with the indices of its ``next_functions`` that lead into W-only nodes; and the weight component of
+    each W-only node (its group before intermediates join them, Note [cheap weight gradients in B])."""
     parent: dict[int, int] = {i: i for i in w_only}
     for i in w_only:
         for kid, _ in nexts[i]:
             if kid is not None and index[kid] in parent:
                 _union(parent, i, index[kid])
+    comp = {i: _find(parent, i) for i in w_only}
     intermediates: list[tuple[int, tuple[int, ...]]] = []
     for i in sorted(inter):
         nf = nexts[i]
@@ -299,7 +463,7 @@ def _union_groups(nexts: list[tuple], index: dict[Node, int], w_only: set[int], 
         intermediates.append((i, w_edges))
         for j in w_edges:
             _union(parent, i, index[nf[j][0]])
-    return parent, intermediates
+    return parent, intermediates, comp
 
 
 def _group(groups: dict[int, GroupSpec], parent: dict[int, int], i: int) -> GroupSpec:

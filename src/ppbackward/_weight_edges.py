@@ -10,17 +10,20 @@ import warnings
 
 import torch
 from torch.autograd.function import BackwardCFunction
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
+
+from ppbackward._graph import is_accumulate_grad
 
 __all__: list[str] = []  # private module
 
 # The engine entry point torch.autograd.backward ends in (torch >= 2.3); see accumulate.
 _ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types a view of which stays a plain view
 
 
 class _Job:
     """The intermediates W must call, and what they returned; called as the pre-hook of the one-element
-    anchor's ``CloneBackward0`` node, from inside W's first engine call (Note [W computes only weight
+    anchor's ``ViewBackward0`` node, from inside W's first engine call (Note [W computes only weight
     edges]). Referenced only by that node's hook dict, for the duration of one engine call, and by
     :func:`weight_edge_grads` (Note [no closure cycle]: it holds no node that references it)."""
 
@@ -75,6 +78,27 @@ def _conform(grad: torch.Tensor, edge: GradientEdge) -> torch.Tensor:
     return grad
 
 
+# Note [W's anchor runs no kernel]: W's first engine call needs a root of its own (a node to hang the
+# pre-hook on, never a node of the stage). It is a view of a one-element leaf and the root gradient a
+# one-element tensor, both made once per device and kept: a view is a metadata op, and the engine only
+# captures at the leaf (it is among the call's ``inputs``), so the call dispatches no kernel besides the
+# intermediates' own (a fresh ``zeros`` + ``clone`` + ``ones_like`` per call did, issue 27). Neither
+# tensor is ever written: the leaf's gradient is captured, not accumulated, and the view's node passes
+# the root gradient on unchanged to that capture. Each call makes its own view node, so threads running
+# W at once never share a hook.
+_ANCHORS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _anchor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-element leaf and root gradient of W's first engine call on ``device``."""
+    pair = _ANCHORS.get(device)
+    if pair is None:
+        with torch.inference_mode(False), torch.no_grad():
+            pair = (torch.zeros((), device=device).requires_grad_(), torch.ones((), device=device))
+        pair = _ANCHORS.setdefault(device, pair)
+    return pair
+
+
 def weight_edge_grads(calls: list) -> list[list]:
     """Call each intermediate on its captured gradients, computing only its weight edges.
 
@@ -85,8 +109,8 @@ def weight_edge_grads(calls: list) -> list[list]:
     nodes. The edges back towards the stage input (the input-gradient work B already did) are
     skipped, so W does only the deferred weight work (e.g. ``grad_out^T @ input`` of a linear
     layer), never re-runs a node of the input side and never walks it. The call is an
-    ``autograd.grad`` from a clone of a one-element anchor, whose ``CloneBackward0`` node (W's own,
-    made for this call) has a pre-hook that calls the nodes (:class:`_Job`; a custom
+    ``autograd.grad`` from a view of a one-element anchor, whose ``ViewBackward0`` node (W's own,
+    made for this call; Note [W's anchor runs no kernel]) has a pre-hook that calls the nodes (:class:`_Job`; a custom
     ``autograd.Function`` did this before, at 0.08 ms per ``apply``); it accumulates nothing, and the
     hook is removed when the call returns, whatever happens. No hook touches a node of the stage.
 
@@ -108,15 +132,15 @@ def weight_edge_grads(calls: list) -> list[list]:
                 seen.add(edge)
                 targets.append(edge)
     first = next(g for _, grads, _ in calls for g in grads if g is not None)
+    anchor, one = _anchor(first.device)
     with torch.inference_mode(False), torch.enable_grad():  # W may be called under either
-        anchor = torch.zeros((), device=first.device, requires_grad=True)
-        out = anchor.clone()
-    handle = out.grad_fn.register_prehook(job)  # type: ignore[union-attr]  # a clone of a leaf has one
+        out = anchor.view_as(anchor)  # a node of W's own, no kernel (Note [W's anchor runs no kernel])
+    handle = out.grad_fn.register_prehook(job)  # type: ignore[union-attr]  # a view of a leaf has one
     try:
         if _ENGINE_RUN_BACKWARD is None:
-            torch.autograd.grad([out], [anchor, *targets], allow_unused=True)  # type: ignore[arg-type]
+            torch.autograd.grad([out], [anchor, *targets], grad_outputs=[one], allow_unused=True)  # type: ignore[arg-type]
         else:  # what torch.autograd.grad ends in, without its per-input Python checks (49 inputs here)
-            _ENGINE_RUN_BACKWARD((out,), (torch.ones_like(out),), False, False, (anchor, *targets), True, False)
+            _ENGINE_RUN_BACKWARD((out,), (one,), False, False, (anchor, *targets), True, False)
     finally:
         handle.remove()
     if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
@@ -143,6 +167,34 @@ def _check_nan(calls: list, results: list[list]) -> None:
                         stacklevel=2,
                     )
                 raise RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
+
+
+# Note [W's gradients are stolen, not copied]: ``AccumulateGrad`` takes a gradient into an empty
+# ``.grad`` without a copy only when nothing else references it (``is_tensor_stealable``); a full backward's
+# gradients, fresh from the node that made them, always qualify. A root of W's accumulating call never
+# does: the engine's ``GraphRoot`` and the caller hold it. So W's first microbatch of a step, with every
+# ``.grad`` empty, copied each gradient it fed straight into an ``AccumulateGrad`` (biases, norm weights,
+# a custom Function's weight gradients: ``new_empty_strided`` + ``copy_`` each, issue 27). For such a
+# root, when the parameter's ``.grad`` is empty and it is the slot's only root, W roots it instead into a
+# view of the parameter made for this call (``view_as``: a metadata op): the view's node hands
+# ``AccumulateGrad`` a new alias of the gradient that nothing else holds, which it steals, as in a full
+# backward. The value is the same tensor's; the accumulation order is unchanged (one root per slot).
+def stealable_roots(roots: list[GradientEdge]) -> list[GradientEdge]:
+    """``roots`` with each sole root into an empty ``AccumulateGrad`` moved onto a fresh view of its
+    parameter (Note [W's gradients are stolen, not copied]); others unchanged."""
+    count: dict[Node, int] = {}
+    for edge in roots:
+        count[edge.node] = count.get(edge.node, 0) + 1
+    out = list(roots)
+    with torch.inference_mode(False), torch.enable_grad():
+        for i, edge in enumerate(roots):
+            node = edge.node
+            if not is_accumulate_grad(node) or count[node] != 1:
+                continue
+            leaf = node.variable  # type: ignore[attr-defined]  # AccumulateGrad's leaf
+            if leaf.grad is None and type(leaf) in _PLAIN and leaf.layout == torch.strided:
+                out[i] = GradientEdge(leaf.view_as(leaf).grad_fn, 0)
+    return out
 
 
 def accumulate(roots: list, grads: list, params: list, retain_graph: bool) -> None:

@@ -35,12 +35,12 @@ from torch.autograd.graph import GradientEdge
 
 from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
 from ppbackward._gc_pause import automatic_gc_paused
-from ppbackward._graph import EagerWork, analyze, eager_work, gradient_edge, is_accumulate_grad
+from ppbackward._graph import NO_CHEAP_WORK, EagerWork, analyze, eager_work, gradient_edge, is_accumulate_grad
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
 from ppbackward._saved import hook_kinds, pin_saved_inputs, release_pinned, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
-from ppbackward._weight_edges import accumulate, weight_edge_grads
+from ppbackward._weight_edges import accumulate, stealable_roots, weight_edge_grads
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -222,7 +222,15 @@ def _backward_input(
     _refuse_reentrant_checkpoint(b_only, inter, w_only)
     owners = candidate_owners(flat.tensors)  # Note [custom Function nodes need an owner]; () on torch 2.13+
     eager = _eager_work(analysis, b_only, inter, w_only)  # Note [hooked saved tensors run once]
-    deferred = [node for node in inter if node not in eager.nodes]
+    # Note [cheap weight gradients in B] (ppbackward._graph); not beside hooked work, which runs as before
+    cheap = analysis.cheap if eager is _NO_EAGER_WORK else NO_CHEAP_WORK
+    deferred = [
+        node
+        for spec in specs
+        for node, w_edges in spec.intermediates
+        if node not in eager.nodes and len(cheap.edges.get(node, ())) < len(w_edges)
+    ]
+    taken = [edge for _, edge, _ in eager.frontier] + [leaf.edge for leaf in cheap.leaves]
 
     # Note [capturing intermediates]: a C++ intermediate gets a pre-hook recording the gradients
     # flowing into it, after the tensor hooks on that activation ran (exactly what the node
@@ -231,7 +239,8 @@ def _backward_input(
     # may have side effects), so it must run once: a post-hook records its outputs in B, and W only
     # routes the weight edges among them (no re-run). torch.compile'd regions are such Functions.
     # The intermediates B runs entirely (``eager``) need no capture: the engine call returns what they
-    # send to W's nodes, at the frontier edges.
+    # send to W's nodes, at the frontier edges; nor do those whose every weight edge B computes (``cheap``):
+    # the engine call returns the gradient at each such weight's ``AccumulateGrad``.
     boxes: list[list] = [[] for _ in deferred]
     handles = []
     found: dict[int, torch.Tensor | None] = {}
@@ -244,32 +253,40 @@ def _backward_input(
             if isinstance(node, BackwardCFunction):
                 handles.append(node.register_hook(_capture_outputs_hook(box)))
             else:
-                handles.append(node.register_prehook(_capture_hook(box)))
-        if grad_inputs or eager.frontier:
-            with _leaf_hooks_muted(edge.node for _, edge, _ in eager.frontier):
+                handles.append(node.register_prehook(_capture_inputs_hook(box)))
+        if grad_inputs or taken:
+            with _leaf_hooks_muted(edge.node for edge in taken):
                 results = torch.autograd.grad(
                     flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
-                    [*grad_inputs, *(edge for _, edge, _ in eager.frontier)],  # type: ignore[arg-type]
+                    [*grad_inputs, *taken],  # type: ignore[arg-type]
                     grad_outputs=flat.grads,
                     retain_graph=retain,
                     allow_unused=True,
                 )
             found = {id(t): g for t, g in zip(grad_inputs, results)}
-            frontier = list(zip(eager.frontier, results[len(grad_inputs) :]))
+            frontier = list(zip([*eager.frontier, *cheap.leaves], results[len(grad_inputs) :]))
     finally:
         for handle in handles:
             handle.remove()
-    captured = [box[0] if box else None for box in boxes]
+    w_edges_of = {node: w_edges for spec in specs for node, w_edges in spec.intermediates}
+    captured = [
+        _checked_capture(node, box, w_edges_of[node], analysis.structure) for node, box in zip(deferred, boxes)
+    ]
 
-    groups = _build_groups(specs, dict(zip(deferred, captured)), flat.grads, root_edges, frontier, eager.nodes)
+    groups = _build_groups(
+        specs, dict(zip(deferred, captured)), cheap.edges, flat.grads, root_edges, frontier, eager.nodes
+    )
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
+        done_in_b = {*eager.nodes, *cheap.nodes, *(n for n in cheap.edges if n not in deferred)}
         if retain:  # else B's engine call released every node it ran
-            release_saved_tensors([*b_only, *(n for n in deferred if isinstance(n, BackwardCFunction)), *eager.nodes])
+            release_saved_tensors(
+                [*b_only, *(n for n in deferred if isinstance(n, BackwardCFunction)), *done_in_b]
+            )
         # Note [outputs detached after B]: given a loss, B cannot tell the stage outputs from the rest
         at_risk = consumers if grads_given else [*inter, *w_only]
         pinned = pin_saved_inputs(
-            n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in eager.nodes
+            n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in done_in_b
         )
     owners = owners_needed(owners, groups)
     _detach_outputs(flat.tensors, used_nodes)
@@ -354,13 +371,71 @@ def _leaf_hooks_muted(nodes: Iterable[Any]) -> Iterator[None]:
             hooks.update(items)
 
 
-def _capture_outputs_hook(box: list):
-    """A node post-hook that stores the node's outputs in ``box`` (Note [no closure cycle])."""
+def _versions(grads: tuple) -> tuple:
+    return tuple(None if g is None else g._version for g in grads)
 
-    def hook(grad_inputs, _grad_outputs) -> None:
-        box.append(grad_inputs)
+
+def _capture_inputs_hook(box: list):
+    """A node pre-hook that stores the gradients flowing into the node, and their versions then, in ``box``
+    (Note [no closure cycle]; Note [captured gradients are checked at W] in ``ppbackward._param_groups``)."""
+
+    def hook(grad_outputs) -> None:
+        box.append((grad_outputs, _versions(grad_outputs)))
 
     return hook
+
+
+def _capture_outputs_hook(box: list):
+    """A node post-hook that stores the node's outputs, and their versions then, in ``box``
+    (Note [no closure cycle])."""
+
+    def hook(grad_inputs, _grad_outputs) -> None:
+        box.append((grad_inputs, _versions(grad_inputs)))
+
+    return hook
+
+
+def _checked_capture(node: Any, box: list, w_edges: tuple[int, ...], structure: Any) -> tuple | None:
+    """What B captured for ``node`` (``None`` if the engine never reached it), or a
+    :class:`StageBackwardError` when a later hook of B's own engine call changed what W reads of it in
+    place: every gradient flowing into a C++ intermediate, the weight edges (``w_edges``) of a custom
+    Function's outputs. ``structure`` (the analysis') names the tensors whose hook may have done it.
+
+    Note [captured gradients are checked at W] covers changes after B; this covers one during B: a hook
+    that runs after the capture and modifies its gradient argument in place (autograd's contract forbids
+    it) changes what W would compute from, since one gradient tensor can flow to several nodes (``Add``
+    hands both operands the same one). A full backward computed the weight gradient before that hook ran.
+    """
+    if not box:
+        return None
+    grads, versions = box[0]
+    custom = isinstance(node, BackwardCFunction)
+    for i in w_edges if custom else range(len(grads)):
+        g, version = grads[i], versions[i]
+        if g is not None and g._version != version:
+            name = node.name()
+            where = f"that {name} sends along its edge {i}" if custom else f"flowing into {name} (input {i})"
+            raise StageBackwardError(
+                f"stage_backward_input: the gradient {where}, {g.dtype} {list(g.shape)}, "
+                f"was modified in place later in B (version {version} -> {g._version}), after B captured it "
+                f"for W, by a hook that received the same gradient tensor ({_sharers(node, structure)}). "
+                "autograd's hooks must not change their argument in place (return a new tensor instead); W "
+                "would compute the weight gradient from the changed values. Nothing was accumulated"
+            )
+    return grads
+
+
+def _sharers(node: Any, structure: Any) -> str:
+    """The tensors that received ``node``'s incoming gradient too (their hooks could change it): named by
+    their ``grad_fn`` and the node that fed both."""
+    st = structure
+    i = st.number.get(node)
+    names = []
+    for p in st.parents[i] if i is not None else ():
+        for kid, _ in st.nexts[p]:
+            if kid is not None and kid is not node:
+                names.append(f"the tensor whose grad_fn is {kid.name()}, fed by {st.nodes[p].name()}")
+    return "; ".join(dict.fromkeys(names)) or "a tensor hook or node hook of the stage"
 
 
 def _refuse_reentrant_checkpoint(*node_lists) -> None:
@@ -393,10 +468,13 @@ def _detach_outputs(outputs: list[Any], used_nodes: set) -> None:
             _DETACHED[id(t)] = t
 
 
-def _build_groups(specs, captured: dict, output_grads, root_edges, frontier, eager_nodes) -> list[ParamGroup]:
-    """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls)
-    and the frontier gradients of B's own W work (``frontier``: ``((group, edge, seq), grad)``) into
-    W's work.
+def _build_groups(
+    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes
+) -> list[ParamGroup]:
+    """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls;
+    ``cheap_edges``: intermediate -> the weight edges B computed itself) and the frontier gradients of
+    B's own W work (``frontier``: ``((group, edge, seq), grad)``, the weight leaves of Note [cheap weight
+    gradients in B] among them) into W's work.
 
     C++ intermediates become deferred calls; a custom Function's captured outputs, the outputs that
     lead straight into weight-only nodes and the frontier gradients become ready contributions, each
@@ -430,8 +508,9 @@ def _build_groups(specs, captured: dict, output_grads, root_edges, frontier, eag
                 for i in w_edges:
                     if grads[i] is not None:
                         ready.append((seq, GradientEdge(*nf[i][:2]), grads[i]))
-            else:
-                deferred.append((node, tuple(grads), w_edges))
+            else:  # only the weight edges B did not compute (Note [cheap weight gradients in B])
+                in_b = cheap_edges.get(node, ())
+                deferred.append((node, tuple(grads), tuple(j for j in w_edges if j not in in_b)))
         if deferred or ready:
             params = [leaf.variable for leaf in spec.leaves]
             groups.append(ParamGroup(deferred, ready, params))
@@ -557,7 +636,7 @@ def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
         # number. Feeding them as separate roots in that order (the engine adds roots in list
         # order) keeps W bit-identical to a full backward where a weight gets several.
         contributions.sort(key=lambda c: c[0], reverse=True)
-        roots = [GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions]
+        roots = stealable_roots([GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions])
         grads = [grad for _, _, grad in contributions]
         del contributions
         accumulate(roots, grads, [p for group in groups for p in group.params], retain_graph)

@@ -170,6 +170,101 @@ class OutputFeedsAnotherOp(nn.Module):
         return h, h @ self.v
 
 
+class Norms(nn.Module):
+    """Linear layers between LayerNorms (affine weight and bias) or RMSNorms (weight): norm weight
+    gradients are computed in B (Note [cheap weight gradients in B])."""
+
+    def __init__(self, norm: type = nn.LayerNorm, d: int = 6, layers: int = 2) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.norms = nn.ModuleList(norm(d) for _ in range(layers))
+
+    def forward(self, x):
+        for lin, norm in zip(self.lins, self.norms):
+            x = x + lin(norm(x))
+        return x
+
+
+class _LinearFn(torch.autograd.Function):
+    """A fused linear as Megatron-style code writes it: one backward computing all three gradients."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        return g @ w, g2.t() @ x.reshape(-1, x.shape[-1]), g2.sum(0)
+
+
+class CustomLinear(nn.Module):
+    """A custom ``autograd.Function`` linear between norms: its backward runs once (in B)."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.w = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.b = nn.Parameter(torch.randn(d))
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.out(torch.relu(_LinearFn.apply(self.norm(x), self.w, self.b)))
+
+
+class MoE(nn.Module):
+    """MoE-style routing: a router picks the top-1 expert per token (data-dependent), tokens are
+    gathered per expert, scaled by their router weight and scattered back."""
+
+    def __init__(self, d: int = 6, experts: int = 3) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(experts))
+
+    def forward(self, x):
+        h = self.norm(x).reshape(-1, x.shape[-1])
+        weight, choice = torch.softmax(self.router(h), -1).max(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            idx = (choice == e).nonzero().squeeze(1)
+            if idx.numel():
+                out = out.index_add(0, idx, expert(h[idx]) * weight[idx, None])
+        return x + out.reshape(x.shape)
+
+
+class Tied(nn.Module):
+    """One projection used at two depths and one LayerNorm applied twice (tied weights)."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.mid = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.proj(self.norm(x))
+        h = self.mid(torch.tanh(h))
+        return self.proj(self.norm(h))
+
+
+class LoRA(nn.Module):
+    """Frozen base projections with trainable low-rank adapters and a trainable norm."""
+
+    def __init__(self, d: int = 6, rank: int = 2) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.base = nn.Linear(d, d).requires_grad_(False)
+        self.a = nn.Linear(d, rank, bias=False)
+        self.b = nn.Linear(rank, d, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.base(h) + self.b(self.a(h)) * 0.5
+
+
 def _plain(seed: int, *shape: int):
     return [_x(seed, *shape)]
 
@@ -197,6 +292,12 @@ ZOO = {
         lambda: MLP(4, 2),
         lambda s: [_x(s, 2, 4, requires_grad=False)],
     ),
+    "layer_norms": (Norms, lambda s: _plain(s, 2, 3, 6)),
+    "rms_norms": (lambda: Norms(nn.RMSNorm), lambda s: _plain(s, 2, 3, 6)),
+    "custom_linear": (CustomLinear, lambda s: _plain(s, 2, 3, 6)),
+    "moe_routing": (MoE, lambda s: _plain(s, 2, 4, 6)),
+    "tied": (Tied, lambda s: _plain(s, 3, 6)),
+    "lora": (LoRA, lambda s: _plain(s, 3, 6)),
 }
 
 

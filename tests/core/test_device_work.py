@@ -1,0 +1,144 @@
+"""B+W dispatches exactly a full backward's device work; W is only the deferred matrix products.
+
+Counted, not timed (``ppbackward._bench._device_work``: a ``TorchDispatchMode`` over every ATen op, the
+FLOP formulas of ``torch.utils.flop_counter``): the kernels by name, the FLOPs and the bytes allocated of
+B+W must equal those of a full backward of the same microbatch, with every ``.grad`` empty (the first
+microbatch of a step) and accumulating, on every stage of the core zoo. The negative control defers the
+norm and bias gradients to W again (the tables of Note [cheap weight gradients in B] emptied): the norm
+backward then runs twice and the comparison must fail.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ppbackward as pb
+from ppbackward import _graph
+from ppbackward._bench import _memory
+from ppbackward._bench._device_work import REGIMES, count, stage_work
+from ppbackward._bench._models import Config
+from ppbackward._bench._models import build as build_bench
+from tests.core.stages import ZOO, build
+
+
+def _flat_outputs(out) -> list[torch.Tensor]:
+    """The stage's differentiable outputs in a fixed order (tuples, lists and dicts walked depth first)."""
+    found, todo = [], [out]
+    while todo:
+        item = todo.pop(0)
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif isinstance(item, (tuple, list)):
+            todo[:0] = list(item)
+        elif isinstance(item, dict):
+            todo[:0] = list(item.values())
+    return found
+
+
+def _with_grads(out) -> tuple[list, list]:
+    outs = _flat_outputs(out)
+    gen = torch.Generator().manual_seed(7)
+    return outs, [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
+
+
+def _zoo_work(name: str, regime: str) -> dict:
+    module, make_inputs = build(name)
+    return stage_work(module, lambda: list(make_inputs(0)), _with_grads, regime)
+
+
+def _assert_same_work(work: dict, what: str) -> None:
+    full, split = work["full"], work["ppbackward"]
+    assert split.extra_over(full) == {}, f"{what}: kernels B+W ran beyond (+) or short of (-) a full backward"
+    assert split.flops == full.flops, f"{what}: FLOPs {split.flops} != {full.flops}"
+    assert split.allocated_bytes == full.allocated_bytes, (
+        f"{what}: bytes allocated {split.allocated_bytes} != {full.allocated_bytes}"
+    )
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_split_dispatches_exactly_the_full_backwards_kernels(name, regime):
+    _assert_same_work(_zoo_work(name, regime), f"{name} ({regime})")
+
+
+def _defer_cheap_to_w(monkeypatch) -> None:
+    """The negative control: B computes no weight gradient; norms and biases are W's again."""
+    monkeypatch.setattr(_graph, "_CHEAP_EDGES", {})
+    monkeypatch.setattr(_graph, "_REDUCED_EDGES", {})
+
+
+@pytest.mark.parametrize("name", ["layer_norms", "transformer", "custom_linear", "lora"])
+def test_control_norm_recomputed_in_w_fails_the_comparison(name, monkeypatch):
+    _defer_cheap_to_w(monkeypatch)
+    work = _zoo_work(name, "accumulating")
+    with pytest.raises(AssertionError, match="kernels B"):
+        _assert_same_work(work, name)
+    assert work["ppbackward"].extra_over(work["full"])["native_layer_norm_backward"] > 0
+
+
+def _transformer_b_and_w(regime: str, impl=pb):
+    """B's and W's device work, counted apart, on the bench's 2-layer transformer stage (d 64)."""
+    stage = build_bench(Config(2, 64, 16))
+    found = []
+    for _ in range(2):  # the first is not counted (one-time work)
+        for p in stage.params:
+            p.grad = None if regime == "first" else torch.zeros_like(p)
+        out = stage.model(stage.x)
+        box: list = []
+        b = count(lambda: box.append(impl.stage_backward_input([out], [stage.grad], [stage.x], stage.params)[1]))  # noqa: B023
+        w = count(functools.partial(impl.stage_backward_weight, stage.params, box[0]))
+        found = [b, w]
+    return found
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_w_runs_only_the_weight_matmuls(regime):
+    b, w = _transformer_b_and_w(regime)
+    accumulation = {} if regime == "first" else {"add_": 24}  # one per parameter (.grad += new)
+    assert dict(w.kernels) == {"mm": 8, **accumulation}  # 4 linear weights per layer, 2 layers
+    assert b.kernels["native_layer_norm_backward"] == 4  # once per norm, weight and bias included
+    assert b.kernels["sum"] == 8  # the 8 biases, reduced in B
+    assert w.flops + b.flops == 6291456 * 2 and w.flops == b.flops  # the weight GEMMs are half here
+
+
+def test_b_holds_at_most_080_of_what_deferring_norms_holds(monkeypatch):
+    """The bench's "held between B and W" (saved bytes alive after B) with norm and bias gradients in B,
+    against the same with them deferred to W (the negative control): the norms' inputs are released."""
+    held = {}
+    for variant in ("deferred", "in B"):
+        if variant == "in B":
+            monkeypatch.undo()
+        else:
+            _defer_cheap_to_w(monkeypatch)
+        result = _memory.measure_split("ppbackward", build_bench(Config(4, 64, 16)))
+        assert result["held_bytes"] == result["floor_bytes"]  # B keeps exactly what W reads
+        held[variant] = result["held_bytes"]
+    assert held["in B"] <= 0.80 * held["deferred"], held
+
+
+def _hostile_stage():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    u = x * 2
+    u.register_hook(lambda g: g.mul_(0))  # breaks autograd's contract: changes its argument in place
+    return lin, x, lin(x) + u  # the add hands lin and u one gradient tensor
+
+
+def test_a_hook_changing_a_captured_gradient_in_place_is_refused_in_b():
+    lin, x, y = _hostile_stage()
+    with pytest.raises(pb.StageBackwardError, match=r"AddmmBackward0 \(input 0\).*grad_fn is MulBackward0"):
+        pb.stage_backward_input([y], [torch.ones(3, 4)], [x], list(lin.parameters()))
+    assert lin.weight.grad is None and lin.bias.grad is None  # nothing accumulated
+
+
+def test_the_same_hook_in_a_full_backward_leaves_the_weight_gradient_intact():
+    """What the refusal protects: a full backward ran ``lin``'s node before the hook changed the gradient."""
+    lin, x, y = _hostile_stage()
+    y.backward(torch.ones(3, 4))
+    assert lin.weight.grad.abs().sum() > 0
