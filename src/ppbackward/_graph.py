@@ -24,7 +24,8 @@ upstream ``get_param_groups`` walks the reverse graph once per parameter (O(para
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -228,6 +229,21 @@ _CHEAP_W_NODES = frozenset(
         "PowBackward0", "SigmoidBackward0", "TanhBackward0", "SoftplusBackward0",
     }
 )
+
+
+@contextlib.contextmanager
+def cheap_gradients_deferred() -> Iterator[None]:
+    """Within the block, B computes no weight gradient and W computes them all, as before Note [cheap
+    weight gradients in B]: the bench's and the tests' reference for what that Note saves (its negative
+    control). Not thread-safe: for measurements in one thread only."""
+    saved = _CHEAP_EDGES.copy(), _REDUCED_EDGES.copy()
+    _CHEAP_EDGES.clear()
+    _REDUCED_EDGES.clear()
+    try:
+        yield
+    finally:
+        _CHEAP_EDGES.update(saved[0])
+        _REDUCED_EDGES.update(saved[1])
 
 
 def _numel(shape: Sequence[int]) -> int:

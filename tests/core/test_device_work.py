@@ -66,16 +66,10 @@ def test_split_dispatches_exactly_the_full_backwards_kernels(name, regime):
     _assert_same_work(_zoo_work(name, regime), f"{name} ({regime})")
 
 
-def _defer_cheap_to_w(monkeypatch) -> None:
-    """The negative control: B computes no weight gradient; norms and biases are W's again."""
-    monkeypatch.setattr(_graph, "_CHEAP_EDGES", {})
-    monkeypatch.setattr(_graph, "_REDUCED_EDGES", {})
-
-
 @pytest.mark.parametrize("name", ["layer_norms", "transformer", "custom_linear", "lora"])
-def test_control_norm_recomputed_in_w_fails_the_comparison(name, monkeypatch):
-    _defer_cheap_to_w(monkeypatch)
-    work = _zoo_work(name, "accumulating")
+def test_control_norm_recomputed_in_w_fails_the_comparison(name):
+    with _graph.cheap_gradients_deferred():  # the negative control: norms and biases are W's again
+        work = _zoo_work(name, "accumulating")
     with pytest.raises(AssertionError, match="kernels B"):
         _assert_same_work(work, name)
     assert work["ppbackward"].extra_over(work["full"])["native_layer_norm_backward"] > 0
@@ -106,19 +100,16 @@ def test_w_runs_only_the_weight_matmuls(regime):
     assert w.flops + b.flops == 6291456 * 2 and w.flops == b.flops  # the weight GEMMs are half here
 
 
-def test_b_holds_at_most_080_of_what_deferring_norms_holds(monkeypatch):
+def test_b_holds_at_most_080_of_what_deferring_norms_holds():
     """The bench's "held between B and W" (saved bytes alive after B) with norm and bias gradients in B,
     against the same with them deferred to W (the negative control): the norms' inputs are released."""
-    held = {}
-    for variant in ("deferred", "in B"):
-        if variant == "in B":
-            monkeypatch.undo()
-        else:
-            _defer_cheap_to_w(monkeypatch)
-        result = _memory.measure_split("ppbackward", build_bench(Config(4, 64, 16)))
+    stage = build_bench(Config(4, 64, 16))
+    with _graph.cheap_gradients_deferred():
+        deferred = _memory.measure_split("ppbackward", stage)
+    in_b = _memory.measure_split("ppbackward", stage)
+    for result in (deferred, in_b):
         assert result["held_bytes"] == result["floor_bytes"]  # B keeps exactly what W reads
-        held[variant] = result["held_bytes"]
-    assert held["in B"] <= 0.80 * held["deferred"], held
+    assert in_b["held_bytes"] <= 0.80 * deferred["held_bytes"], (in_b, deferred)
 
 
 def _hostile_stage():

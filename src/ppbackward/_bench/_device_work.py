@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["REGIMES", "DeviceWork", "count", "stage_work"]
+__all__ = ["REGIMES", "DeviceWork", "bench_work", "count", "stage_work"]
 
 REGIMES = ("first", "accumulating")
 
@@ -175,3 +175,44 @@ def stage_work(
     for p in weights:
         p.grad = None
     return result
+
+
+def bench_work(stage: Any) -> dict[str, Any]:
+    """The bench's device-work figures for one configuration (``ppbackward._bench._models.Stage``).
+
+    Returns:
+        ``{"regimes": {regime: {impl: {"kernels", "flops", "allocated_bytes"}}}, "held_bytes",
+        "held_deferred_bytes", "floor_bytes"}`` for ``impl`` in ``full`` (plain autograd), ``upstream``
+        (torch's B+W) and ``ppbackward`` (B+W); the bytes of saved activations held between B and W by
+        ppbackward, by ppbackward with the cheap weight gradients deferred to W as before (Note [cheap
+        weight gradients in B]), and what W reads (the deferred matmuls' inputs). JSON-ready.
+    """
+    import ppbackward
+    from ppbackward._bench import _impls, _memory
+    from ppbackward._graph import cheap_gradients_deferred
+
+    upstream = _impls.UpstreamSplit()
+    impls = {"full": None, "upstream": upstream, "ppbackward": ppbackward}
+
+    def fresh_input() -> list:
+        return [stage.x.detach().requires_grad_()]
+
+    def with_grad(out: torch.Tensor) -> tuple[list, list]:
+        return [out], [stage.grad]
+
+    regimes = {}
+    for regime in REGIMES:
+        work = stage_work(stage.model, fresh_input, with_grad, regime, impls)
+        regimes[regime] = {
+            name: {"kernels": dict(w.kernels), "flops": w.flops, "allocated_bytes": w.allocated_bytes}
+            for name, w in work.items()
+        }
+    held = _memory.measure_split("ppbackward", stage)
+    with cheap_gradients_deferred():
+        before = _memory.measure_split("ppbackward", stage)
+    return {
+        "regimes": regimes,
+        "held_bytes": held["held_bytes"],
+        "floor_bytes": held["floor_bytes"],
+        "held_deferred_bytes": before["held_bytes"],
+    }

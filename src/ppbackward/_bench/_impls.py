@@ -37,6 +37,13 @@ SPLIT: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 }
 
 
+class UpstreamSplit:
+    """torch's B and W (as imported) under the names ``stage_backward_input``/``stage_backward_weight``."""
+
+    stage_backward_input = staticmethod(UPSTREAM_B)
+    stage_backward_weight = staticmethod(UPSTREAM_W)
+
+
 def run_b(impl: str, stage: Stage, out: torch.Tensor) -> Any:
     """B of ``impl``; returns its ``param_groups``."""
     b, _ = SPLIT[impl]

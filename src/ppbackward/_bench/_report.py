@@ -82,6 +82,23 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 c["ratio_to_plain"][regime]["full"], 1.05, c["paired_ratio_median"][regime]["full/plain"],
             ))
     for c in report["configs"]:
+        dw = c.get("device_work")
+        if not dw:
+            continue
+        for regime, work in dw["regimes"].items():
+            rows.append(_target(
+                "device work: B+W kernels = full backward's (count of differing kernels <= 0)",
+                f"{c['label']}, {regime}", sum(map(abs, _kernel_diff(work, "ppbackward").values())), 0,
+            ))
+            rows.append(_target(
+                "device work: B+W FLOPs <= 1.000x full backward's", f"{c['label']}, {regime}",
+                work["ppbackward"]["flops"] / max(work["full"]["flops"], 1), 1.0,
+            ))
+        rows.append(_target(
+            "held between B and W <= 0.80x with norm/bias gradients deferred to W", c["label"],
+            dw["held_bytes"] / max(dw["held_deferred_bytes"], 1), 0.80,
+        ))
+    for c in report["configs"]:
         rows.append(_target(
             "bytes held between B and W = bytes W reads (1.00x)", c["label"],
             c["memory"]["ppbackward"]["held_over_floor"], 1.0,
@@ -99,6 +116,54 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             fit["per_unit_growth"], 1.5,
         ))
     return rows
+
+
+def _kernel_diff(work: dict[str, Any], impl: str) -> dict[str, int]:
+    """Kernels by name ``impl`` ran more (+) or fewer (-) times than the full backward."""
+    mine, full = work[impl]["kernels"], work["full"]["kernels"]
+    diff = {k: mine.get(k, 0) - full.get(k, 0) for k in sorted(set(mine) | set(full))}
+    return {k: n for k, n in diff.items() if n}
+
+
+def _diff_text(diff: dict[str, int]) -> str:
+    return ", ".join(f"{'+' if n > 0 else ''}{n} {k}" for k, n in diff.items()) or "none"
+
+
+def device_work_section(configs: list[dict[str, Any]]) -> str:
+    """The counted device work of B+W against one full backward, torch's split beside it, per
+    configuration and regime; and the saved bytes held between B and W (ppbackward._bench._device_work)."""
+    rows = []
+    for c in configs:
+        for regime, work in c["device_work"]["regimes"].items():
+            full = work["full"]
+            row = [c["label"], regime, str(sum(full["kernels"].values()))]
+            for impl in ("upstream", "ppbackward"):
+                w = work[impl]
+                row += [
+                    f"{w['flops'] / full['flops']:.3f}x" if full["flops"] else "-",
+                    f"{w['allocated_bytes'] / full['allocated_bytes']:.3f}x" if full["allocated_bytes"] else "-",
+                    _diff_text(_kernel_diff(work, impl)),
+                ]
+            rows.append(row)
+    held = [
+        [c["label"], _mib(c["device_work"]["held_deferred_bytes"], 3), _mib(c["device_work"]["held_bytes"], 3),
+         _x(c["device_work"]["held_bytes"] / c["device_work"]["held_deferred_bytes"]),
+         _mib(c["device_work"]["floor_bytes"], 3)]
+        for c in configs
+    ]
+    return (
+        "\nDevice work of one microbatch's backward, counted (every ATen op dispatched, views aside; FLOPs by"
+        " torch.utils.flop_counter): B+W against the full backward; 'kernels' lists what B+W ran more (+) or"
+        " fewer (-) times\n"
+        + format_table(
+            ["config", "regime", "full kernels", "up FLOPs", "up bytes", "up kernels", "pp FLOPs", "pp bytes",
+             "pp kernels"],
+            rows, left=2,
+        )
+        + "\nSaved activations held between B and W (MiB): ppbackward with the norm and bias gradients"
+        " deferred to W (before), computed in B (now), and what W's deferred matmuls read\n"
+        + format_table(["config", "before", "now", "now/before", "W reads"], held)
+    )
 
 
 def _x(v: float) -> str:
@@ -199,6 +264,8 @@ def format_text(report: dict[str, Any]) -> str:
         " alive between B and W; floor = what W unpacks (ppbackward's B does W's work where hooks are)\n"
         + _memory_table(report, lambda m: m["hooked"], "packed")
     )
+    if all("device_work" in c for c in report["configs"]):
+        parts.append(device_work_section(report["configs"]))
     scaling = report.get("analysis_scaling")
     if scaling:
         rows = [

@@ -31,9 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ppbackward bench",
         description=(
-            "Time and memory of the pipeline stage backward: plain autograd, torch's B+W, "
+            "Time, memory and counted device work of the pipeline stage backward: plain autograd, torch's B+W, "
             "ppbackward's B+W and full backward, side by side (one process, 1 thread), with grads None "
-            "and accumulating; a microbatch loop in zero-bubble order; the allocator's counts. "
+            "and accumulating; a microbatch loop in zero-bubble order; the allocator's counts; the kernels, "
+            "FLOPs and bytes B+W dispatch against a full backward. "
             "Method and results: docs/performance.md."
         ),
         epilog=_EXIT_CODES,
@@ -201,11 +202,12 @@ def _log(msg: str) -> None:
 
 def _measure_config(cfg: Any, request: _Request) -> dict[str, Any]:
     """One configuration: exactness, memory, param groups, timings, the microbatch loop, allocations."""
-    from ppbackward._bench import _alloc, _impls, _loop, _memory, _models, _timing
+    from ppbackward._bench import _alloc, _device_work, _impls, _loop, _memory, _models, _timing
 
     _log(f"bench: {cfg.name} ...")
     stage = _models.build(cfg)
     exact = _impls.grads_match(stage)
+    device_work = _device_work.bench_work(stage)
     memory = {
         impl: {**_memory.measure_split(impl, stage), "hooked": _memory.measure_hooked(impl, stage)}
         for impl in ("upstream", "ppbackward")
@@ -228,7 +230,7 @@ def _measure_config(cfg: Any, request: _Request) -> dict[str, Any]:
         "repeats": n, "time_ms": ms,
         "ratio_to_plain": {regime: {k: v / t["plain"] for k, v in t.items()} for regime, t in ms.items()},
         "paired_ratio_median": paired, "loop": loop, "allocations": _alloc.measure(stage),
-        "param_groups": groups, "grads_match": exact, "memory": memory,
+        "param_groups": groups, "grads_match": exact, "memory": memory, "device_work": device_work,
     }
 
 
