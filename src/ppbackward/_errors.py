@@ -7,7 +7,10 @@ Note [errors are RuntimeErrors]: torch's ``stage_backward*`` functions wrap ever
 ``RuntimeError``. ppbackward names the bad argument and its path instead (``stage_output[1]['h']:
 grad shape (3, 4) != output shape (3, 5)``) and raises it before running anything; the error is a
 :class:`StageBackwardError`, which is a ``RuntimeError`` (so that such a caller still catches it) and
-also a ``ValueError`` or ``TypeError`` as the mistake is one of value or of type.
+also a ``ValueError`` or ``TypeError`` as the mistake is one of value or of type. Where torch raises a
+bare ``AssertionError`` instead (torch 2.15's B, for a ``GradientEdge`` output without output gradients),
+the error is also an ``AssertionError`` (:class:`BadAssertion`), so that code written for that torch
+catches it as it did.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ class BadValue(StageBackwardError, ValueError):
 
 class BadType(StageBackwardError, TypeError):
     """An argument of the wrong type: a gradient that is not a tensor, a dtype, ``param_groups``."""
+
+
+class BadAssertion(BadValue, AssertionError):
+    """A bad value torch's own function refuses with a bare ``AssertionError`` (not wrapped in its
+    ``RuntimeError``): a ``GradientEdge`` output without output gradients (torch 2.15's B). Also an
+    ``AssertionError``, so that code written for torch catches it as it did."""
 
 
 class BadIndex(StageBackwardError, IndexError):

@@ -253,64 +253,70 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _fresh_edge(node: Node, j: int, kid: Node, nr: int) -> bool:
-    """Whether the gradient ``node`` sends along its edge ``j`` (into input ``nr`` of ``kid``) is a new
-    tensor of a cheap kernel (Note [cheap weight gradients in B])."""
-    name = type(node).__name__
+_OUTPUT_RANK = {"AddmmBackward0": 2, "BaddbmmBackward0": 3, "AddmvBackward0": 1}
+
+
+def _fresh_edge(node: Node, name: str, j: int, kid: Node, nr: int) -> bool:
+    """Whether the gradient ``node`` (of type ``name``) sends along its edge ``j`` (into input ``nr`` of
+    ``kid``) is a new tensor of a cheap kernel (Note [cheap weight gradients in B])."""
     edges = _CHEAP_EDGES.get(name, ())
     if edges is None or j in edges:
         return True
     edges = _REDUCED_EDGES.get(name, ())
     if edges is not None and j not in edges:
         return False
-    try:  # reduced by the engine's sum_to: the slot holds fewer elements than the node's gradient
+    # reduced by the engine's sum_to (a new tensor) where the slot has fewer dimensions than the gradient
+    rank = _OUTPUT_RANK.get(name)
+    try:
+        if rank is not None and type(kid) is _ACCUMULATE_GRAD:  # a bias straight into its leaf: no metadata read
+            return kid.variable.dim() < rank  # type: ignore[attr-defined]  # AccumulateGrad's leaf
         into = kid._input_metadata[nr].shape  # not in every torch's stub
         out = node._input_metadata[0].shape
     except (AttributeError, IndexError, RuntimeError):  # a torch without it: not cheap
         return False
-    return _numel(into) < _numel(out)
+    return len(into) < len(out)
 
 
 def _cheap_work(
-    st: _Structure, leaves: list[int], intermediates: list, comp: dict[int, int], roots: set[int]
+    st: _Structure, leaf_groups: list, w_numbers: list[int], intermediates: list, comp: dict[int, int],
+    roots: set[int],
 ) -> CheapWork:
-    """The weight components B computes (Note [cheap weight gradients in B]); ``comp`` maps each W-only
-    node to its component, ``intermediates`` are ``(number, weight edges)``."""
+    """The weight components B computes (Note [cheap weight gradients in B]): ``leaf_groups`` holds each
+    weight leaf's number and param group, ``w_numbers`` the other W-only nodes, ``comp`` the component of
+    every W-only node, ``intermediates`` ``(number, weight edges)``."""
     nodes, nexts, number = st.nodes, st.nexts, st.number
-    leaf_set = set(leaves)
     bad = {comp[k] for k in roots if k in comp}
-    for i in st.w_only:
-        if i not in leaf_set and type(nodes[i]).__name__ not in _CHEAP_W_NODES:
+    for i in w_numbers:
+        if type(nodes[i]).__name__ not in _CHEAP_W_NODES:
             bad.add(comp[i])
-    feeding: dict[int, list[tuple[int, int]]] = {}  # component -> (intermediate, edge) into it
+    feeding: dict[int, list[tuple[Node, int]]] = {}  # component -> (intermediate, edge) into it
     for i, w_edges in intermediates:
         node = nodes[i]
+        name = type(node).__name__
         custom = isinstance(node, BackwardCFunction)
         for j in w_edges:
             kid, nr = nexts[i][j]
             c = comp[number[kid]]
             if c in bad:
                 continue
-            if custom or not _fresh_edge(node, j, kid, nr):
+            if custom or not _fresh_edge(node, name, j, kid, nr):
                 bad.add(c)
             else:
-                feeding.setdefault(c, []).append((i, j))
-    if len(bad) == len(set(comp.values())):
-        return NO_CHEAP_WORK
+                feeding.setdefault(c, []).append((node, j))
     edges: dict[Node, list[int]] = {}
     seq: dict[int, int] = {}
     for c, pairs in feeding.items():
         if c in bad:
             continue
-        for i, j in pairs:
-            edges.setdefault(nodes[i], []).append(j)
-            seq[c] = max(seq.get(c, -1), nodes[i]._sequence_nr())
+        seq[c] = max(node._sequence_nr() for node, _ in pairs)
+        for node, j in pairs:
+            edges.setdefault(node, []).append(j)
+    if not seq:
+        return NO_CHEAP_WORK
     cheap_leaves = [
-        CheapLeaf(_group(st.groups, st.union, k), GradientEdge(nodes[k], 0), seq[comp[k]])
-        for k in leaves
-        if comp[k] in seq
+        CheapLeaf(spec, GradientEdge(nodes[k], 0), seq[comp[k]]) for k, spec in leaf_groups if comp[k] in seq
     ]
-    w_nodes = [nodes[i] for i in sorted(st.w_only) if i not in leaf_set and comp[i] in seq]
+    w_nodes = [nodes[i] for i in w_numbers if comp[i] in seq]
     return CheapWork({n: tuple(js) for n, js in edges.items()}, cheap_leaves, w_nodes)
 
 
@@ -381,20 +387,24 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
             _group(groups, parent, k).root_edges.append(i)
     for i, w_edges in intermediates:  # BFS order: outputs side first
         _group(groups, parent, i).intermediates.append((nodes[i], w_edges))
+    leaf_groups = []
     for i in leaves:
-        _group(groups, parent, i).leaves.append(nodes[i])
+        spec = _group(groups, parent, i)
+        spec.leaves.append(nodes[i])
+        leaf_groups.append((i, spec))
     roots = {index[edge.node] for edge in root_edges}
     used = {nodes[i] for i in roots if parents[i]}
     b_only = [nodes[i] for i in reaches_input if i not in inter and nodes[i] not in input_nodes]
     leaf_set = set(leaves)
-    w_nodes = [nodes[i] for i in sorted(w_only) if i not in leaf_set]
+    w_numbers = [i for i in sorted(w_only) if i not in leaf_set]
+    w_nodes = [nodes[i] for i in w_numbers]
     consumers: dict[int, None] = {}
     for i in roots:
         for p in parents[i]:
             if p in inter or p in w_only:
                 consumers[p] = None
     structure = _Structure(nodes, index, nexts, parents, inter, w_only, parent, groups)
-    cheap = _cheap_work(structure, leaves, intermediates, comp, roots)
+    cheap = _cheap_work(structure, leaf_groups, w_numbers, intermediates, comp, roots)
     return Analysis(list(groups.values()), used, b_only, w_nodes, [nodes[i] for i in consumers], structure, cheap)
 
 

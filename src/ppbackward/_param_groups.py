@@ -33,7 +33,8 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from ppbackward._errors import BadValue, StageBackwardError
+from ppbackward._errors import BadType, BadValue, StageBackwardError
+from ppbackward._tree import check_like
 
 __all__ = ["ParamGroups"]
 
@@ -47,47 +48,160 @@ class WeightSet(NamedTuple):
     sharded: bool
 
 
-class ParamGroup(NamedTuple):
-    """One param group ready for W.
+_KEYS = ("params", "intermediates", "grads")
 
-    Attributes:
+
+class ParamGroup:
+    """One param group ready for W; reads and writes like one of torch's param-group dicts.
+
+    Attributes (W's work):
         intermediates: ``(node, grads, w_edges)`` for each intermediate W must call: the gradient B
             captured for each of the node's input slots (``None`` where none flowed) and the
-            indices of the node's ``next_functions`` that lead into weight-only nodes.
+            indices of the node's ``next_functions`` whose weight gradients W computes.
         ready: ``(sequence_nr, edge, grad)`` contributions already known after B: output edges
-            leading straight into weight-only nodes, and the weight edges of custom
-            ``autograd.Function`` intermediates (which ran once, in B).
+            leading straight into weight-only nodes (sequence number ``inf``), the weight edges of
+            custom ``autograd.Function`` intermediates (which ran once, in B) and the weight gradients
+            B computed itself (Note [cheap weight gradients in B] in ``ppbackward._graph``).
         params: the leaf tensors whose ``AccumulateGrad`` the group reaches.
+
+    Note [param groups read like torch's]: torch's B returns a list of dicts with ``"params"`` (the
+    weights' ``AccumulateGrad`` nodes), ``"intermediates"`` (the nodes where weight paths branch off)
+    and ``"grads"`` (per intermediate, the gradients flowing into it), and its W computes the weight
+    gradients from ``"grads"``; a caller may replace them between B and W. ``group[key]`` gives the
+    same three, in the same form: ``"grads"`` holds B's captured gradients for the intermediates W
+    calls again and ``None`` for those whose weight gradients B computed itself (norms, biases, custom
+    Functions: there is nothing left to compute from). ``group["grads"] = [...]`` is checked when
+    written (one entry per intermediate at most, ``None`` or a tuple of gradients, each ``None`` or a
+    tensor shaped like the node's input: what the engine would refuse in W) and W then computes the whole
+    group from it, as torch's W does: each intermediate with gradients is called for all its weight
+    edges, one with ``None`` (or none: a shorter list, as torch's ``zip``) contributes nothing, and
+    B's own results for the group are dropped (output edges straight into weights excepted). A node
+    whose weight gradients B computed and whose saved tensors it released (a norm) cannot be called
+    again: a write giving it gradients is refused. The group references nodes and tensors only and
+    nothing refers back to it (Note [param_groups hold no cycle]).
     """
 
-    intermediates: list[tuple[Node, tuple, tuple[int, ...]]]
-    ready: list[tuple[float, GradientEdge, torch.Tensor]]
-    params: list[torch.Tensor]
-
-    def __getitem__(self, key):
-        if isinstance(key, str):  # torch's param groups are dicts: param_group["grads"]
-            raise _not_a_dict(key)
-        return tuple.__getitem__(self, key)
-
-    def __setitem__(self, key, value) -> None:
-        raise _not_a_dict(key)
-
-
-def _not_a_dict(key: object) -> TypeError:
-    return TypeError(
-        f"ParamGroup[{key!r}]: ppbackward's param groups are opaque, not torch's dicts of 'params', "
-        "'intermediates' and 'grads'; W uses the gradients B captured. To change what W accumulates, "
-        "register a tensor hook on the activation or a post-accumulate-grad hook on the parameter "
-        "(docs/api.md, Differences from torch's functions)"
+    __slots__ = (
+        "_captured", "_leaves", "_nodes", "_written", "_written_versions", "intermediates", "params",
+        "ready",
     )
+
+    def __init__(
+        self,
+        intermediates: list[tuple[Node, tuple, tuple[int, ...]]],
+        ready: list[tuple[float, GradientEdge, torch.Tensor]],
+        params: list[torch.Tensor],
+        nodes: list[tuple[Node, tuple[int, ...]]] | None = None,
+        leaves: list[Node] | None = None,
+    ) -> None:
+        self.intermediates = intermediates
+        self.ready = ready
+        self.params = params
+        self._nodes = nodes if nodes is not None else [(n, w) for n, _, w in intermediates]
+        self._leaves = leaves or []
+        self._captured = {node: grads for node, grads, _ in intermediates}
+        self._written: list | None = None
+        self._written_versions: list[tuple[torch.Tensor, int]] = []
+
+    def __getitem__(self, key: str) -> list:
+        if key == "params":
+            return list(self._leaves)
+        if key == "intermediates":
+            return [node for node, _ in self._nodes]
+        if key == "grads":
+            if self._written is not None:
+                return list(self._written)
+            return [self._captured.get(node) for node, _ in self._nodes]
+        raise KeyError(f"ParamGroup[{key!r}]: a param group has the keys {', '.join(map(repr, _KEYS))}")
+
+    def __setitem__(self, key: str, value: object) -> None:
+        if key != "grads":
+            raise TypeError(
+                f"ParamGroup[{key!r}] = ...: only 'grads' can be written (W accumulates into the group's "
+                "parameters through the intermediates B found; Note [param groups read like torch's])"
+            )
+        self._written = _checked_grads(value, self._nodes)
+        # Note [captured gradients are checked at W]: as B's own
+        self._written_versions = [(g, g._version) for entry in self._written for g in entry or () if g is not None]
+
+    def get(self, key: str, default: object = None) -> object:
+        return self[key] if key in _KEYS else default
+
+    def keys(self) -> tuple[str, ...]:
+        return _KEYS
+
+    def __contains__(self, key: object) -> bool:
+        return key in _KEYS
+
+    def __iter__(self):
+        return iter(_KEYS)
+
+    def __len__(self) -> int:
+        return len(_KEYS)
+
+    def __repr__(self) -> str:
+        return (
+            f"ParamGroup(params={len(self._leaves)}, intermediates={len(self._nodes)}, "
+            f"grads={'written' if self._written is not None else 'captured by B'})"
+        )
+
+    @property
+    def written(self) -> list | None:
+        """The gradients a caller wrote into ``group["grads"]`` (checked), or ``None``."""
+        return self._written
+
+    def w_work(self) -> tuple[list, list]:
+        """``(calls, ready)`` W runs for this group: B's, or those of the written gradients."""
+        if self._written is None:
+            return self.intermediates, self.ready
+        calls = []
+        for (node, w_edges), grads in zip(self._nodes, self._written):
+            if grads is not None and any(g is not None for g in grads) and w_edges:
+                calls.append((node, grads, w_edges))
+        ready = [c for c in self.ready if c[0] == float("inf")]  # outputs straight into weights stay
+        return calls, ready
+
+
+def _checked_grads(value: object, nodes: list) -> list:
+    """``value`` as W will use it, or a :class:`StageBackwardError` naming the entry (Note [param groups
+    read like torch's])."""
+    if not isinstance(value, (list, tuple)):
+        raise BadType(
+            f"param_group['grads']: expected a list with one entry per intermediate, got {type(value).__name__}"
+        )
+    if len(value) > len(nodes):
+        raise BadValue(
+            f"param_group['grads']: {len(value)} entries for {len(nodes)} intermediate(s) "
+            f"({', '.join(node.name() for node, _ in nodes)})"
+        )
+    out: list = []
+    for i, (entry, (node, _)) in enumerate(zip(value, nodes)):
+        path = f"param_group['grads'][{i}]"
+        if entry is None:
+            out.append(None)
+            continue
+        if not isinstance(entry, (list, tuple)):
+            raise BadType(
+                f"{path}: expected a tuple of gradients for {node.name()} (or None), got {type(entry).__name__}"
+            )
+        metas = node._input_metadata
+        if len(entry) > len(metas):
+            raise BadValue(f"{path}: {len(entry)} gradients for {node.name()}, which takes {len(metas)}")
+        for j, g in enumerate(entry):
+            if g is not None:
+                if not isinstance(g, torch.Tensor):
+                    raise BadType(f"{path}[{j}]: gradient must be a torch.Tensor or None, got {type(g).__name__}")
+                check_like(g, metas[j], f"{path}[{j}]", f"{node.name()} input")
+        out.append(tuple(entry) + (None,) * (len(metas) - len(entry)))
+    return out
 
 
 class ParamGroups:
     """What ``stage_backward_input`` hands to ``stage_backward_weight`` for one microbatch.
 
-    Opaque to callers, like the ``param_groups`` list of dicts upstream returns; pass it to
-    :func:`ppbackward.stage_backward_weight` exactly once. ``len()`` and iteration expose the groups
-    (read-only :class:`ParamGroup` tuples) for inspection and debugging.
+    A sequence of :class:`ParamGroup`, each reading (and, for ``"grads"``, writing) like one of the
+    dicts in the list torch's B returns (Note [param groups read like torch's]); pass it to
+    :func:`ppbackward.stage_backward_weight` exactly once.
 
     See Note [param_groups hold no cycle] in this module.
     """
@@ -127,7 +241,8 @@ class ParamGroups:
     def _check_unchanged(self, weights: list[torch.Tensor]) -> None:
         """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
         are checked at W]); ``weights`` (W's) name the parameters."""
-        for grad, version in self._versions:
+        written = [(g, v) for group in self._groups for g, v in _written_versions(group)]
+        for grad, version in [*self._versions, *written]:
             if grad._version != version:
                 raise _changed_gradient(self._groups, grad, version)
         for p, shape in self._shapes:
@@ -143,6 +258,9 @@ class ParamGroups:
 
     def __iter__(self):
         return iter(tuple(self._groups))
+
+    def __getitem__(self, i: int) -> ParamGroup:
+        return self._groups[i]
 
     def __repr__(self) -> str:
         if self._consumed:
@@ -166,6 +284,11 @@ class ParamGroups:
 _CLAIM_LOCK = threading.Lock()
 
 
+def _written_versions(group: ParamGroup):
+    """``(gradient, version)`` of each tensor a caller wrote into ``group["grads"]``, versions as written."""
+    return group._written_versions
+
+
 def _captured(group: ParamGroup):
     """The gradient tensors B captured for ``group``."""
     for _, grads, _ in group.intermediates:
@@ -184,6 +307,10 @@ def _changed_gradient(groups: list[ParamGroup], grad: torch.Tensor, version: int
         for _, edge, g in group.ready:
             if g is grad:
                 where = f"the gradient B captured for the edge into {edge.node.name()} (input {edge.output_nr})"
+        for i, entry in enumerate(group.written or ()):
+            for j, g in enumerate(entry or ()):
+                if g is grad:
+                    where = f"the gradient written into param_group['grads'][{i}][{j}]"
     return StageBackwardError(
         f"param_groups: {where} ({grad.dtype} {list(grad.shape)}) was modified in place after "
         f"stage_backward_input (version {version} -> {grad._version}); W would accumulate the changed "

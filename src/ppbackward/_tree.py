@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ppbackward._errors import BadType, BadValue, StageBackwardError
+from ppbackward._errors import BadAssertion, BadType, BadValue, StageBackwardError
 
 __all__: list[str] = []  # private module
 
@@ -64,10 +64,10 @@ def _check_grad(out: torch.Tensor, grad: Any, path: str, grads_given: bool) -> t
         return torch.ones_like(out, memory_format=torch.preserve_format)
     if not isinstance(grad, torch.Tensor):
         raise BadType(f"{path}: gradient must be a torch.Tensor or None, got {type(grad).__name__}")
-    return _check_like(grad, out, path, "output")
+    return check_like(grad, out, path, "output")
 
 
-def _check_like(grad: torch.Tensor, like: Any, path: str, what: str) -> torch.Tensor:
+def check_like(grad: torch.Tensor, like: Any, path: str, what: str) -> torch.Tensor:
     """``grad`` if its shape, dtype and device are ``like``'s (a tensor, or a node's input metadata), else
     raise naming ``path`` and ``what`` ``like`` is."""
     if tuple(grad.shape) != tuple(like.shape):
@@ -103,13 +103,13 @@ def _check_edge_grad(edge: GradientEdge, grad: Any, path: str, grads_given: bool
         )
     if grad is None:
         where = "output_grads is None" if not grads_given else "its gradient is None"
-        raise BadValue(
+        raise BadAssertion(
             f"{path}: a GradientEdge output requires output gradients ({where}); an edge has no value to "
             "make an implicit gradient from"
         )
     if not isinstance(grad, torch.Tensor):
         raise BadType(f"{path}: gradient must be a torch.Tensor, got {type(grad).__name__}")
-    return _check_like(grad, node._input_metadata[nr], path, "GradientEdge input")
+    return check_like(grad, node._input_metadata[nr], path, "GradientEdge input")
 
 
 def _check_opaque_leaf(out: Any, path: str) -> None:

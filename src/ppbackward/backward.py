@@ -513,7 +513,10 @@ def _build_groups(
                 deferred.append((node, tuple(grads), tuple(j for j in w_edges if j not in in_b)))
         if deferred or ready:
             params = [leaf.variable for leaf in spec.leaves]
-            groups.append(ParamGroup(deferred, ready, params))
+            # Note [param groups read like torch's]: the intermediates W could still call, with all their
+            # weight edges (those B finished are not referenced: they would keep their graph alive)
+            nodes = [(n, w) for n, w in spec.intermediates if n in captured]
+            groups.append(ParamGroup(deferred, ready, params, nodes, spec.leaves))
     return groups
 
 
@@ -620,15 +623,17 @@ def _chunks(groups: list[ParamGroup], limit: int) -> Iterator[list[ParamGroup]]:
 
 def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
     """W's two engine calls for ``groups`` (Note [W in chunks])."""
-    calls = [call for group in groups for call in group.intermediates]
-    contributions = [c for group in groups for c in group.ready]
+    work = [group.w_work() for group in groups]  # B's, or a caller's written gradients'
+    calls = [call for group_calls, _ in work for call in group_calls]
+    contributions = [c for _, ready in work for c in ready]
+    del work
     if calls:
         for (node, _, w_edges), outs in zip(calls, weight_edge_grads(calls)):
             nf, seq = node.next_functions, node._sequence_nr()
             for i in w_edges:
                 if outs[i] is not None:
                     nxt, nr = nf[i][:2]
-                    contributions.append((seq, GradientEdge(nxt, nr), outs[i]))  # type: ignore[arg-type]  # nxt: set
+                    contributions.append((seq, GradientEdge(nxt, nr), outs[i]))
         del outs
     if contributions:
         # Note [accumulation order]: a full backward adds the gradients reaching one node in

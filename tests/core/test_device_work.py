@@ -97,7 +97,8 @@ def test_w_runs_only_the_weight_matmuls(regime):
     assert dict(w.kernels) == {"mm": 8, **accumulation}  # 4 linear weights per layer, 2 layers
     assert b.kernels["native_layer_norm_backward"] == 4  # once per norm, weight and bias included
     assert b.kernels["sum"] == 8  # the 8 biases, reduced in B
-    assert w.flops + b.flops == 6291456 * 2 and w.flops == b.flops  # the weight GEMMs are half here
+    # the weight GEMMs: 2 layers x 2 x 32 tokens x 64 x (192 + 64 + 256 + 256) (in_proj, out_proj, linear1, 2)
+    assert w.flops == 6291456
 
 
 def test_b_holds_at_most_080_of_what_deferring_norms_holds():

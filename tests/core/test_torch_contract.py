@@ -127,19 +127,62 @@ def test_difference_b_leaves_the_inputs_grad_alone():
         assert y.grad is dy  # torch's B also writes it into .grad (held until clear_runtime_states)
 
 
-def test_difference_param_groups_are_opaque():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_param_groups_read_like_torchs_list_of_dicts(impl):
     mod = _stage()
     x = torch.randn(3, 4, requires_grad=True)
-    _, groups = _b(pb, x, mod)
-    group = next(iter(groups))
-    with pytest.raises(TypeError, match=r"ParamGroup\['grads'\]: ppbackward's param groups are opaque"):
-        group["grads"] = []
-    with pytest.raises(TypeError, match="opaque"):
-        group["params"]
-    assert group[2] is group.params  # read-only inspection still works
-    if TORCH_2_13:
-        _, theirs = _b(upstream, x.detach().clone().requires_grad_(), _stage())
-        assert isinstance(theirs, list) and {"params", "intermediates"} <= set(theirs[0])
+    _, groups = _b(impl, x, mod)
+    assert len(groups) == 2  # one per linear layer: its weight and bias share the layer's addmm
+    shapes = set()
+    for group in groups:
+        assert {"params", "intermediates", "grads"} <= set(group)
+        params, inter, grads = group["params"], group["intermediates"], group["grads"]
+        assert all(type(n).__name__ == "AccumulateGrad" for n in params) and len(params) == 2
+        assert [type(n).__name__ for n in inter] == ["AddmmBackward0"]
+        assert len(grads) == len(inter) == 1
+        shapes.add(tuple(grads[0][0].shape))  # the gradient flowing into the layer's addmm
+    assert shapes == {(3, 6), (3, 4)}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grads_written_into_param_groups_are_what_w_computes_from(impl):
+    """torch's W computes the weight gradients from ``param_group["grads"]``: writing B's own back gives
+    the same gradients, writing twice as much gives twice the gradients."""
+    results = []
+    for scale in (1.0, 2.0):
+        mod = _stage()
+        _, groups = _b(impl, _fixed_input(), mod)
+        for group in groups:
+            group["grads"] = [tuple(None if g is None else g * scale for g in entry) for entry in group["grads"]]
+        impl.stage_backward_weight(mod.parameters(), groups)
+        results.append([p.grad.clone() for p in mod.parameters()])
+    reference = _stage()
+    reference(_fixed_input()).backward(torch.ones(3, 4))
+    for once, twice, ref in zip(*results, [p.grad for p in reference.parameters()]):
+        torch.testing.assert_close(once, ref)
+        torch.testing.assert_close(twice, 2 * ref)
+
+
+def _fixed_input() -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(3)).requires_grad_()
+
+
+def test_difference_written_grads_are_checked_when_written():
+    """torch's W fails inside the engine for a gradient of the wrong shape; ppbackward refuses the write,
+    naming the entry, and W afterwards still uses B's own gradients."""
+    mod = _stage()
+    _, groups = _b(pb, _fixed_input(), mod)
+    with pytest.raises(pb.StageBackwardError, match=r"param_group\['grads'\]\[0\]\[0\]: grad shape \(3, 5\)"):
+        groups[0]["grads"] = [(torch.zeros(3, 5),)]
+    with pytest.raises(pb.StageBackwardError, match=r"2 entries for 1 intermediate"):
+        groups[0]["grads"] = [None, None]
+    with pytest.raises(TypeError, match=r"only 'grads' can be written"):
+        groups[0]["params"] = []
+    pb.stage_backward_weight(mod.parameters(), groups)
+    reference = _stage()
+    reference(_fixed_input()).backward(torch.ones(3, 4))
+    for p, q in zip(mod.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_difference_a_bad_call_names_the_path_and_is_still_a_runtime_error():
