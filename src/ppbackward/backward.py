@@ -278,7 +278,8 @@ def _backward_input(
     )
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
-        done_in_b = {*eager.nodes, *cheap.nodes, *(n for n in cheap.edges if n not in deferred)}
+        called = set(deferred)
+        done_in_b = {*eager.nodes, *cheap.nodes, *(n for n in cheap.edges if n not in called)}
         if retain:  # else B's engine call released every node it ran
             release_saved_tensors(
                 [*b_only, *(n for n in deferred if isinstance(n, BackwardCFunction)), *done_in_b]

@@ -308,7 +308,7 @@ def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, 
     assert "- hooks skipped in W: torch's W bypasses AccumulateGrad" in text and "pytorch/pytorch#144530" in text
     assert "    in: mlp ScheduleZBVZeroBubble" in text and ": hooks: post-accumulate-grad hooks fired 0 times" in text
     assert "B pinned" not in text  # nothing leaked: no legend for it
-    assert "ppbackward: 296960 B held, W reads 296960 B: 1.00x ok" in text  # memory, in process
+    assert "ppbackward: 229376 B held, W reads 229376 B: 1.00x ok" in text  # memory, in process (norms and biases in B)
     assert "VERDICT: ppbackward PASS on 2/2 cases and memory; torch's own backward failed 1/2, held 1.34x" in text
     assert "logs deleted; --logs DIR keeps them" in text
     assert not [p for p in os.listdir(tmp_path) if p.startswith("ppbackward-check-")]  # nothing left behind

@@ -29,9 +29,15 @@ from ppbackward._bench._timing import REGIMES, fit_repeats, gc_paused, prepare_r
 
 __all__: list[str] = []  # private module
 
-# The issue's configurations and its limits on B+W over the full backward (Targets of issue 22).
-CONFIGS = (Config(4, 128, 16), Config(4, 256, 16), Config(16, 64, 16), Config(16, 256, 16))
-LIMITS = {"4x128x16": 1.30, "4x256x16": 1.15, "16x64x16": 1.5, "16x256x16": 1.15}
+# The configurations, from host-bound (4x16x4: the host's per-node cost is everything) to compute-bound
+# (4x512x64), and the limits on B+W over the full backward (docs/performance.md, Targets).
+CONFIGS = (
+    Config(4, 16, 4), Config(4, 128, 16), Config(4, 256, 16), Config(16, 64, 16), Config(16, 256, 16),
+    Config(4, 512, 64),
+)
+LIMITS = {
+    "4x16x4": 1.5, "4x128x16": 1.30, "4x256x16": 1.15, "16x64x16": 1.5, "16x256x16": 1.15, "4x512x64": 1.05,
+}
 
 Split = tuple[Callable[..., Any], Callable[..., Any]]
 
@@ -145,12 +151,22 @@ def measure_config(
         "name": cfg.name,
         "label": cfg.label,
         "batch": cfg.batch,
+        "nodes": graph_nodes(stage),
         "repeats": n,
         "limit_bw": LIMITS.get(cfg.name),
         "time_ms": {rg: {k: 1e3 * min(r[k] for r in rs) for k in ["fwd", "full", *keys]} for rg, rs in rounds.items()},
         "ratios": {rg: {k: _stats(rs, k, "full") for k in keys} for rg, rs in rounds.items()},
         "held_bytes": held_bytes(stage) if stage.x.device.type == "cuda" else None,
     }
+
+
+def graph_nodes(stage: Stage) -> int:
+    """The number of autograd nodes one microbatch's backward of ``stage`` walks (its graph below the
+    output, down to the stage input and the parameters' ``AccumulateGrad`` nodes)."""
+    from ppbackward._graph import analyze, gradient_edge
+
+    out = stage.model(stage.x)
+    return len(analyze([gradient_edge(out)], {gradient_edge(stage.x).node}).structure.nodes)
 
 
 def held_bytes(stage: Stage) -> dict[str, int]:
@@ -226,6 +242,11 @@ def targets(result: dict[str, Any], schedule: dict[str, Any] | None = None) -> l
             rows.append(_target("split: B alone <= 1.00x full backward", where, b["min_ratio"], 1.0, b["median"]))
     if schedule and "ratio_to_1f1b" in schedule:
         where = f"torchrun {schedule['ranks']} ranks, d {schedule['d_model']}, {schedule['microbatches']} microbatches"
+        plain = schedule["ratio_to_1f1b"].get("Interleaved1F1B/ppbackward")
+        if plain is not None:  # a user who installs ppbackward for correctness must not pay in a plain schedule
+            rows.append(
+                _target("real step: Interleaved1F1B, ppbackward's full backward <= 1.01x torch's", where, plain, 1.01)
+            )
         for zb, limit in (("ZBVZeroBubble", 1.0), ("InterleavedZeroBubble", 1.05)):
             for backward in ("ppbackward", "merged"):
                 value = schedule["ratio_to_1f1b"].get(f"{zb}/{backward}")
@@ -241,6 +262,7 @@ def format_split(result: dict[str, Any]) -> str:
         "Split cost per microbatch-stage: ms (min of N) and ratio to ppbackward's full stage_backward "
         "(min/min; median [q1-q3] of per-repeat ratios)"
     ]
+    lines += _per_node_lines(result)
     for c in result["configs"]:
         for regime in REGIMES:
             t, r = c["time_ms"][regime], c["ratios"][regime]
@@ -274,6 +296,23 @@ def format_split(result: dict[str, Any]) -> str:
                 )
             lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def _per_node_lines(result: dict[str, Any]) -> list[str]:
+    """Host cost per autograd node (accumulating regime): the full backward's, B's, W's and what B+W cost
+    beyond the full backward, in us per node of the stage's graph."""
+    lines = ["Host cost per autograd node (accumulating, us per node of the stage graph)"]
+    for c in result["configs"]:
+        nodes = c.get("nodes")
+        if not nodes:
+            continue
+        t = c["time_ms"]["accumulating"]
+        per = {k: 1e3 * t[k] / nodes for k in ("full", "pp_b", "pp_w", "pp_bw")}
+        lines.append(
+            f"  {c['label']:<13} {nodes:5d} nodes  full {per['full']:6.2f}  B {per['pp_b']:6.2f}"
+            f"  W {per['pp_w']:6.2f}  B+W - full {per['pp_bw'] - per['full']:+6.2f}"
+        )
+    return lines
 
 
 def run(args: Any, meta: dict[str, Any]) -> int:
