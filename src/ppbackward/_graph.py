@@ -149,11 +149,13 @@ class CheapLeaf(NamedTuple):
         group: the param group the leaf belongs to.
         edge: ``GradientEdge(leaf AccumulateGrad, 0)``: B's engine call returns the gradient there.
         seq: the largest sequence number among the intermediates feeding it (Note [accumulation order]).
+        feeders: the intermediates whose weight edges lead into its component.
     """
 
     group: GroupSpec
     edge: GradientEdge
     seq: int
+    feeders: tuple[Node, ...] = ()
 
 
 class CheapWork(NamedTuple):
@@ -192,8 +194,10 @@ NO_CHEAP_WORK = CheapWork({}, [], [])
 #     where the engine reduces the gradient to the weight's smaller shape (``sum_to``: a new tensor);
 #   * every W-only node in it is a cast, view or elementwise node (``_CHEAP_W_NODES``), so what B
 #     holds is weight-sized, never more than the activation a deferred node would hold;
-#   * no stage output leads into it, and no saved-tensor hook is involved (then B's hooked work
-#     applies unchanged, Note [hooked saved tensors run once]).
+#   * no stage output leads into it, none of its weights has a tensor hook (``register_hook``: capturing
+#     at the weight's ``AccumulateGrad`` would run it in B; it runs in W, once), and B has no hooked work
+#     to do (Note [hooked saved tensors run once]: where a node W would run holds a saved tensor through
+#     a hook, B's hooked work applies unchanged and this does not).
 # Everything else stays in W: matrix products (``mm``, ``addmm``'s operands, ``bmm``, convolution
 # weights), embeddings and index ops (a vocabulary-sized gradient is never held between B and W),
 # custom ``autograd.Function`` nodes, and any node not in the tables (unknown cost: W, as before).
@@ -303,6 +307,10 @@ def _cheap_work(
                 bad.add(c)
             else:
                 feeding.setdefault(c, []).append((node, j))
+    for k, _ in leaf_groups:  # a weight with tensor hooks: B's capture at its AccumulateGrad would run them
+        c = comp[k]
+        if c in feeding and c not in bad and getattr(nodes[k].variable, "_backward_hooks", None):
+            bad.add(c)
     edges: dict[Node, list[int]] = {}
     seq: dict[int, int] = {}
     for c, pairs in feeding.items():
@@ -314,7 +322,9 @@ def _cheap_work(
     if not seq:
         return NO_CHEAP_WORK
     cheap_leaves = [
-        CheapLeaf(spec, GradientEdge(nodes[k], 0), seq[comp[k]]) for k, spec in leaf_groups if comp[k] in seq
+        CheapLeaf(spec, GradientEdge(nodes[k], 0), seq[comp[k]], tuple(dict.fromkeys(n for n, _ in feeding[comp[k]])))
+        for k, spec in leaf_groups
+        if comp[k] in seq
     ]
     w_nodes = [nodes[i] for i in w_numbers if comp[i] in seq]
     return CheapWork({n: tuple(js) for n, js in edges.items()}, cheap_leaves, w_nodes)

@@ -27,6 +27,7 @@ runs anything (:meth:`ParamGroups._check_unchanged`): a few integer reads per in
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import NamedTuple
 
@@ -63,26 +64,43 @@ class ParamGroup:
             custom ``autograd.Function`` intermediates (which ran once, in B) and the weight gradients
             B computed itself (Note [cheap weight gradients in B] in ``ppbackward._graph``).
         params: the leaf tensors whose ``AccumulateGrad`` the group reaches.
+        fresh: ids of the ``ready`` gradients B made itself (Note [W's gradients are stolen, not copied]).
 
     Note [param groups read like torch's]: torch's B returns a list of dicts with ``"params"`` (the
     weights' ``AccumulateGrad`` nodes), ``"intermediates"`` (the nodes where weight paths branch off)
     and ``"grads"`` (per intermediate, the gradients flowing into it), and its W computes the weight
-    gradients from ``"grads"``; a caller may replace them between B and W. ``group[key]`` gives the
-    same three, in the same form: ``"grads"`` holds B's captured gradients for the intermediates W
-    calls again and ``None`` for those whose weight gradients B computed itself (norms, biases, custom
-    Functions: there is nothing left to compute from). ``group["grads"] = [...]`` is checked when
-    written (one entry per intermediate at most, ``None`` or a tuple of gradients, each ``None`` or a
-    tensor shaped like the node's input: what the engine would refuse in W) and W then computes the whole
-    group from it, as torch's W does: each intermediate with gradients is called for all its weight
-    edges, one with ``None`` (or none: a shorter list, as torch's ``zip``) contributes nothing, and
-    B's own results for the group are dropped (output edges straight into weights excepted). A node
-    whose weight gradients B computed and whose saved tensors it released (a norm) cannot be called
-    again: a write giving it gradients is refused. The group references nodes and tensors only and
-    nothing refers back to it (Note [param_groups hold no cycle]).
+    gradients from ``"grads"``; a caller may replace them between B and W. ``group[key]`` gives the same
+    three. ``"intermediates"`` lists the intermediates W could still compute from: those whose weight
+    gradients are deferred (a linear layer's ``addmm``: ``"grads"`` holds what B captured flowing into it)
+    and custom ``autograd.Function`` nodes (their ``"grads"`` entry is ``None``: B captured what they
+    returned, not what flowed in). The nodes whose weight gradients B computed itself (norms, Note [cheap
+    weight gradients in B]) are not listed: referencing them would keep their graph, and the stage input,
+    alive until W. ``group["grads"] = [...]`` is checked when written (one entry per listed intermediate
+    at most, ``None`` or a tuple of gradients, each ``None`` or a tensor shaped like the node's input:
+    what the engine would refuse inside W),
+    and W then computes each listed intermediate's weight gradients from its entry, as torch's W does: a
+    tuple makes W call the node for all its weight edges (a custom Function then runs its backward a
+    second time, as in torch's W, and fails there, as torch's does, if it reads what it saved and that
+    is gone: that chunk of W accumulates nothing), replacing what B had computed for them (a bias B reduced, a custom
+    Function's outputs); ``None`` (or no entry: a shorter list) keeps what B has for that node. That is the
+    one difference from torch, whose W then leaves the node's weights without a gradient: here reading
+    ``"grads"`` and writing it back gives exactly the gradients of no write (a custom Function's entry
+    reads ``None``). A node whose weight shares one of B's sums with another node (a bias used twice)
+    refuses a tuple. Output edges straight into weights and the weights of nodes B finished (norms) are
+    accumulated as without a write. The group
+    references nodes and tensors only and nothing refers back to it (Note [param_groups hold no cycle]).
     """
 
     __slots__ = (
-        "_captured", "_leaves", "_nodes", "_written", "_written_versions", "intermediates", "params",
+        "_captured",
+        "_leaves",
+        "_nodes",
+        "_replaced",
+        "_written",
+        "_written_versions",
+        "fresh",
+        "intermediates",
+        "params",
         "ready",
     )
 
@@ -93,13 +111,19 @@ class ParamGroup:
         params: list[torch.Tensor],
         nodes: list[tuple[Node, tuple[int, ...]]] | None = None,
         leaves: list[Node] | None = None,
+        replaced: dict[Node, list] | None = None,
+        fresh: set[int] | None = None,
     ) -> None:
         self.intermediates = intermediates
         self.ready = ready
         self.params = params
+        self.fresh = fresh or set()
         self._nodes = nodes if nodes is not None else [(n, w) for n, _, w in intermediates]
         self._leaves = leaves or []
         self._captured = {node: grads for node, grads, _ in intermediates}
+        # node -> the entries of ``ready`` its written gradients replace (a custom Function's outputs, the
+        # cheap weight gradients it alone fed); a ``None`` among them: shared with another node
+        self._replaced = replaced or {}
         self._written: list | None = None
         self._written_versions: list[tuple[torch.Tensor, int]] = []
 
@@ -120,7 +144,7 @@ class ParamGroup:
                 f"ParamGroup[{key!r}] = ...: only 'grads' can be written (W accumulates into the group's "
                 "parameters through the intermediates B found; Note [param groups read like torch's])"
             )
-        self._written = _checked_grads(value, self._nodes)
+        self._written = _checked_grads(value, self._nodes, self._replaced, self._captured)
         # Note [captured gradients are checked at W]: as B's own
         self._written_versions = [(g, g._version) for entry in self._written for g in entry or () if g is not None]
 
@@ -151,18 +175,34 @@ class ParamGroup:
         return self._written
 
     def w_work(self) -> tuple[list, list]:
-        """``(calls, ready)`` W runs for this group: B's, or those of the written gradients."""
+        """``(calls, ready)`` W runs for this group: B's, or with the written gradients (Note [param groups
+        read like torch's])."""
         if self._written is None:
             return self.intermediates, self.ready
-        calls = []
-        for (node, w_edges), grads in zip(self._nodes, self._written):
-            if grads is not None and any(g is not None for g in grads) and w_edges:
-                calls.append((node, grads, w_edges))
-        ready = [c for c in self.ready if c[0] == float("inf")]  # outputs straight into weights stay
+        calls: list = []
+        replaced: set[int] = set()
+        kept = {call[0]: call for call in self.intermediates}
+        for (node, w_edges), grads in itertools.zip_longest(self._nodes, self._written[: len(self._nodes)]):
+            if grads is None:  # what B has for it stays
+                if node in kept:
+                    calls.append(kept[node])
+                continue
+            replaced.update(id(entry) for entry in self._replaced.get(node, ()))
+            calls.append((node, grads, w_edges))
+        ready = [c for c in self.ready if id(c) not in replaced]
         return calls, ready
 
+    def kept_gradients(self):
+        """The gradient tensors W will read: B's captured ones it still uses, and the written ones."""
+        calls, ready = self.w_work()
+        for call in calls:
+            if any(call is mine for mine in self.intermediates):  # B's capture (written ones: checked apart)
+                yield from (g for g in call[1] if g is not None)
+        for _, _, grad in ready:
+            yield grad
 
-def _checked_grads(value: object, nodes: list) -> list:
+
+def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict) -> list:
     """``value`` as W will use it, or a :class:`StageBackwardError` naming the entry (Note [param groups
     read like torch's])."""
     if not isinstance(value, (list, tuple)):
@@ -180,7 +220,7 @@ def _checked_grads(value: object, nodes: list) -> list:
         if entry is None:
             out.append(None)
             continue
-        if not isinstance(entry, (list, tuple)):
+        if not isinstance(entry, (list, tuple)):  # a caller's mistake of type
             raise BadType(
                 f"{path}: expected a tuple of gradients for {node.name()} (or None), got {type(entry).__name__}"
             )
@@ -192,6 +232,17 @@ def _checked_grads(value: object, nodes: list) -> list:
                 if not isinstance(g, torch.Tensor):
                     raise BadType(f"{path}[{j}]: gradient must be a torch.Tensor or None, got {type(g).__name__}")
                 check_like(g, metas[j], f"{path}[{j}]", f"{node.name()} input")
+        label = node.name()
+        captured = captured_of.get(node)
+        if captured is not None and len(entry) == len(captured) and all(a is b for a, b in zip(entry, captured)):
+            out.append(None)  # B's own gradients written back: keep what B has (no recomputation)
+            continue
+        if None in replaced.get(node, ()):
+            raise BadValue(
+                f"{path}: {label} shares a weight with another intermediate whose weight gradient "
+                "stage_backward_input computed in one sum (Note [cheap weight gradients in B]); W cannot replace "
+                "its part alone: write None for it"
+            )
         out.append(tuple(entry) + (None,) * (len(metas) - len(entry)))
     return out
 
@@ -220,8 +271,8 @@ class ParamGroups:
         self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
         self._pinned = pinned or []  # Note [outputs detached after B] (ppbackward._saved)
         self._consumed = False
-        # Note [captured gradients are checked at W]
-        self._versions = [(g, g._version) for group in groups for g in _captured(group)]
+        # Note [captured gradients are checked at W]: by id, so that W checks only what it will read
+        self._versions = {id(g): (g, g._version) for group in groups for g in _captured(group)}
         self._shapes = [(p, p.shape) for group in groups for p in group.params]
 
     @property
@@ -241,8 +292,11 @@ class ParamGroups:
     def _check_unchanged(self, weights: list[torch.Tensor]) -> None:
         """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
         are checked at W]); ``weights`` (W's) name the parameters."""
+        read = [
+            self._versions[id(g)] for group in self._groups for g in group.kept_gradients() if id(g) in self._versions
+        ]
         written = [(g, v) for group in self._groups for g, v in _written_versions(group)]
-        for grad, version in [*self._versions, *written]:
+        for grad, version in [*read, *written]:
             if grad._version != version:
                 raise _changed_gradient(self._groups, grad, version)
         for p, shape in self._shapes:
@@ -276,7 +330,7 @@ class ParamGroups:
         self._groups = []
         self._owners = ()
         self._pinned = []
-        self._versions = []
+        self._versions = {}
         self._shapes = []
         self._consumed = True
 

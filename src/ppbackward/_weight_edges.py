@@ -179,20 +179,34 @@ def _check_nan(calls: list, results: list[list]) -> None:
 # view of the parameter made for this call (``view_as``: a metadata op): the view's node hands
 # ``AccumulateGrad`` a new alias of the gradient that nothing else holds, which it steals, as in a full
 # backward. The value is the same tensor's; the accumulation order is unchanged (one root per slot).
-def stealable_roots(roots: list[GradientEdge]) -> list[GradientEdge]:
-    """``roots`` with each sole root into an empty ``AccumulateGrad`` moved onto a fresh view of its
-    parameter (Note [W's gradients are stolen, not copied]); others unchanged."""
+# Only a gradient that B or W made is stolen: one B computed by Note [cheap weight gradients in B]'s rule
+# (a new tensor), and one W's node call returned that shares no storage with the node's inputs. A
+# stage output's own gradient (the caller's receive buffer), a custom Function's output and the
+# gradients of B's hooked work may be the caller's or another node's tensor: ``.grad`` must not alias
+# them, so those are copied, as ``AccumulateGrad`` does for any gradient someone else holds.
+def stealable_roots(roots: list[GradientEdge], grads: list, fresh: list[bool]) -> list[GradientEdge]:
+    """``roots`` with each sole root into an empty ``AccumulateGrad`` whose gradient (``grads``, aligned) is
+    ``fresh`` (made by B or W, referenced by nothing of the caller's) and shares its storage with no other
+    root's moved onto a fresh view of its parameter (Note [W's gradients are stolen, not copied]); others
+    unchanged."""
     count: dict[Node, int] = {}
     for edge in roots:
         count[edge.node] = count.get(edge.node, 0) + 1
+    storages: dict[int, int] = {}  # two roots sharing a storage: stealing both would alias two .grads
+    for g in grads:
+        ptr = g.untyped_storage().data_ptr()
+        storages[ptr] = storages.get(ptr, 0) + 1
     out = list(roots)
     with torch.inference_mode(False), torch.enable_grad():
         for i, edge in enumerate(roots):
             node = edge.node
-            if not is_accumulate_grad(node) or count[node] != 1:
+            if not fresh[i] or not is_accumulate_grad(node) or count[node] != 1:
+                continue
+            if storages[grads[i].untyped_storage().data_ptr()] != 1:
                 continue
             leaf = node.variable  # type: ignore[attr-defined]  # AccumulateGrad's leaf
-            if leaf.grad is None and type(leaf) in _PLAIN and leaf.layout == torch.strided:
+            plain = type(leaf) in _PLAIN and leaf.layout == torch.strided and leaf.requires_grad
+            if leaf.grad is None and plain:
                 out[i] = GradientEdge(leaf.view_as(leaf).grad_fn, 0)
     return out
 

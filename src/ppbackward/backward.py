@@ -35,7 +35,15 @@ from torch.autograd.graph import GradientEdge
 
 from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
 from ppbackward._gc_pause import automatic_gc_paused
-from ppbackward._graph import NO_CHEAP_WORK, EagerWork, analyze, eager_work, gradient_edge, is_accumulate_grad
+from ppbackward._graph import (
+    NO_CHEAP_WORK,
+    CheapLeaf,
+    EagerWork,
+    analyze,
+    eager_work,
+    gradient_edge,
+    is_accumulate_grad,
+)
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
 from ppbackward._saved import hook_kinds, pin_saved_inputs, release_pinned, release_saved_tensors
@@ -242,6 +250,7 @@ def _backward_input(
     # send to W's nodes, at the frontier edges; nor do those whose every weight edge B computes (``cheap``):
     # the engine call returns the gradient at each such weight's ``AccumulateGrad``.
     boxes: list[list] = [[] for _ in deferred]
+    passed_on: set[int] = set()  # custom Functions' outputs that are (views of) what flowed into them
     handles = []
     found: dict[int, torch.Tensor | None] = {}
     frontier: list = []
@@ -251,11 +260,11 @@ def _backward_input(
     try:
         for node, box in zip(deferred, boxes):
             if isinstance(node, BackwardCFunction):
-                handles.append(node.register_hook(_capture_outputs_hook(box)))
+                handles.append(node.register_hook(_capture_outputs_hook(box, passed_on)))
             else:
                 handles.append(node.register_prehook(_capture_inputs_hook(box)))
         if grad_inputs or taken:
-            with _leaf_hooks_muted(edge.node for edge in taken):
+            with _leaf_hooks_muted(edge.node for _, edge, _ in eager.frontier):  # cheap leaves have no hooks
                 results = torch.autograd.grad(
                     flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
                     [*grad_inputs, *taken],  # type: ignore[arg-type]
@@ -273,8 +282,11 @@ def _backward_input(
         _checked_capture(node, box, w_edges_of[node], analysis.structure) for node, box in zip(deferred, boxes)
     ]
 
+    # the gradients the caller holds (its output gradients, the input gradients B returns): never stolen
+    held = [g for g in (*flat.grads, *found.values()) if isinstance(g, torch.Tensor)]
     groups = _build_groups(
-        specs, dict(zip(deferred, captured)), cheap.edges, flat.grads, root_edges, frontier, eager.nodes
+        specs, dict(zip(deferred, captured)), cheap.edges, flat.grads, root_edges, frontier, eager.nodes,
+        (held, passed_on),
     )
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
@@ -386,12 +398,16 @@ def _capture_inputs_hook(box: list):
     return hook
 
 
-def _capture_outputs_hook(box: list):
-    """A node post-hook that stores the node's outputs, and their versions then, in ``box``
-    (Note [no closure cycle])."""
+def _capture_outputs_hook(box: list, passed_on: set):
+    """A node post-hook that stores the node's outputs, and their versions then, in ``box``, and adds to
+    ``passed_on`` the ids of the outputs that share storage with what flowed into the node (handed on,
+    not made: Note [W's gradients are stolen, not copied]). Note [no closure cycle]: it closes over a
+    list and a set."""
 
-    def hook(grad_inputs, _grad_outputs) -> None:
+    def hook(grad_inputs, grad_outputs) -> None:
         box.append((grad_inputs, _versions(grad_inputs)))
+        inputs = {g.untyped_storage().data_ptr() for g in grad_outputs if g is not None}
+        passed_on.update(id(g) for g in grad_inputs if g is not None and g.untyped_storage().data_ptr() in inputs)
 
     return hook
 
@@ -470,7 +486,7 @@ def _detach_outputs(outputs: list[Any], used_nodes: set) -> None:
 
 
 def _build_groups(
-    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes
+    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes, aliases: tuple
 ) -> list[ParamGroup]:
     """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls;
     ``cheap_edges``: intermediate -> the weight edges B computed itself) and the frontier gradients of
@@ -482,13 +498,35 @@ def _build_groups(
     tagged with the sequence number that orders it (Note [accumulation order]). Intermediates B ran
     entirely are not in ``captured``: W does nothing for them, nor for an output whose gradient B's
     engine call already sent on (into a node B ran, or into a frontier slot, whose gradient includes it).
+    A frontier gradient or a custom Function's output is marked fresh (W may let ``AccumulateGrad`` steal
+    it: Note [W's gradients are stolen, not copied]) when it is a weight leaf of Note [cheap weight
+    gradients in B], or shares its storage with no other such gradient and none of ``aliases``' first
+    item (the caller's gradients) and, for a custom Function's output, is not in its second (outputs
+    that are what flowed into their node).
     """
+    held, passed_on = aliases
+    custom_outputs = [
+        grads[i] for node, grads in captured.items() if isinstance(node, BackwardCFunction) and grads
+        for i in range(len(grads)) if grads[i] is not None
+    ]
+    ptrs: dict[int, int] = {}
+    for g in [*held, *(grad for _, grad in frontier if grad is not None), *custom_outputs]:
+        ptr = g.untyped_storage().data_ptr()
+        ptrs[ptr] = ptrs.get(ptr, 0) + 1
     extra: dict[int, list] = {}
+    fresh: dict[int, set[int]] = {}  # group -> ids of the gradients B made fresh (W may let them be stolen)
     done = set()  # the frontier slots, whose gradients B's engine call already sent on (with the roots')
-    for (group, edge, seq), grad in frontier:
+    fed_by: dict[int, dict] = {}  # group -> {the one intermediate feeding a cheap leaf: its entries}
+    for slot, grad in frontier:
+        group, edge, seq = slot[:3]
         done.add(edge)
         if grad is not None:
-            extra.setdefault(id(group), []).append((seq, edge, grad))
+            entry = (seq, edge, grad)
+            extra.setdefault(id(group), []).append(entry)
+            if isinstance(slot, CheapLeaf) or ptrs[grad.untyped_storage().data_ptr()] == 1:
+                fresh.setdefault(id(group), set()).add(id(grad))
+            for node in slot.feeders if isinstance(slot, CheapLeaf) else ():  # Note [param groups read like torch's]
+                fed_by.setdefault(id(group), {}).setdefault(node, []).append(entry if len(slot.feeders) == 1 else None)
     groups: list[ParamGroup] = []
     for spec in specs:
         deferred = []
@@ -498,6 +536,8 @@ def _build_groups(
             if root_edges[i] not in done and root_edges[i].node not in eager_nodes
         ]
         ready += extra.get(id(spec), [])
+        nodes: list = []  # Note [param groups read like torch's]: the intermediates W could still call
+        replaced = dict(fed_by.get(id(spec), {}))  # node -> B's entries its written gradients replace
         for node, w_edges in spec.intermediates:
             if node not in captured:
                 continue
@@ -506,18 +546,22 @@ def _build_groups(
                 continue
             if isinstance(node, BackwardCFunction):  # outputs, computed once in B
                 nf, seq = node.next_functions, node._sequence_nr()
-                for i in w_edges:
-                    if grads[i] is not None:
-                        ready.append((seq, GradientEdge(*nf[i][:2]), grads[i]))
+                mine = [(seq, GradientEdge(*nf[i][:2]), grads[i]) for i in w_edges if grads[i] is not None]
+                ready += mine
+                replaced[node] = mine
+                fresh.setdefault(id(spec), set()).update(
+                    id(g) for _, _, g in mine if id(g) not in passed_on and ptrs[g.untyped_storage().data_ptr()] == 1
+                )
+                nodes.append((node, w_edges))
             else:  # only the weight edges B did not compute (Note [cheap weight gradients in B])
                 in_b = cheap_edges.get(node, ())
                 deferred.append((node, tuple(grads), tuple(j for j in w_edges if j not in in_b)))
+                nodes.append((node, w_edges))
         if deferred or ready:
             params = [leaf.variable for leaf in spec.leaves]
-            # Note [param groups read like torch's]: the intermediates W could still call, with all their
-            # weight edges (those B finished are not referenced: they would keep their graph alive)
-            nodes = [(n, w) for n, w in spec.intermediates if n in captured]
-            groups.append(ParamGroup(deferred, ready, params, nodes, spec.leaves))
+            groups.append(
+                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, fresh.get(id(spec)))
+            )
     return groups
 
 
@@ -627,14 +671,21 @@ def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
     work = [group.w_work() for group in groups]  # B's, or a caller's written gradients'
     calls = [call for group_calls, _ in work for call in group_calls]
     contributions = [c for _, ready in work for c in ready]
+    fresh = {i for group in groups for i in group.fresh}  # Note [W's gradients are stolen, not copied]
     del work
     if calls:
-        for (node, _, w_edges), outs in zip(calls, weight_edge_grads(calls)):
+        for (node, grads, w_edges), outs in zip(calls, weight_edge_grads(calls)):
             nf, seq = node.next_functions, node._sequence_nr()
+            inputs = None
             for i in w_edges:
                 if outs[i] is not None:
                     nxt, nr = nf[i][:2]
                     contributions.append((seq, GradientEdge(nxt, nr), outs[i]))
+                    if is_accumulate_grad(nxt):  # new, unless the node handed on (a view of) its input
+                        inputs = inputs or {g.untyped_storage().data_ptr() for g in grads if g is not None}
+                        out = outs[i]  # the engine sums a broadcast gradient back into a new tensor
+                        if out.untyped_storage().data_ptr() not in inputs or out.shape != nxt.variable.shape:
+                            fresh.add(id(out))
         del outs
     if contributions:
         # Note [accumulation order]: a full backward adds the gradients reaching one node in
@@ -642,8 +693,11 @@ def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
         # number. Feeding them as separate roots in that order (the engine adds roots in list
         # order) keeps W bit-identical to a full backward where a weight gets several.
         contributions.sort(key=lambda c: c[0], reverse=True)
-        roots = stealable_roots([GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions])
         grads = [grad for _, _, grad in contributions]
+        roots = stealable_roots(
+            [GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions], grads,
+            [id(g) in fresh for g in grads],
+        )
         del contributions
         accumulate(roots, grads, [p for group in groups for p in group.params], retain_graph)
         del roots, grads

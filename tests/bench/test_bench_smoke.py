@@ -305,7 +305,83 @@ def test_schedule_step_runs_every_variant_exactly():
         if name.startswith("ZBVZeroBubble/merged"):
             assert any(parts["full"] > 0 for parts in ranks)  # the merge ran full backwards
     assert result["ratio_to_1f1b"]["Interleaved1F1B/upstream"] == pytest.approx(1.0)
+    from ppbackward._bench import _trace  # the real step's Chrome traces (Note [step traces])
+
+    for name in result["variants"]:
+        trace = json.loads(json.dumps(_trace.step_trace(result, name)))
+        _check_trace(trace, result["parts_ms"][name])
     for name in result["variants"]:
         mem = result["memory"][name]
         assert mem["saved_peak_bytes"] > 0
         assert mem["rss_peak_bytes"] is None or mem["rss_peak_bytes"] > 0
+
+
+def _check_trace(trace: dict, parts_by_rank: list[dict]) -> None:
+    """Every rank's slices tile its step without overlap, and their durations add up to its parts."""
+    from ppbackward._bench._trace import NAMES
+
+    for rank, parts in enumerate(parts_by_rank):
+        mine = sorted((e for e in trace["traceEvents"] if e["pid"] == rank and e["ph"] == "X"), key=lambda e: e["ts"])
+        for a, b in zip(mine, mine[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 0.01, (a, b)  # no overlap (rounded to 1 ns)
+        for kind, name in NAMES.items():
+            total = sum(e["dur"] for e in mine if e["name"] == name) / 1e3
+            assert total == pytest.approx(parts[kind], abs=0.01 * (1 + len(mine))), kind
+        assert sum(e["dur"] for e in mine) / 1e3 == pytest.approx(parts["step"], abs=0.01)
+
+
+def test_trace_of_synthetic_slices_tiles_the_step_and_the_replay_follows(tmp_path):
+    from ppbackward._bench import _trace
+
+    slices = [["F", 1.0, 2.0, 0, 0], ["wait", 3.0, 1.0, None, None], ["B", 4.5, 2.0, 1, 0], ["W", 6.5, 1.0, 1, 0]]
+    parts = {"F": 2.0, "full": 0.0, "B": 2.0, "W": 1.0, "wait": 1.0, "other": 2.0, "step": 8.0}
+    sched = {"ranks": 2, "microbatches": 4, "slices_ms": {"ZBVZeroBubble/ppbackward": [slices, slices]},
+             "parts_ms": {"ZBVZeroBubble/ppbackward": [parts, parts]}}
+    costs = {"F": 1.0, "full": 2.0, "B": 1.2, "W": 1.0}
+    (path,) = _trace.write_traces(tmp_path / "traces", sched, costs)
+    trace = json.loads(path.read_text())
+    _check_trace(trace, [parts, parts])
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {"rank 0", "rank 1", "replayed ideal rank 0", "replayed measured rank 1", "replayed merged rank 0"} <= names
+    b = next(e for e in trace["traceEvents"] if e["pid"] == 0 and e["name"] == "B")
+    assert b["args"] == {"stage": 1, "microbatch": 0} and b["ts"] == 4500.0 and b["dur"] == 2000.0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--trace", "x"], "--trace: only with --schedule"),
+        (["--plot", "x"], "--plot: only with --split"),
+        (["--split", "--plot", "/nonexistent/dir/x"], "its folder /nonexistent/dir does not exist"),
+    ],
+)
+def test_trace_and_plot_options_are_checked_first(capsys, args, message):
+    with pytest.raises(SystemExit) as caught:
+        main(args)
+    assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_refuses_in_one_line_naming_the_extra(capsys, monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit):
+        main(["--split", "--plot", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("--plot: needs matplotlib, which is not installed: pip install 'ppbackward[plot]'")
+
+
+def test_plots_are_written_and_read_back(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    path = tmp_path / "split.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["--split", "--quick", "--repeats", "1", "--plot", str(tmp_path / "png"), "--json", str(path)])
+    assert rc == 0
+    pngs = sorted((tmp_path / "png").iterdir())
+    assert [p.name for p in pngs] == ["replayed-4x64x16.png", "split-cost.png"]
+    for png in pngs:
+        image = matplotlib.image.imread(png)
+        assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0  # drawn, not blank

@@ -134,3 +134,39 @@ def test_the_same_hook_in_a_full_backward_leaves_the_weight_gradient_intact():
     lin, x, y = _hostile_stage()
     y.backward(torch.ones(3, 4))
     assert lin.weight.grad.abs().sum() > 0
+
+
+def test_the_same_stage_with_a_hook_that_returns_a_new_tensor_is_exact_and_not_refused():
+    """The refusal's control: a hook that replaces the gradient (``return g * 0``) as autograd allows."""
+    results = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        x = torch.randn(3, 4, requires_grad=True)
+        u = x * 2
+        u.register_hook(lambda g: g * 0)
+        y = lin(x) + u
+        if split:
+            _, groups = pb.stage_backward_input([y], [torch.ones(3, 4)], [x], list(lin.parameters()))
+            pb.stage_backward_weight(list(lin.parameters()), groups)
+        else:
+            y.backward(torch.ones(3, 4))
+        results.append((lin.weight.grad, lin.bias.grad))
+    (w_full, b_full), (w_split, b_split) = results
+    assert torch.equal(w_split, w_full) and torch.equal(b_split, b_full) and w_full.abs().sum() > 0
+
+
+@pytest.mark.parametrize("stage", ["output_is_a_parameter", "x_plus_a_full_size_parameter"])
+def test_w_never_lets_grad_share_the_callers_gradient_buffer(stage):
+    """Note [W's gradients are stolen, not copied]: only gradients B or W made are stolen; a stage output's
+    gradient (the caller's receive buffer) reaching ``.grad`` unchanged is copied, as a full backward does."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(3, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = p * 1.0 if stage == "output_is_a_parameter" else x + p
+    buffer = torch.randn(3, 4)
+    expected = buffer.clone()
+    _, groups = pb.stage_backward_input([out], [buffer], [x], [p])
+    pb.stage_backward_weight([p], groups)
+    buffer.zero_()  # the caller reuses its receive buffer
+    assert torch.equal(p.grad, expected)

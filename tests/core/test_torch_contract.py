@@ -14,6 +14,8 @@ side runs.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -371,3 +373,55 @@ def test_mappings_that_are_not_dicts_are_skipped_as_torch_does(impl):
     assert grads == (None,) and all(p.grad is None for p in mod.parameters())
     (dx,) = impl.stage_backward(({"h": mod(x)},), ({"h": torch.ones(3, 4)},), [x])  # a dict takes part
     assert dx is not None and all(p.grad is not None for p in mod.parameters())
+
+
+class _NormScaleCustom(nn.Module):
+    """A norm (weights B computes), an elementwise scale, a linear (deferred) and a custom Function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(4), nn.Linear(4, 4)
+        self.scale, self.w = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return _Matmul.apply(self.lin(self.norm(x)) * self.scale, self.w)
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return g @ b.t(), a.t() @ g
+
+
+def test_writing_back_what_was_read_gives_the_gradients_of_no_write():
+    torch.manual_seed(0)
+    stage, reference = _NormScaleCustom(), None
+    reference = copy.deepcopy(stage)
+    x = torch.randn(3, 4, requires_grad=True)
+    _, groups = pb.stage_backward_input((stage(x).sum(),), None, [x], stage.parameters())
+    for group in groups:
+        group["grads"] = group["grads"]  # custom Function entries read None: B's outputs are kept
+    pb.stage_backward_weight(stage.parameters(), groups)
+    reference(x.detach()).sum().backward()
+    for (name, p), q in zip(stage.named_parameters(), reference.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_a_written_tuple_recomputes_the_nodes_bias_too_and_none_keeps_bs():
+    mod = _stage()
+    _, groups = _b(pb, _fixed_input(), mod)
+    first = groups[0]["grads"]  # the output layer's addmm (reached first from the outputs)
+    groups[0]["grads"] = [tuple(g * 0 for g in first[0])]
+    groups[1]["grads"] = [None]
+    pb.stage_backward_weight(mod.parameters(), groups)
+    reference = _stage()
+    reference(_fixed_input()).backward(torch.ones(3, 4))
+    (w0, b0, w1, b1), (r0, rb0, _, _) = list(mod.parameters()), list(reference.parameters())
+    assert torch.equal(w0.grad, r0.grad) and torch.equal(b0.grad, rb0.grad)  # kept: what B had
+    assert not w1.grad.any() and not b1.grad.any()  # written zeros: weight and bias both recomputed

@@ -75,8 +75,19 @@ def simulate(lists: list[list[Action]], costs: dict[str, float]) -> float:
     Raises:
         RuntimeError: the lists deadlock (an action waits for one that never runs).
     """
+    return max((end for acts in timeline(lists, costs) for _, _, end in acts), default=0.0)
+
+
+def timeline(lists: list[list[Action]], costs: dict[str, float]) -> list[list[tuple[Action, float, float]]]:
+    """Each rank's actions of ``lists`` with their start and end (units of ``costs``), as :func:`simulate`
+    runs them (Note [replayed step]).
+
+    Raises:
+        RuntimeError: the lists deadlock (an action waits for one that never runs).
+    """
     n_stages = 1 + max(a.stage for acts in lists for a in acts)
     done: dict[tuple[str, int, int], float] = {}
+    ran: list[list[tuple[Action, float, float]]] = [[] for _ in lists]
     pos = [0] * len(lists)
     free = [0.0] * len(lists)
     remaining = sum(map(len, lists))
@@ -97,13 +108,25 @@ def simulate(lists: list[list[Action]], costs: dict[str, float]) -> float:
                     break
                 start = max([free[r], *(done[d] for d in deps)])
                 free[r] = start + costs[a.kind]
+                ran[r].append((a, start, free[r]))
                 done["F" if a.kind == "F" else ("grad" if a.kind in "BI" else "W"), a.stage, a.microbatch] = free[r]
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError("replayed schedule deadlocked")
-    return max(free)
+    return ran
+
+
+def costings_of(costs: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The ``measured`` and ``ideal`` costs per action kind (``F``, ``B``: full, ``I``: B, ``W``) from the
+    measured ``F``, ``full``, ``B`` and ``W`` (Note [replayed step])."""
+    f, full, b, w = costs["F"], costs["full"], costs["B"], costs["W"]
+    scale = full / (b + w)
+    return {
+        "measured": {"F": f, "B": full, "I": b, "W": w},
+        "ideal": {"F": f, "B": full, "I": b * scale, "W": w * scale},
+    }
 
 
 def replay(costs: dict[str, float], ranks: int = 2, microbatches: int = 8) -> dict[str, Any]:
@@ -114,12 +137,7 @@ def replay(costs: dict[str, float], ranks: int = 2, microbatches: int = 8) -> di
         "<zb>/ideal": ms, "<zb>/merged": ms, ...}, "ratio_to_1f1b": {same keys: ratio},
         "merged_share": {zb: fraction of W actions merged}}``.
     """
-    f, full, b, w = costs["F"], costs["full"], costs["B"], costs["W"]
-    scale = full / (b + w)
-    costings = {
-        "measured": {"F": f, "B": full, "I": b, "W": w},
-        "ideal": {"F": f, "B": full, "I": b * scale, "W": w * scale},
-    }
+    costings = costings_of(costs)
     step = {SCHEDULES[0]: simulate(action_lists(SCHEDULES[0], ranks, microbatches), costings["measured"])}
     share = {}
     for zb in SCHEDULES[1:]:

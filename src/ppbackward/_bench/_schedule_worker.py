@@ -164,40 +164,54 @@ class _SavedPeak:
 
 class _StepParts:
     """Where one step's time goes on this rank (Note [step parts]): while in place, every stage call and
-    every wait for a peer is timed, by kind, in ms."""
+    every wait for a peer is timed, by kind, in ms, and kept as a slice (the timeline of ``--trace``)."""
 
     KINDS = ("F", "full", "B", "W", "wait")
 
     def __init__(self, stages: Sequence[Any]) -> None:
         self.ms = dict.fromkeys(self.KINDS, 0.0)
         self.parts: dict[str, float] = {}
+        self.slices: list[list] = []  # [kind, start ms from the step's start, ms, stage, microbatch]
+        self._recorded: list[list] = []
+        self._t0 = time.perf_counter()
         self._stages = list(stages)
         for stage in self._stages:
             fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
-            stage.forward_one_chunk = self._timed(fwd, lambda *a, **k: "F")
-            stage.backward_one_chunk = self._timed(bwd, lambda *a, **k: "full" if k.get("full_backward", True) else "B")
-            stage.backward_weight_one_chunk = self._timed(wgt, lambda *a, **k: "W")
+            index = stage.stage_index
+            stage.forward_one_chunk = self._timed(fwd, lambda *a, **k: "F", index)
+            stage.backward_one_chunk = self._timed(
+                bwd, lambda *a, **k: "full" if k.get("full_backward", True) else "B", index
+            )
+            stage.backward_weight_one_chunk = self._timed(wgt, lambda *a, **k: "W", index)
         self._wait = _schedules._wait_batch_p2p
-        _schedules._wait_batch_p2p = self._timed(self._wait, lambda *a, **k: "wait")
+        _schedules._wait_batch_p2p = self._timed(self._wait, lambda *a, **k: "wait", None)
 
-    def _timed(self, fn: Any, kind_of: Any) -> Any:
+    def _timed(self, fn: Any, kind_of: Any, stage: int | None) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.ms[kind_of(*args, **kwargs)] += (time.perf_counter() - t0) * 1e3
+                t1 = time.perf_counter()
+                kind = kind_of(*args, **kwargs)
+                self.ms[kind] += (t1 - t0) * 1e3
+                microbatch = args[0] if stage is not None and args and isinstance(args[0], int) else None
+                self._recorded.append([kind, (t0 - self._t0) * 1e3, (t1 - t0) * 1e3, stage, microbatch])
 
         return timed
 
     def reset(self) -> None:
         self.ms = dict.fromkeys(self.KINDS, 0.0)
+        self._recorded = []
+        self._t0 = time.perf_counter()
 
     def finish(self, own_s: float) -> None:
-        """``parts``: the step's parts on this rank, ms, ``other`` the rest of its ``own_s`` seconds."""
+        """``parts``: the step's parts on this rank, ms, ``other`` the rest of its ``own_s`` seconds;
+        ``slices``: each timed call of the step, rounded to the microsecond."""
         step = own_s * 1e3
         parts = {**self.ms, "other": step - sum(self.ms.values()), "step": step}
         self.parts = {k: round(v, 3) for k, v in parts.items()}
+        self.slices = [[k, round(t, 3), round(d, 3), s, m] for k, t, d, s, m in self._recorded]
 
     def remove(self) -> None:
         _schedules._wait_batch_p2p = self._wait
@@ -330,18 +344,20 @@ def _run(args: argparse.Namespace) -> int:
 
     best = {v.name: float("inf") for v in variants}
     mine: dict[str, dict[str, float]] = {}  # this rank's parts of each variant's fastest step
+    slices: dict[str, list] = {}  # and its timeline
     timer = _StepParts([st for v in variants for st in v.stages])
     try:
         for order in rotations(tuple(variants), args.repeats):
             for v in order:
                 elapsed = v.step(x, target, timer)
                 if elapsed < best[v.name]:
-                    best[v.name], mine[v.name] = elapsed, timer.parts
+                    best[v.name], mine[v.name], slices[v.name] = elapsed, timer.parts, timer.slices
     finally:
         timer.remove()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
-    parts = {v.name: [g[v.name] for g in gathered] for v in variants}
+    dist.all_gather_object(gathered, (mine, slices))
+    parts = {v.name: [g[0][v.name] for g in gathered] for v in variants}
+    timelines = {v.name: [g[1][v.name] for g in gathered] for v in variants}
     memory = {v.name: _reduce_max(v.memory(x, target)) for v in variants}
     base = best[variant_name("ScheduleInterleaved1F1B", "upstream")]
     if rank == 0:
@@ -359,6 +375,7 @@ def _run(args: argparse.Namespace) -> int:
             "ratio_to_1f1b": {k: t / base for k, t in best.items()},
             "memory": memory,
             "parts_ms": parts,
+            "slices_ms": timelines,
             "grads_match": bool(verdict.item()),
         }
         with open(args.out, "w") as f:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -215,6 +216,7 @@ def measure(
             c = measure_config(cfg, repeats, budget_s, extra, device)
             t = c["time_ms"]["accumulating"]
             costs = {"F": t["fwd"], "full": t["full"], "B": t["pp_b"], "W": t["pp_w"]}
+            c["costs_ms"] = costs
             c["replay"] = {f"{r} ranks": _replay.replay(costs, ranks=r) for r in (2, 4)}
             out.append(c)
         return {"device": str(torch.device(device)), "configs": out}
@@ -345,6 +347,13 @@ def run(args: Any, meta: dict[str, Any]) -> int:
         except _schedule.ScheduleBenchError as e:
             report["schedule"] = {"error": str(e)}
             failed = True
+    if args.trace and "slices_ms" in report.get("schedule", {}):
+        _write_traces(args.trace, report)
+    if args.plot:
+        import ppbackward._bench._plots as _plots
+
+        for path in _plots.write_plots(args.plot, report["split"]):
+            print(f"bench: wrote {path}", file=sys.stderr)
     if args.one_rank_step:
         report["one_rank_step"] = _one_rank_step(args, device)
         failed = failed or not report["one_rank_step"].get("grads_match", False)
@@ -355,6 +364,19 @@ def run(args: Any, meta: dict[str, Any]) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 1 if failed else 0
+
+
+def _write_traces(folder: str, report: dict[str, Any]) -> None:
+    """``--trace``: the real step's traces, with the replayed step where ``--split`` measured the same stage
+    shape and microbatch size (Note [step traces])."""
+    from ppbackward._bench import _trace
+
+    sched = report["schedule"]
+    shape = f"{sched['layers_per_stage']}x{sched['d_model']}x{sched['seq']}"  # Config.name
+    config = next((c for c in report["split"]["configs"] if c["name"] == shape), None)
+    costs = config["costs_ms"] if config and config.get("batch") == sched.get("microbatch_size") else None
+    for path in _trace.write_traces(folder, sched, costs):
+        print(f"bench: wrote {path}", file=sys.stderr)
 
 
 def _one_rank_step(args: Any, device: torch.device) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import subprocess
 import sys
 from typing import Any, NamedTuple
 
-from ppbackward._cli.paths import output_file_problem
+from ppbackward._cli.paths import output_dir_problem, output_file_problem
 
 __all__ = ["main"]
 
@@ -92,6 +93,17 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule-d-model", type=int, default=128,
         help="d_model of the --schedule and --one-rank-step stages (default 128)"
     )
+    p.add_argument(
+        "--trace", metavar="DIR",
+        help="with --schedule: write one Chrome trace per schedule variant to DIR (open in Perfetto or "
+        "chrome://tracing): one process per rank, a slice per F, full backward, B, W, wait and the rest; with "
+        "--split the replayed step (ideal, measured, merged) beside it",
+    )
+    p.add_argument(
+        "--plot", metavar="DIR",
+        help="with --split: write PNGs to DIR: the split's cost against the stage's size, and each replayed "
+        "schedule step per rank (needs matplotlib: pip install 'ppbackward[plot]')",
+    )
     p.add_argument("--no-scaling", action="store_true", help="skip the graph-analysis scaling sweep")
     p.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes profile")
     p.add_argument("--profile-config", default="16x64x16", help="configuration profiled (default 16x64x16)")
@@ -125,6 +137,16 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         problem = output_file_problem(args.json)
         if problem:
             parser.error(f"--json {args.json}: {problem}")
+    if args.trace and not args.schedule:
+        parser.error("--trace: only with --schedule (it draws the real schedule step)")
+    if args.plot and not args.split:
+        parser.error("--plot: only with --split (it draws the split's cost and the replayed steps)")
+    for flag, folder in (("--trace", args.trace), ("--plot", args.plot)):
+        problem = folder and output_dir_problem(folder)
+        if problem:
+            parser.error(f"{flag} {folder}: {problem}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot: needs matplotlib, which is not installed: pip install 'ppbackward[plot]'")
     from ppbackward._bench import _models  # torch.nn only: the parse itself needs no measurement module
 
     try:
@@ -268,6 +290,11 @@ def _measure(args: argparse.Namespace, request: _Request, argv: list[str]) -> tu
     failed = False
     if args.schedule:
         report["schedule"], failed = _measure_schedule(args)
+        if args.trace and "slices_ms" in report["schedule"]:
+            from ppbackward._bench import _trace
+
+            for path in _trace.write_traces(args.trace, report["schedule"]):
+                _log(f"bench: wrote {path}")
     report["targets"] = _report.targets(report)
     report["meta"]["loadavg_end"] = _loadavg()
     return report, failed

@@ -1,4 +1,5 @@
-"""Private: output paths of the commands, checked before anything runs (``check --json``, ``bench --json``).
+"""Private: output paths of the commands, checked before anything runs (``check --json``, ``bench --json``,
+``bench --trace``, ``bench --plot``, ``check --markdown``).
 
 Standard library only, so that a bad path is refused before torch's heavier modules are imported.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["output_file_problem"]
+__all__ = ["output_dir_problem", "output_file_problem"]
 
 
 def output_file_problem(path: str) -> str | None:
@@ -28,3 +29,18 @@ def output_file_problem(path: str) -> str | None:
     if not target.exists() and not os.access(parent, os.W_OK | os.X_OK):
         return f"its folder {parent} is not writable"
     return None
+
+
+def output_dir_problem(path: str) -> str | None:
+    """Why ``path`` cannot be used as an output folder (``None`` when it can: an existing writable
+    folder, or a new one whose parent is), without creating it. Shared by ``bench --trace`` and
+    ``bench --plot``."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        return "exists and is not a folder"
+    if target.is_dir():
+        return None if os.access(target, os.W_OK | os.X_OK) else "is not writable"
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        return f"its folder {parent} does not exist"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"its folder {parent} is not writable"
