@@ -54,6 +54,7 @@ def _input_grad_bytes(params: set[int]) -> int:
 
 
 def _step(variant: str, rank: int, world: int) -> dict[str, int]:
+    params: set[int] = set()  # ids of this rank's parameters, filled once the stages exist
     if ppbackward.is_installed():
         ppbackward.uninstall()
     if variant != "torch":
@@ -82,7 +83,6 @@ def _step(variant: str, rank: int, world: int) -> dict[str, int]:
             return w(weights, groups, retain_graph)
 
         stage_module.stage_backward_weight = measured_w
-    params: set[int] = set()
     indices = (rank, 2 * world - 1 - rank)
     modules = [_stage(i) for i in indices]
     shape = (BATCH // MICROBATCHES, D)

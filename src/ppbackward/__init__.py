@@ -7,7 +7,7 @@ Public surface (see ``docs/api.md``):
 * :func:`install`, :func:`uninstall`, :func:`is_installed`, :func:`installed` — swap them into torch;
   :func:`active_adapter` — which adapter :func:`install` chose; :func:`merge_bw_enabled` — whether
   schedules built now merge a B with the W that directly follows it (``install(merge_bw=True)``);
-* :class:`ParamGroups` — the opaque B→W hand-off; :class:`StageBackwardError` — a bad call (a
+* :class:`ParamGroups` — the B→W hand-off (groups read like torch's dicts); :class:`StageBackwardError` — a bad call (a
   ``RuntimeError``, and a ``ValueError`` or ``TypeError``); :class:`UnsupportedTorchError`;
   :class:`UntestedTorchWarning` (``install(allow_untested=True)`` on a torch newer than the newest known);
 * ``ppbackward.leaks`` — the tensor-leak checker and activation-lifetime tracker.

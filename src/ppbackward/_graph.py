@@ -250,13 +250,6 @@ def cheap_gradients_deferred() -> Iterator[None]:
         _REDUCED_EDGES.update(saved[1])
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 _OUTPUT_RANK = {"AddmmBackward0": 2, "BaddbmmBackward0": 3, "AddmvBackward0": 1}
 
 

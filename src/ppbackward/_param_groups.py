@@ -1,4 +1,4 @@
-"""The opaque hand-off from B (``stage_backward_input``) to W (``stage_backward_weight``).
+"""The hand-off from B (``stage_backward_input``) to W (``stage_backward_weight``): torch's param groups.
 
 Private module; :class:`ParamGroups` is re-exported by ``ppbackward`` for type hints only.
 

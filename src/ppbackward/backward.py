@@ -193,12 +193,17 @@ def stage_backward_input(
 
     Returns:
         ``(input_grads, param_groups)``: ``input_grads`` aligned with ``input_values`` (``None`` for
-        non-tensors, inputs not requiring grad and unused inputs); ``param_groups`` an opaque
-        :class:`ParamGroups` to pass to :func:`stage_backward_weight` exactly once.
+        non-tensors, inputs not requiring grad and unused inputs); ``param_groups`` a
+        :class:`ParamGroups` (groups that read, and for ``"grads"`` write, like torch's dicts: Note
+        [param groups read like torch's]) to pass to :func:`stage_backward_weight` exactly once.
 
     Raises:
         ValueError, TypeError: malformed ``output_grads``, or ``weights`` not an iterable of tensors;
-            nothing has been run then.
+            nothing has been run then (a ``GradientEdge`` output without output gradients raises one that
+            is also an ``AssertionError``, as torch 2.15's B does).
+        StageBackwardError: after B's engine call, when a hook of that call changed in place a gradient B
+            had captured for W (Note [captured gradients are checked at W]); the input gradients are
+            not returned, nothing was accumulated and no hook is left registered.
     """
     if torch.is_inference_mode_enabled():
         # The graph was built outside; B needs views with grad_fn to find leaves' AccumulateGrad
@@ -358,8 +363,10 @@ def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> Eager
     return eager_work(analysis, recompute) if recompute else _NO_EAGER_WORK
 
 
-# Note [frontier captures skip leaf hooks]: the engine runs the tensor hooks of a node it does not
-# run before capturing the gradient flowing into it (``evaluate_function``: tensor pre-hooks of
+# Note [frontier captures skip leaf hooks]: (the frontier of B's hooked work; the weights of Note [cheap
+# weight gradients in B] are captured the same way, and for that reason only where they have no tensor
+# hook) the engine runs the tensor hooks of a node it does not run before capturing the gradient flowing
+# into it (``evaluate_function``: tensor pre-hooks of
 # a node that is only captured). B's frontier edges (Note [hooked saved tensors run once]) may lead
 # straight into a parameter's ``AccumulateGrad``: captured as is, the gradient would come with the
 # parameter's ``register_hook`` hooks applied, and W, which feeds it to that ``AccumulateGrad``, would

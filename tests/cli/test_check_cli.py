@@ -71,6 +71,13 @@ def test_check_bad_input_is_a_clear_error(capsys, args, message):
     assert "launching" not in out
 
 
+def test_tables_render_as_github_markdown():
+    from ppbackward._text_table import format_table
+
+    table = format_table(["case", "n"], [["a|b", "1"], ["skipped: why"]], left=1, markdown=True)
+    assert table.splitlines() == ["| case | n |", "|:---|---:|", "| a\\|b | 1 |", "| skipped: why |  |"]
+
+
 def test_check_unknown_schedules_message_is_bounded(capsys):
     """1,000 unknown names used to give a 10,120-character message; five are listed, then how many more."""
     names = [f"ScheduleNope{i}" for i in range(1000)]
@@ -293,10 +300,10 @@ def test_progress_says_why_a_case_failed():
 @pytest.mark.timeout(900)  # a backstop: the launcher bounds each launch itself
 def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the default logs folder goes
-    out = tmp_path / "check.json"
+    out, md = tmp_path / "check.json", tmp_path / "summary.md"
     rc, text, err = _check_main(
         capsys, "--model", "mlp", "--schedules", "ScheduleGPipe,ScheduleZBVZeroBubble", "--steps", "1",
-        "--json", str(out),
+        "--json", str(out), "--markdown", str(md),
     )
     assert rc == 0, text + err
     assert "[ppbackward] ScheduleZBVZeroBubble/mlp" in text and "elapsed" in text  # progress lines
@@ -322,6 +329,10 @@ def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, 
     theirs = scenario["results"]["upstream"]["ScheduleZBVZeroBubble/mlp"]
     assert [f["kind"] for f in theirs["findings"]] == ["hooks-skipped"]
     assert data["memory"]["upstream"]["held_over_floor"] > 1.3 and data["memory"]["ppbackward"]["held_over_floor"] == 1.0
+    report = md.read_text()  # the markdown report: the same verdict, the failures by kind, the cells
+    assert report.startswith("## ppbackward check: PASS\n") and f"`{data['verdict']}`" in report
+    assert "### torch's own backward failed, by kind" in report and "pytorch/pytorch#144530" in report
+    assert "| ScheduleZBVZeroBubble | ppbackward | 0 ok |" in report
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """The device work of a backward, counted: kernels by name, FLOPs, bytes allocated.
 
 Private module. Counting replaces timing where the question is *what* runs, not how fast: a
-``TorchDispatchMode`` sees every ATen op the backward dispatches (on any device, so the CPU count is the
-GPU count), and the FLOP formulas of ``torch.utils.flop_counter`` (its ``flop_registry``, read per op:
+``TorchDispatchMode`` sees every ATen op the backward dispatches on the device it runs on (the same graph
+on a GPU can dispatch other ops where a backend has its own kernels: cuDNN's batch norm, fused RMSNorm,
+another attention kernel), and the FLOP formulas of ``torch.utils.flop_counter`` (its ``flop_registry``, read per op:
 ``FlopCounterMode`` itself tracks modules with backward hooks that checkpointing's recomputation
 refuses) add up the FLOPs of the matrix products, convolutions and attention among them. Both are
 deterministic for a given graph, so tests assert them exactly.
@@ -87,7 +88,7 @@ class _Counter(TorchDispatchMode):
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors in nested tuples, lists and dicts (an explicit stack: Note [no closure cycle])."""
+    """The tensors in nested tuples, lists and dicts."""
     found, todo = [], [tree]
     while todo:
         item = todo.pop()

@@ -265,10 +265,11 @@ def short_reason(values: dict[str, Any] | None) -> str:
 
 
 def table(
-    results: dict[str, dict[str, dict[str, Any]]], rows: list[tuple[str, str]], backwards: tuple[str, ...]
+    results: dict[str, dict[str, dict[str, Any]]], rows: list[tuple[str, str]], backwards: tuple[str, ...],
+    markdown: bool = False,
 ) -> str:
     """The table: one row per ``(case id, row label)`` and backward; a row without measurement spans the
-    metric columns with :func:`short_reason`."""
+    metric columns with :func:`short_reason`. ``markdown``: GitHub-flavoured markdown (``check --markdown``)."""
     header = ["case", "backward", *COLUMNS]
     lines_: list[list[str]] = []
     for case, label in rows:
@@ -279,4 +280,4 @@ def table(
                 continue
             oks = cell_ok(values)
             lines_.append([label, backward, *(format_cell(c, values, oks[c]) for c in COLUMNS)])
-    return format_table(header, lines_)
+    return format_table(header, lines_, markdown=markdown)

@@ -113,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument(
+        "--markdown", metavar="PATH",
+        help="also write the verdict, torch's failures by kind and every cell as GitHub-flavoured markdown to "
+        "PATH (e.g. a CI job summary: --markdown \"$GITHUB_STEP_SUMMARY\")",
+    )
+    p.add_argument(
         "--logs", metavar="DIR",
         help="keep the ranks' logs and verdicts in DIR (default: a temp dir, deleted when ppbackward passes)",
     )
@@ -265,10 +270,10 @@ def _check_machine(args: argparse.Namespace, most: int) -> None:
 def _check_outputs(args: argparse.Namespace) -> None:
     """``--json PATH`` can be written and ``--logs DIR`` made, before anything runs (nothing is created for
     ``--json``; ``--logs`` is created, as the run would)."""
-    if args.json:
-        problem = output_file_problem(args.json)
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+        problem = path and output_file_problem(path)
         if problem:
-            raise CheckError(f"--json {args.json}: {problem}")
+            raise CheckError(f"{flag} {path}: {problem}")
     if args.logs:
         logs = Path(args.logs)
         if logs.exists() and not logs.is_dir():
@@ -566,7 +571,35 @@ def run(args: argparse.Namespace) -> int:
     print(verdict)
     if args.json:
         _write_json(args.json, args, runs, memory, passed, verdict, logs if keep else None)
+    if args.markdown:
+        Path(args.markdown).write_text(_markdown(args, runs, only, tally, verdict, passed))
     return 0 if passed else 1
+
+
+def _markdown(
+    args: argparse.Namespace, runs: list[_ScenarioRun], only: list[str] | None, tally: _Tally, verdict: str,
+    passed: bool,
+) -> str:
+    """``--markdown``: the verdict first, then torch's failures by kind, then each scenario's cells, as
+    GitHub-flavoured markdown (the same verdict line the terminal and ``--json`` carry)."""
+    parts = [
+        f"## ppbackward check: {'PASS' if passed else 'FAIL'}",
+        "",
+        f"`{verdict}`",
+        "",
+        f"torch {torch.__version__}; scenarios {', '.join(r.scenario.name for r in runs)}; {args.steps} step(s) "
+        "per case" + ("; ppbackward with merge_bw=True" if args.merge_bw else ""),
+    ]
+    if tally.upstream_failing:
+        parts += ["", "### torch's own backward failed, by kind", "", *cells.by_kind(tally.upstream_failing)]
+    parts += ["", "### Cells"]
+    for run in runs:
+        results = run.results
+        cases = list(dict.fromkeys([*results["upstream"], *results["ppbackward"]]))
+        cases = [c for c in cases if only is None or c.split("/")[0] in only]
+        parts += ["", f"#### {run.scenario.name} ({run.scenario.layout}): {run.scenario.title}", ""]
+        parts.append(cells.table(results, [(c, _row_label(c, run.scenario)) for c in cases], BACKWARDS, markdown=True))
+    return "\n".join(parts) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
