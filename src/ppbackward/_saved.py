@@ -79,8 +79,9 @@ def _copy_slices_type() -> type | None:
 _COPY_SLICES = _copy_slices_type()
 
 
-def _drop(_tensor):
-    return None
+# The pack hook of a release: keeps an int (the tensor's id) instead of the tensor. A builtin, so the engine's
+# call of it runs no Python frame (one per saved tensor released, about 70 per B of a 4-layer stage).
+_drop = id
 
 
 def _refuse(_packed):

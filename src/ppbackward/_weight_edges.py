@@ -184,6 +184,18 @@ def _check_nan(calls: list, results: list[list]) -> None:
 # stage output's own gradient (the caller's receive buffer), a custom Function's output and the
 # gradients of B's hooked work may be the caller's or another node's tensor: ``.grad`` must not alias
 # them, so those are copied, as ``AccumulateGrad`` does for any gradient someone else holds.
+def storage_of(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage, or ``-1`` for a tensor without one of its own (sparse, a subclass):
+    such a gradient is never taken for one W may let ``AccumulateGrad`` steal (Note [W's gradients are
+    stolen, not copied])."""
+    if t.layout != torch.strided:
+        return -1
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1
+
+
 def stealable_roots(roots: list[GradientEdge], grads: list, fresh: list[bool]) -> list[GradientEdge]:
     """``roots`` with each sole root into an empty ``AccumulateGrad`` whose gradient (``grads``, aligned) is
     ``fresh`` (made by B or W, referenced by nothing of the caller's) and shares its storage with no other
@@ -194,7 +206,7 @@ def stealable_roots(roots: list[GradientEdge], grads: list, fresh: list[bool]) -
         count[edge.node] = count.get(edge.node, 0) + 1
     storages: dict[int, int] = {}  # two roots sharing a storage: stealing both would alias two .grads
     for g in grads:
-        ptr = g.untyped_storage().data_ptr()
+        ptr = storage_of(g)
         storages[ptr] = storages.get(ptr, 0) + 1
     out = list(roots)
     with torch.inference_mode(False), torch.enable_grad():
@@ -202,7 +214,8 @@ def stealable_roots(roots: list[GradientEdge], grads: list, fresh: list[bool]) -
             node = edge.node
             if not fresh[i] or not is_accumulate_grad(node) or count[node] != 1:
                 continue
-            if storages[grads[i].untyped_storage().data_ptr()] != 1:
+            ptr = storage_of(grads[i])
+            if ptr == -1 or storages[ptr] != 1:
                 continue
             leaf = node.variable  # type: ignore[attr-defined]  # AccumulateGrad's leaf
             plain = type(leaf) in _PLAIN and leaf.layout == torch.strided and leaf.requires_grad

@@ -27,7 +27,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -48,7 +48,7 @@ from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
 from ppbackward._saved import hook_kinds, pin_saved_inputs, release_pinned, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
-from ppbackward._weight_edges import accumulate, stealable_roots, weight_edge_grads
+from ppbackward._weight_edges import accumulate, stealable_roots, storage_of, weight_edge_grads
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -230,7 +230,7 @@ def _backward_input(
     input_nodes = {gradient_edge(t).node for t in grad_inputs}
     root_edges = [gradient_edge(t) for t in flat.tensors]
     analysis = analyze(root_edges, input_nodes)
-    specs, used_nodes, b_only, w_only, consumers = analysis[:5]
+    specs, b_only, w_only = analysis.groups, analysis.b_only, analysis.w_only
     inter = [node for spec in specs for node, _ in spec.intermediates]
     _refuse_reentrant_checkpoint(b_only, inter, w_only)
     owners = candidate_owners(flat.tensors)  # Note [custom Function nodes need an owner]; () on torch 2.13+
@@ -243,55 +243,20 @@ def _backward_input(
         for node, w_edges in spec.intermediates
         if node not in eager.nodes and len(cheap.edges.get(node, ())) < len(w_edges)
     ]
-    taken = [edge for _, edge, _ in eager.frontier] + [leaf.edge for leaf in cheap.leaves]
-
-    # Note [capturing intermediates]: a C++ intermediate gets a pre-hook recording the gradients
-    # flowing into it, after the tensor hooks on that activation ran (exactly what the node
-    # consumes; an engine ``GradientEdge`` capture would see them before those hooks); W calls it
-    # again. A custom ``autograd.Function`` computes all its outputs whatever the engine needs (and
-    # may have side effects), so it must run once: a post-hook records its outputs in B, and W only
-    # routes the weight edges among them (no re-run). torch.compile'd regions are such Functions.
-    # The intermediates B runs entirely (``eager``) need no capture: the engine call returns what they
-    # send to W's nodes, at the frontier edges; nor do those whose every weight edge B computes (``cheap``):
-    # the engine call returns the gradient at each such weight's ``AccumulateGrad``.
-    boxes: list[list] = [[] for _ in deferred]
-    passed_on: set[int] = set()  # custom Functions' outputs that are (views of) what flowed into them
-    handles = []
-    found: dict[int, torch.Tensor | None] = {}
-    frontier: list = []
     # B must keep the graph for the C++ intermediates W calls again; otherwise it releases every node
     # it runs, as a full backward does (Note [hooked saved tensors run once])
     retain = any(not isinstance(n, BackwardCFunction) for n in deferred)
-    try:
-        for node, box in zip(deferred, boxes):
-            if isinstance(node, BackwardCFunction):
-                handles.append(node.register_hook(_capture_outputs_hook(box, passed_on)))
-            else:
-                handles.append(node.register_prehook(_capture_inputs_hook(box)))
-        if grad_inputs or taken:
-            with _leaf_hooks_muted(edge.node for _, edge, _ in eager.frontier):  # cheap leaves have no hooks
-                results = torch.autograd.grad(
-                    flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
-                    [*grad_inputs, *taken],  # type: ignore[arg-type]
-                    grad_outputs=flat.grads,
-                    retain_graph=retain,
-                    allow_unused=True,
-                )
-            found = {id(t): g for t, g in zip(grad_inputs, results)}
-            frontier = list(zip([*eager.frontier, *cheap.leaves], results[len(grad_inputs) :]))
-    finally:
-        for handle in handles:
-            handle.remove()
+    run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain)
     w_edges_of = {node: w_edges for spec in specs for node, w_edges in spec.intermediates}
     captured = [
-        _checked_capture(node, box, w_edges_of[node], analysis.structure) for node, box in zip(deferred, boxes)
+        _checked_capture(node, box, w_edges_of[node], analysis.structure) for node, box in zip(deferred, run.boxes)
     ]
 
     # the gradients the caller holds (its output gradients, the input gradients B returns): never stolen
-    held = [g for g in (*flat.grads, *found.values()) if isinstance(g, torch.Tensor)]
+    held = [g for g in (*flat.grads, *run.found.values()) if isinstance(g, torch.Tensor)]
     groups = _build_groups(
-        specs, dict(zip(deferred, captured)), cheap.edges, flat.grads, root_edges, frontier, eager.nodes,
-        (held, passed_on),
+        specs, dict(zip(deferred, captured)), cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes,
+        (held, run.passed_on),
     )
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
@@ -302,16 +267,69 @@ def _backward_input(
                 [*b_only, *(n for n in deferred if isinstance(n, BackwardCFunction)), *done_in_b]
             )
         # Note [outputs detached after B]: given a loss, B cannot tell the stage outputs from the rest
-        at_risk = consumers if grads_given else [*inter, *w_only]
+        at_risk = analysis.output_consumers if grads_given else [*inter, *w_only]
         pinned = pin_saved_inputs(
             n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in done_in_b
         )
-    owners = owners_needed(owners, groups)
-    _detach_outputs(flat.tensors, used_nodes)
+    owners = owners_needed(owners, [(group.intermediates, group.ready) for group in groups])
+    _detach_outputs(flat.tensors, analysis.used_nodes)
     result: list[torch.Tensor | None] = [None] * len(input_values)
     for i, t in wanted:
-        result[i] = found.get(id(t))
+        result[i] = run.found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_ids, owners, pinned)
+
+
+class _EngineCall(NamedTuple):
+    """What B's engine call left: per deferred intermediate its capture box, the input gradients by input id,
+    the frontier slots with their gradients, and the ids of custom Functions' pass-through outputs."""
+
+    boxes: list[list]
+    found: dict[int, torch.Tensor | None]
+    frontier: list
+    passed_on: set[int]
+
+
+def _engine_call(
+    flat: FlatOutputs, grad_inputs: list, deferred: list, eager: EagerWork, cheap: Any, retain: bool
+) -> _EngineCall:
+    """B's one engine call, with a capture hook on each deferred intermediate, removed whatever happens.
+
+    Note [capturing intermediates]: a C++ intermediate gets a pre-hook recording the gradients flowing
+    into it, after the tensor hooks on that activation ran (exactly what the node consumes; an engine
+    ``GradientEdge`` capture would see them before those hooks); W calls it again. A custom
+    ``autograd.Function`` computes all its outputs whatever the engine needs (and may have side effects),
+    so it must run once: a post-hook records its outputs in B, and W only routes the weight edges among
+    them (no re-run). torch.compile'd regions are such Functions. The intermediates B runs entirely
+    (``eager``) need no capture: the engine call returns what they send to W's nodes, at the frontier
+    edges; nor do those whose every weight edge B computes (``cheap``): the engine call returns the
+    gradient at each such weight's ``AccumulateGrad``.
+    """
+    taken = [edge for _, edge, _ in eager.frontier] + [leaf.edge for leaf in cheap.leaves]
+    boxes: list[list] = [[] for _ in deferred]
+    passed_on: set[int] = set()  # custom Functions' outputs that are (views of) what flowed into them
+    handles = []
+    try:
+        for node, box in zip(deferred, boxes):
+            if isinstance(node, BackwardCFunction):
+                handles.append(node.register_hook(_capture_outputs_hook(box, passed_on)))
+            else:
+                handles.append(node.register_prehook(_capture_inputs_hook(box)))
+        if not (grad_inputs or taken):
+            return _EngineCall(boxes, {}, [], passed_on)
+        with _leaf_hooks_muted(edge.node for _, edge, _ in eager.frontier):  # cheap leaves have no hooks
+            results = torch.autograd.grad(
+                flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
+                [*grad_inputs, *taken],
+                grad_outputs=flat.grads,
+                retain_graph=retain,
+                allow_unused=True,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    found: dict[int, torch.Tensor | None] = {id(t): g for t, g in zip(grad_inputs, results)}
+    frontier = list(zip([*eager.frontier, *cheap.leaves], results[len(grad_inputs) :]))
+    return _EngineCall(boxes, found, frontier, passed_on)
 
 
 # Note [B claims its outputs]: B registers the outputs it was given (by id, under a lock) before it runs
@@ -413,8 +431,8 @@ def _capture_outputs_hook(box: list, passed_on: set):
 
     def hook(grad_inputs, grad_outputs) -> None:
         box.append((grad_inputs, _versions(grad_inputs)))
-        inputs = {g.untyped_storage().data_ptr() for g in grad_outputs if g is not None}
-        passed_on.update(id(g) for g in grad_inputs if g is not None and g.untyped_storage().data_ptr() in inputs)
+        inputs = {storage_of(g) for g in grad_outputs if g is not None}
+        passed_on.update(id(g) for g in grad_inputs if g is not None and storage_of(g) in inputs)
 
     return hook
 
@@ -518,8 +536,9 @@ def _build_groups(
     ]
     ptrs: dict[int, int] = {}
     for g in [*held, *(grad for _, grad in frontier if grad is not None), *custom_outputs]:
-        ptr = g.untyped_storage().data_ptr()
+        ptr = storage_of(g)
         ptrs[ptr] = ptrs.get(ptr, 0) + 1
+    ptrs.pop(-1, None)  # no storage of its own (sparse): never taken for fresh
     extra: dict[int, list] = {}
     fresh: dict[int, set[int]] = {}  # group -> ids of the gradients B made fresh (W may let them be stolen)
     done = set()  # the frontier slots, whose gradients B's engine call already sent on (with the roots')
@@ -530,7 +549,7 @@ def _build_groups(
         if grad is not None:
             entry = (seq, edge, grad)
             extra.setdefault(id(group), []).append(entry)
-            if isinstance(slot, CheapLeaf) or ptrs[grad.untyped_storage().data_ptr()] == 1:
+            if isinstance(slot, CheapLeaf) or ptrs.get(storage_of(grad), 0) == 1:
                 fresh.setdefault(id(group), set()).add(id(grad))
             for node in slot.feeders if isinstance(slot, CheapLeaf) else ():  # Note [param groups read like torch's]
                 fed_by.setdefault(id(group), {}).setdefault(node, []).append(entry if len(slot.feeders) == 1 else None)
@@ -557,7 +576,7 @@ def _build_groups(
                 ready += mine
                 replaced[node] = mine
                 fresh.setdefault(id(spec), set()).update(
-                    id(g) for _, _, g in mine if id(g) not in passed_on and ptrs[g.untyped_storage().data_ptr()] == 1
+                    id(g) for _, _, g in mine if id(g) not in passed_on and ptrs.get(storage_of(g), 0) == 1
                 )
                 nodes.append((node, w_edges))
             else:  # only the weight edges B did not compute (Note [cheap weight gradients in B])
@@ -689,9 +708,10 @@ def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
                     nxt, nr = nf[i][:2]
                     contributions.append((seq, GradientEdge(nxt, nr), outs[i]))
                     if is_accumulate_grad(nxt):  # new, unless the node handed on (a view of) its input
-                        inputs = inputs or {g.untyped_storage().data_ptr() for g in grads if g is not None}
+                        inputs = inputs or {storage_of(g) for g in grads if g is not None}
                         out = outs[i]  # the engine sums a broadcast gradient back into a new tensor
-                        if out.untyped_storage().data_ptr() not in inputs or out.shape != nxt.variable.shape:
+                        ptr = storage_of(out)
+                        if ptr != -1 and (ptr not in inputs or out.shape != nxt.variable.shape):
                             fresh.add(id(out))
         del outs
     if contributions:

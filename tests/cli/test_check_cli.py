@@ -306,7 +306,10 @@ def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, 
         "--json", str(out), "--markdown", str(md),
     )
     assert rc == 0, text + err
-    assert "[ppbackward] ScheduleZBVZeroBubble/mlp" in text and "elapsed" in text  # progress lines
+    assert "  [ppbackward] mlp: 2 pass (elapsed" in text and "  [  upstream] mlp: 1 FAIL, 1 pass; failed: " in text
+    lines = text.splitlines()
+    first_row = next(i for i, line in enumerate(lines) if line.startswith("Schedule"))
+    assert lines.index(next(line for line in lines if line.startswith("VERDICT:"))) < first_row  # verdict first
     rows = {tuple(line.split()[:2]): line for line in text.splitlines() if line.startswith("Schedule")}
     ours = rows[("ScheduleZBVZeroBubble", "ppbackward")]
     assert "FAIL" not in ours and "32/32 ok" in ours  # one rank, one step: 2 stages x 4 params x 4 microbatches

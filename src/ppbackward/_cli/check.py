@@ -316,30 +316,56 @@ def worker_args(backward: str, scenario: Any, args: argparse.Namespace, only: li
     ]
 
 
+class _Progress:
+    """Compact progress of one launch (``check``'s terminal output): on a terminal one live line, rewritten
+    as each case finishes; when the launch ends, one line for it: its cases by status, the failing ones
+    named with why (``cells.progress_status_of``), and the time. Not on a terminal (CI, a pipe), only that
+    last line."""
+
+    def __init__(self, backward: str, scenario: str, t0: float) -> None:
+        self.label = f"  [{backward:>10}] {scenario}"
+        self.t0 = t0
+        self.statuses: dict[str, str] = {}
+        self.live = sys.stdout.isatty()
+
+    def elapsed(self) -> str:
+        return f"elapsed {time.perf_counter() - self.t0:5.1f} s"
+
+    def case(self, case_id: str, per_rank: dict[int, dict[str, Any]]) -> None:
+        self.statuses[case_id] = cells.progress_status_of(per_rank)
+        if self.live:
+            line = f"{self.label}: {len(self.statuses)} case(s) done, last {case_id} {self.statuses[case_id]}"
+            print(f"\r{line[:150]:<150}", end="", flush=True)
+
+    def waiting(self, what: str) -> None:
+        if self.live:
+            print(f"\r{f'{self.label}: {what}'[:150]:<150}", end="", flush=True)
+
+    def done(self) -> None:
+        counts: dict[str, int] = {}
+        for status in self.statuses.values():
+            key = "FAIL" if status.startswith("FAIL") else status
+            counts[key] = counts.get(key, 0) + 1
+        failed = [f"{case} ({status})" for case, status in self.statuses.items() if status.startswith("FAIL")]
+        summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no case ran"
+        tail = f"; failed: {', '.join(failed)}" if failed else ""
+        print(("\r" if self.live else "") + f"{self.label}: {summary}{tail} ({self.elapsed()})", flush=True)
+
+
 def _run_backward(
     backward: str, scenario: Any, args: argparse.Namespace, only: list[str] | None, out_dir: Path, t0: float
 ) -> Any:
     from ppbackward._harness.launch import launch
 
-    def elapsed() -> str:
-        return f"elapsed {time.perf_counter() - t0:5.1f} s"
-
-    def progress(case_id: str, per_rank: dict[int, dict[str, Any]]) -> None:
-        seconds = max((r.get("seconds") or 0.0 for r in per_rank.values()), default=0.0)
-        print(
-            f"  [{backward:>10}] {case_id:<40} {cells.progress_status_of(per_rank):<22} "
-            f"({seconds:.1f} s; {elapsed()})",
-            flush=True,
+    progress = _Progress(backward, scenario.name, t0)
+    progress.waiting(f"starting torchrun: {scenario.nproc} ranks")
+    try:
+        return launch(
+            scenario.nproc, worker_args(backward, scenario, args, only), out_dir / backward, args.timeout,
+            on_case=progress.case, on_wait=progress.waiting,
         )
-
-    def waiting(what: str) -> None:
-        print(f"  [{backward:>10}] {what} ({elapsed()})", flush=True)
-
-    print(f"  [{backward:>10}] starting torchrun: {scenario.nproc} ranks ({elapsed()})", flush=True)
-    return launch(
-        scenario.nproc, worker_args(backward, scenario, args, only), out_dir / backward, args.timeout,
-        on_case=progress, on_wait=waiting,
-    )
+    finally:
+        progress.done()
 
 
 def _collect(result: Any) -> dict[str, dict[str, Any]]:
@@ -418,30 +444,44 @@ def _launch_all(args: argparse.Namespace, scenarios: list[Any], only: list[str] 
     return runs
 
 
-def _print_scenario(run: _ScenarioRun, only: list[str] | None, tally: _Tally) -> None:
-    """One scenario's table, its launch problems and ppbackward's failures; adds what it found to ``tally``."""
+def _cases(run: _ScenarioRun, only: list[str] | None) -> list[str]:
+    cases = list(dict.fromkeys([*run.results["upstream"], *run.results["ppbackward"]]))
+    return [c for c in cases if only is None or c.split("/")[0] in only]
+
+
+def _tally_scenario(run: _ScenarioRun, only: list[str] | None, tally: _Tally) -> None:
+    """Add one scenario's launch failures, ppbackward's cases and torch's failing rows to ``tally``."""
     scenario, launches, results = run.scenario, run.launches, run.results
-    cases = list(dict.fromkeys([*results["upstream"], *results["ppbackward"]]))
-    cases = [c for c in cases if only is None or c.split("/")[0] in only]
-    print(f"\n{scenario.name} ({scenario.layout}): {scenario.title}")
-    print(cells.table(results, [(c, _row_label(c, scenario)) for c in cases], BACKWARDS))
+    cases = _cases(run, only)
     for backward, result in launches.items():
         problems = result.launch_problems()
         if problems:
             tally.launch_failed.append(f"{backward} {scenario.name}: {problems[0].splitlines()[0]}")
-            print(f"{backward}: the launch itself failed:\n{result.format_launch()}\n")
     ours = results["ppbackward"]
     ran = [c for c in cases if ours.get(c, {}).get("status") != "skip"]
     bad = [c for c in cases if ours.get(c, {}).get("status") not in ("pass", "skip")]
     tally.ours_ran += len(ran)
     tally.skipped += len(cases) - len(ran)
     tally.ours_bad += [f"{scenario.name}/{c}" for c in bad]
-    if bad and not launches["ppbackward"].launch_problems():
-        print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
     for case in cases:
         values = results["upstream"].get(case, {})
         if values.get("status") not in ("pass", "skip"):
             tally.upstream_failing.append((f"{scenario.name} {_row_label(case, scenario)}", values))
+
+
+def _print_scenario(run: _ScenarioRun, only: list[str] | None) -> None:
+    """One scenario's table, its launch problems and ppbackward's failures."""
+    scenario, launches, results = run.scenario, run.launches, run.results
+    cases = _cases(run, only)
+    print(f"\n{scenario.name} ({scenario.layout}): {scenario.title}")
+    print(cells.table(results, [(c, _row_label(c, scenario)) for c in cases], BACKWARDS))
+    for backward, result in launches.items():
+        if result.launch_problems():
+            print(f"{backward}: the launch itself failed:\n{result.format_launch()}\n")
+    ours = results["ppbackward"]
+    bad = [c for c in cases if ours.get(c, {}).get("status") not in ("pass", "skip")]
+    if bad and not launches["ppbackward"].launch_problems():
+        print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
 
 
 def _merge_lines(runs: list[_ScenarioRun], only: list[str] | None) -> list[str]:
@@ -553,21 +593,24 @@ def run(args: argparse.Namespace) -> int:
     memory = _memory()
     tally = _Tally()
     for scenario_run in runs:
-        _print_scenario(scenario_run, only, tally)
+        _tally_scenario(scenario_run, only, tally)
+    elapsed = time.perf_counter() - t0
+    memory_ok = _memory_ok(memory["ppbackward"])
+    passed = not tally.ours_bad and not tally.launch_failures("ppbackward") and memory_ok
+    keep = bool(args.logs) or not passed
+    where = f"logs: {logs}" if keep else "logs deleted; --logs DIR keeps them"
+    verdict = f"VERDICT: {_verdict(tally, memory, passed, memory_ok)} ({elapsed:.0f} s; {where})"
+    print(f"\n{verdict}")  # the verdict and torch's failures by kind first; the cells follow
+    _print_upstream_footnotes(tally, logs, keep)
+    for scenario_run in runs:
+        _print_scenario(scenario_run, only)
     print()
     if args.merge_bw:
         print("\n".join(_merge_lines(runs, only)) + "\n")
     for line in _memory_lines(memory):
         print(line)
-    elapsed = time.perf_counter() - t0
-    memory_ok = _memory_ok(memory["ppbackward"])
-    passed = not tally.ours_bad and not tally.launch_failures("ppbackward") and memory_ok
-    keep = bool(args.logs) or not passed
-    _print_upstream_footnotes(tally, logs, keep)
     if not keep:
         shutil.rmtree(logs, ignore_errors=True)  # a passing run leaves nothing behind; --logs keeps them
-    where = f"logs: {logs}" if keep else "logs deleted; --logs DIR keeps them"
-    verdict = f"VERDICT: {_verdict(tally, memory, passed, memory_ok)} ({elapsed:.0f} s; {where})"
     print(verdict)
     if args.json:
         _write_json(args.json, args, runs, memory, passed, verdict, logs if keep else None)
