@@ -64,7 +64,6 @@ class ParamGroup:
             custom ``autograd.Function`` intermediates (which ran once, in B) and the weight gradients
             B computed itself (Note [cheap weight gradients in B] in ``ppbackward._graph``).
         params: the leaf tensors whose ``AccumulateGrad`` the group reaches.
-        fresh: ids of the ``ready`` gradients B made itself (Note [W's gradients are stolen, not copied]).
 
     Note [param groups read like torch's]: torch's B returns a list of dicts with ``"params"`` (the
     weights' ``AccumulateGrad`` nodes), ``"intermediates"`` (the nodes where weight paths branch off)
@@ -112,12 +111,10 @@ class ParamGroup:
         nodes: list[tuple[Node, tuple[int, ...]]] | None = None,
         leaves: list[Node] | None = None,
         replaced: dict[Node, list] | None = None,
-        fresh: set[int] | None = None,
     ) -> None:
         self.intermediates = intermediates
         self.ready = ready
         self.params = params
-        self.fresh = fresh or set()
         self._nodes = nodes if nodes is not None else [(n, w) for n, _, w in intermediates]
         self._leaves = leaves or []
         self._captured = {node: grads for node, grads, _ in intermediates}
@@ -127,15 +124,17 @@ class ParamGroup:
         self._written: list | None = None
         self._written_versions: list[tuple[torch.Tensor, int]] = []
 
-    def __getitem__(self, key: str) -> list:
+    def __getitem__(self, key: str) -> tuple:
+        # tuples, not lists: changing an item of what was read (``group["grads"][0] = ...``) would change
+        # nothing W reads; a tuple refuses it, and ``group["grads"] = [...]`` is the write
         if key == "params":
-            return list(self._leaves)
+            return tuple(self._leaves)
         if key == "intermediates":
-            return [node for node, _ in self._nodes]
+            return tuple(node for node, _ in self._nodes)
         if key == "grads":
             if self._written is not None:
-                return list(self._written)
-            return [self._captured.get(node) for node, _ in self._nodes]
+                return tuple(self._written)
+            return tuple(self._captured.get(node) for node, _ in self._nodes)
         raise KeyError(f"ParamGroup[{key!r}]: a param group has the keys {', '.join(map(repr, _KEYS))}")
 
     def __setitem__(self, key: str, value: object) -> None:

@@ -179,11 +179,16 @@ def _check_nan(calls: list, results: list[list]) -> None:
 # view of the parameter made for this call (``view_as``: a metadata op): the view's node hands
 # ``AccumulateGrad`` a new alias of the gradient that nothing else holds, which it steals, as in a full
 # backward. The value is the same tensor's; the accumulation order is unchanged (one root per slot).
-# Only a gradient that B or W made is stolen: one B computed by Note [cheap weight gradients in B]'s rule
-# (a new tensor), and one W's node call returned that shares no storage with the node's inputs. A
-# stage output's own gradient (the caller's receive buffer), a custom Function's output and the
-# gradients of B's hooked work may be the caller's or another node's tensor: ``.grad`` must not alias
-# them, so those are copied, as ``AccumulateGrad`` does for any gradient someone else holds.
+# Only a gradient W's own node call made is stolen: one that shares no storage with the node's inputs (or
+# that the engine sums back to the weight's shape, a new tensor) and with no other root. A stage output's
+# own gradient (the caller's receive buffer), a custom Function's output and the gradients B computed
+# (Note [cheap weight gradients in B], B's hooked work) are copied, as ``AccumulateGrad`` copies any
+# gradient someone else holds: one copy per such weight on the first microbatch of a step (a bias or a
+# norm weight: ``d`` elements). Stealing B's too removed those copies in every test of the core zoo, but
+# changed torchtitan's norm-weight gradients under FSDP2 in the last digits (1e-3 of their largest entry,
+# tests/torchtitan; the mechanism was not traced), so B's stay copied (docs/how-it-works.md, W).
+
+
 def storage_of(t: torch.Tensor) -> int:
     """The address of ``t``'s storage, or ``-1`` for a tensor without one of its own (sparse, a subclass):
     such a gradient is never taken for one W may let ``AccumulateGrad`` steal (Note [W's gradients are

@@ -252,11 +252,8 @@ def _backward_input(
         _checked_capture(node, box, w_edges_of[node], analysis.structure) for node, box in zip(deferred, run.boxes)
     ]
 
-    # the gradients the caller holds (its output gradients, the input gradients B returns): never stolen
-    held = [g for g in (*flat.grads, *run.found.values()) if isinstance(g, torch.Tensor)]
     groups = _build_groups(
-        specs, dict(zip(deferred, captured)), cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes,
-        (held, run.passed_on),
+        specs, dict(zip(deferred, captured)), cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes
     )
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
@@ -281,12 +278,11 @@ def _backward_input(
 
 class _EngineCall(NamedTuple):
     """What B's engine call left: per deferred intermediate its capture box, the input gradients by input id,
-    the frontier slots with their gradients, and the ids of custom Functions' pass-through outputs."""
+    and the frontier slots with their gradients."""
 
     boxes: list[list]
     found: dict[int, torch.Tensor | None]
     frontier: list
-    passed_on: set[int]
 
 
 def _engine_call(
@@ -306,16 +302,15 @@ def _engine_call(
     """
     taken = [edge for _, edge, _ in eager.frontier] + [leaf.edge for leaf in cheap.leaves]
     boxes: list[list] = [[] for _ in deferred]
-    passed_on: set[int] = set()  # custom Functions' outputs that are (views of) what flowed into them
     handles = []
     try:
         for node, box in zip(deferred, boxes):
             if isinstance(node, BackwardCFunction):
-                handles.append(node.register_hook(_capture_outputs_hook(box, passed_on)))
+                handles.append(node.register_hook(_capture_outputs_hook(box)))
             else:
                 handles.append(node.register_prehook(_capture_inputs_hook(box)))
         if not (grad_inputs or taken):
-            return _EngineCall(boxes, {}, [], passed_on)
+            return _EngineCall(boxes, {}, [])
         with _leaf_hooks_muted(edge.node for _, edge, _ in eager.frontier):  # cheap leaves have no hooks
             results = torch.autograd.grad(
                 flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
@@ -329,7 +324,7 @@ def _engine_call(
             handle.remove()
     found: dict[int, torch.Tensor | None] = {id(t): g for t, g in zip(grad_inputs, results)}
     frontier = list(zip([*eager.frontier, *cheap.leaves], results[len(grad_inputs) :]))
-    return _EngineCall(boxes, found, frontier, passed_on)
+    return _EngineCall(boxes, found, frontier)
 
 
 # Note [B claims its outputs]: B registers the outputs it was given (by id, under a lock) before it runs
@@ -423,16 +418,12 @@ def _capture_inputs_hook(box: list):
     return hook
 
 
-def _capture_outputs_hook(box: list, passed_on: set):
-    """A node post-hook that stores the node's outputs, and their versions then, in ``box``, and adds to
-    ``passed_on`` the ids of the outputs that share storage with what flowed into the node (handed on,
-    not made: Note [W's gradients are stolen, not copied]). Note [no closure cycle]: it closes over a
-    list and a set."""
+def _capture_outputs_hook(box: list):
+    """A node post-hook that stores the node's outputs, and their versions then, in ``box``
+    (Note [no closure cycle])."""
 
-    def hook(grad_inputs, grad_outputs) -> None:
+    def hook(grad_inputs, _grad_outputs) -> None:
         box.append((grad_inputs, _versions(grad_inputs)))
-        inputs = {storage_of(g) for g in grad_outputs if g is not None}
-        passed_on.update(id(g) for g in grad_inputs if g is not None and storage_of(g) in inputs)
 
     return hook
 
@@ -511,7 +502,7 @@ def _detach_outputs(outputs: list[Any], used_nodes: set) -> None:
 
 
 def _build_groups(
-    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes, aliases: tuple
+    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes
 ) -> list[ParamGroup]:
     """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls;
     ``cheap_edges``: intermediate -> the weight edges B computed itself) and the frontier gradients of
@@ -523,24 +514,8 @@ def _build_groups(
     tagged with the sequence number that orders it (Note [accumulation order]). Intermediates B ran
     entirely are not in ``captured``: W does nothing for them, nor for an output whose gradient B's
     engine call already sent on (into a node B ran, or into a frontier slot, whose gradient includes it).
-    A frontier gradient or a custom Function's output is marked fresh (W may let ``AccumulateGrad`` steal
-    it: Note [W's gradients are stolen, not copied]) when it is a weight leaf of Note [cheap weight
-    gradients in B], or shares its storage with no other such gradient and none of ``aliases``' first
-    item (the caller's gradients) and, for a custom Function's output, is not in its second (outputs
-    that are what flowed into their node).
     """
-    held, passed_on = aliases
-    custom_outputs = [
-        grads[i] for node, grads in captured.items() if isinstance(node, BackwardCFunction) and grads
-        for i in range(len(grads)) if grads[i] is not None
-    ]
-    ptrs: dict[int, int] = {}
-    for g in [*held, *(grad for _, grad in frontier if grad is not None), *custom_outputs]:
-        ptr = storage_of(g)
-        ptrs[ptr] = ptrs.get(ptr, 0) + 1
-    ptrs.pop(-1, None)  # no storage of its own (sparse): never taken for fresh
     extra: dict[int, list] = {}
-    fresh: dict[int, set[int]] = {}  # group -> ids of the gradients B made fresh (W may let them be stolen)
     done = set()  # the frontier slots, whose gradients B's engine call already sent on (with the roots')
     fed_by: dict[int, dict] = {}  # group -> {the one intermediate feeding a cheap leaf: its entries}
     for slot, grad in frontier:
@@ -549,8 +524,6 @@ def _build_groups(
         if grad is not None:
             entry = (seq, edge, grad)
             extra.setdefault(id(group), []).append(entry)
-            if isinstance(slot, CheapLeaf) or ptrs.get(storage_of(grad), 0) == 1:
-                fresh.setdefault(id(group), set()).add(id(grad))
             for node in slot.feeders if isinstance(slot, CheapLeaf) else ():  # Note [param groups read like torch's]
                 fed_by.setdefault(id(group), {}).setdefault(node, []).append(entry if len(slot.feeders) == 1 else None)
     groups: list[ParamGroup] = []
@@ -575,9 +548,6 @@ def _build_groups(
                 mine = [(seq, GradientEdge(*nf[i][:2]), grads[i]) for i in w_edges if grads[i] is not None]
                 ready += mine
                 replaced[node] = mine
-                fresh.setdefault(id(spec), set()).update(
-                    id(g) for _, _, g in mine if id(g) not in passed_on and ptrs.get(storage_of(g), 0) == 1
-                )
                 nodes.append((node, w_edges))
             else:  # only the weight edges B did not compute (Note [cheap weight gradients in B])
                 in_b = cheap_edges.get(node, ())
@@ -586,7 +556,7 @@ def _build_groups(
         if deferred or ready:
             params = [leaf.variable for leaf in spec.leaves]
             groups.append(
-                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, fresh.get(id(spec)))
+                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced)
             )
     return groups
 
@@ -697,7 +667,8 @@ def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
     work = [group.w_work() for group in groups]  # B's, or a caller's written gradients'
     calls = [call for group_calls, _ in work for call in group_calls]
     contributions = [c for _, ready in work for c in ready]
-    fresh = {i for group in groups for i in group.fresh}  # Note [W's gradients are stolen, not copied]
+    # Note [W's gradients are stolen, not copied]: W's own outputs only; B's are copied
+    fresh: set[int] = set()
     del work
     if calls:
         for (node, grads, w_edges), outs in zip(calls, weight_edge_grads(calls)):

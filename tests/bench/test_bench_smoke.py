@@ -352,13 +352,25 @@ def test_trace_of_synthetic_slices_tiles_the_step_and_the_replay_follows(tmp_pat
     [
         (["--trace", "x"], "--trace: only with --schedule"),
         (["--plot", "x"], "--plot: only with --split"),
-        (["--split", "--plot", "/nonexistent/dir/x"], "its folder /nonexistent/dir does not exist"),
+        (["--split", "--plot", "/proc/ppbackward-x"], "--plot /proc/ppbackward-x: cannot be created"),
     ],
 )
 def test_trace_and_plot_options_are_checked_first(capsys, args, message):
     with pytest.raises(SystemExit) as caught:
         main(args)
     assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_output_folder_under_a_file_is_named_as_such(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for args, message in (
+        (["--split", "--plot", str(afile)], f"--plot {afile}: exists and is not a folder"),
+        (["--json", str(afile / "x.json")], f"--json {afile / 'x.json'}: {afile} is not a folder"),
+    ):
+        with pytest.raises(SystemExit):
+            main(args)
+        assert message in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_refuses_in_one_line_naming_the_extra(capsys, monkeypatch, tmp_path):

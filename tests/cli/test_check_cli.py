@@ -336,6 +336,7 @@ def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, 
     assert report.startswith("## ppbackward check: PASS\n") and f"`{data['verdict']}`" in report
     assert "### torch's own backward failed, by kind" in report and "pytorch/pytorch#144530" in report
     assert "| ScheduleZBVZeroBubble | ppbackward | 0 ok |" in report
+    assert "### Memory between B and W" in report and "ppbackward: 229376 B held" in report
 
 
 @pytest.mark.slow

@@ -615,13 +615,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, args, runs, memory, passed, verdict, logs if keep else None)
     if args.markdown:
-        Path(args.markdown).write_text(_markdown(args, runs, only, tally, verdict, passed))
+        Path(args.markdown).write_text(_markdown(args, runs, only, tally, verdict, passed, _memory_lines(memory)))
     return 0 if passed else 1
 
 
 def _markdown(
     args: argparse.Namespace, runs: list[_ScenarioRun], only: list[str] | None, tally: _Tally, verdict: str,
-    passed: bool,
+    passed: bool, memory: list[str],
 ) -> str:
     """``--markdown``: the verdict first, then torch's failures by kind, then each scenario's cells, as
     GitHub-flavoured markdown (the same verdict line the terminal and ``--json`` carry)."""
@@ -635,7 +635,7 @@ def _markdown(
     ]
     if tally.upstream_failing:
         parts += ["", "### torch's own backward failed, by kind", "", *cells.by_kind(tally.upstream_failing)]
-    parts += ["", "### Cells"]
+    parts += ["", "### Memory between B and W", "", "```text", *memory, "```", "", "### Cells"]
     for run in runs:
         results = run.results
         cases = list(dict.fromkeys([*results["upstream"], *results["ppbackward"]]))

@@ -22,6 +22,8 @@ def output_file_problem(path: str) -> str | None:
     if target.is_dir():
         return "is a directory"
     parent = target.parent if str(target.parent) else Path(".")
+    if parent.exists() and not parent.is_dir():
+        return f"{parent} is not a folder"
     if not parent.is_dir():
         return f"its folder {parent} does not exist"
     if target.exists() and not os.access(target, os.W_OK):
@@ -32,15 +34,14 @@ def output_file_problem(path: str) -> str | None:
 
 
 def output_dir_problem(path: str) -> str | None:
-    """Why ``path`` cannot be used as an output folder (``None`` when it can: an existing writable
-    folder, or a new one whose parent is), without creating it. Shared by ``bench --trace`` and
-    ``bench --plot``."""
+    """Why ``path`` cannot be used as an output folder (``None`` when it can), creating it (and its
+    parents) if missing, before anything is measured: a run of minutes must not end unable to write.
+    Shared by ``bench --trace`` and ``bench --plot``."""
     target = Path(path)
     if target.exists() and not target.is_dir():
         return "exists and is not a folder"
-    if target.is_dir():
-        return None if os.access(target, os.W_OK | os.X_OK) else "is not writable"
-    parent = target.parent if str(target.parent) else Path(".")
-    if not parent.is_dir():
-        return f"its folder {parent} does not exist"
-    return None if os.access(parent, os.W_OK | os.X_OK) else f"its folder {parent} is not writable"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot be created ({e.strerror or e})"
+    return None if os.access(target, os.W_OK | os.X_OK) else "is not writable"
