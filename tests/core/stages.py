@@ -185,6 +185,20 @@ class Norms(nn.Module):
         return x
 
 
+class Matmul(torch.autograd.Function):
+    """``a @ b`` as a custom Function that saves both operands (W runs it again only from written grads)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return (g @ b.t() if ctx.needs_input_grad[0] else None), (a.t() @ g if ctx.needs_input_grad[1] else None)
+
+
 class _LinearFn(torch.autograd.Function):
     """A fused linear as Megatron-style code writes it: one backward computing all three gradients."""
 
@@ -222,7 +236,9 @@ class MoE(nn.Module):
         super().__init__()
         self.norm = nn.RMSNorm(d)
         self.router = nn.Linear(d, experts, bias=False)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(experts))
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(experts)
+        )
 
     def forward(self, x):
         h = self.norm(x).reshape(-1, x.shape[-1])

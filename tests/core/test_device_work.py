@@ -147,7 +147,7 @@ def test_a_hook_changing_a_captured_gradient_in_place_is_refused_in_b():
 
 def test_the_same_hook_in_a_full_backward_leaves_the_weight_gradient_intact():
     """What the refusal protects: a full backward ran ``lin``'s node before the hook changed the gradient."""
-    lin, x, y = _hostile_stage()
+    lin, _, y = _hostile_stage()
     y.backward(torch.ones(3, 4))
     assert lin.weight.grad.abs().sum() > 0
 

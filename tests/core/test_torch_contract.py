@@ -25,6 +25,7 @@ from torch.distributed.pipelining import _backward as upstream
 
 import ppbackward as pb
 from ppbackward._compat import torch_release
+from tests.core.stages import Matmul
 
 TORCH_2_13 = (2, 13) <= torch_release()[:2] <= (2, 15)
 EDGE_ROOTS = torch_release()[:2] >= (2, 15)  # torch's _backward.py takes GradientEdge and None outputs
@@ -384,19 +385,7 @@ class _NormScaleCustom(nn.Module):
         self.scale, self.w = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4, 4))
 
     def forward(self, x):
-        return _Matmul.apply(self.lin(self.norm(x)) * self.scale, self.w)
-
-
-class _Matmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a @ b
-
-    @staticmethod
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        return g @ b.t(), a.t() @ g
+        return Matmul.apply(self.lin(self.norm(x)) * self.scale, self.w)
 
 
 def test_writing_back_what_was_read_gives_the_gradients_of_no_write():

@@ -20,6 +20,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 import ppbackward as pb
+from tests.core.stages import Matmul
 
 D, BATCH = 8, 6
 
@@ -118,17 +119,6 @@ def test_b_and_w_with_a_view_output_from_a_custom_function():
 
 
 def test_w_of_a_custom_matmul_after_the_output_is_dropped_and_collected():
-    class Matmul(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b):
-            ctx.save_for_backward(a, b)
-            return a @ b
-
-        @staticmethod
-        def backward(ctx, g):
-            a, b = ctx.saved_tensors
-            return (g @ b.t() if ctx.needs_input_grad[0] else None), (a.t() @ g if ctx.needs_input_grad[1] else None)
-
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
