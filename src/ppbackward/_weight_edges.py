@@ -10,15 +10,12 @@ import warnings
 
 import torch
 from torch.autograd.function import BackwardCFunction
-from torch.autograd.graph import GradientEdge, Node
-
-from ppbackward._graph import is_accumulate_grad
+from torch.autograd.graph import GradientEdge
 
 __all__: list[str] = []  # private module
 
 # The engine entry point torch.autograd.backward ends in (torch >= 2.3); see accumulate.
 _ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types a view of which stays a plain view
 
 
 class _Job:
@@ -167,66 +164,6 @@ def _check_nan(calls: list, results: list[list]) -> None:
                         stacklevel=2,
                     )
                 raise RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
-
-
-# Note [W's gradients are stolen, not copied]: ``AccumulateGrad`` takes a gradient into an empty
-# ``.grad`` without a copy only when nothing else references it (``is_tensor_stealable``); a full backward's
-# gradients, fresh from the node that made them, always qualify. A root of W's accumulating call never
-# does: the engine's ``GraphRoot`` and the caller hold it. So W's first microbatch of a step, with every
-# ``.grad`` empty, copied each gradient it fed straight into an ``AccumulateGrad`` (biases, norm weights,
-# a custom Function's weight gradients: ``new_empty_strided`` + ``copy_`` each, issue 27). For such a
-# root, when the parameter's ``.grad`` is empty and it is the slot's only root, W roots it instead into a
-# view of the parameter made for this call (``view_as``: a metadata op): the view's node hands
-# ``AccumulateGrad`` a new alias of the gradient that nothing else holds, which it steals, as in a full
-# backward. The value is the same tensor's; the accumulation order is unchanged (one root per slot).
-# Only a gradient W's own node call made is stolen: one that shares no storage with the node's inputs (or
-# that the engine sums back to the weight's shape, a new tensor) and with no other root. A stage output's
-# own gradient (the caller's receive buffer), a custom Function's output and the gradients B computed
-# (Note [cheap weight gradients in B], B's hooked work) are copied, as ``AccumulateGrad`` copies any
-# gradient someone else holds: one copy per such weight on the first microbatch of a step (a bias or a
-# norm weight: ``d`` elements). Stealing B's too removed those copies in every test of the core zoo, but
-# changed torchtitan's norm-weight gradients under FSDP2 in the last digits (1e-3 of their largest entry,
-# tests/torchtitan; the mechanism was not traced), so B's stay copied (docs/how-it-works.md, W).
-
-
-def storage_of(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage, or ``-1`` for a tensor without one of its own (sparse, a subclass):
-    such a gradient is never taken for one W may let ``AccumulateGrad`` steal (Note [W's gradients are
-    stolen, not copied])."""
-    if t.layout != torch.strided:
-        return -1
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return -1
-
-
-def stealable_roots(roots: list[GradientEdge], grads: list, fresh: list[bool]) -> list[GradientEdge]:
-    """``roots`` with each sole root into an empty ``AccumulateGrad`` whose gradient (``grads``, aligned) is
-    ``fresh`` (made by B or W, referenced by nothing of the caller's) and shares its storage with no other
-    root's moved onto a fresh view of its parameter (Note [W's gradients are stolen, not copied]); others
-    unchanged."""
-    count: dict[Node, int] = {}
-    for edge in roots:
-        count[edge.node] = count.get(edge.node, 0) + 1
-    storages: dict[int, int] = {}  # two roots sharing a storage: stealing both would alias two .grads
-    for g in grads:
-        ptr = storage_of(g)
-        storages[ptr] = storages.get(ptr, 0) + 1
-    out = list(roots)
-    with torch.inference_mode(False), torch.enable_grad():
-        for i, edge in enumerate(roots):
-            node = edge.node
-            if not fresh[i] or not is_accumulate_grad(node) or count[node] != 1:
-                continue
-            ptr = storage_of(grads[i])
-            if ptr == -1 or storages[ptr] != 1:
-                continue
-            leaf = node.variable  # type: ignore[attr-defined]  # AccumulateGrad's leaf
-            plain = type(leaf) in _PLAIN and leaf.layout == torch.strided and leaf.requires_grad
-            if leaf.grad is None and plain:
-                out[i] = GradientEdge(leaf.view_as(leaf).grad_fn, 0)
-    return out
 
 
 def accumulate(roots: list, grads: list, params: list, retain_graph: bool) -> None:

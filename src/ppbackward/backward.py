@@ -48,7 +48,7 @@ from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
 from ppbackward._saved import hook_kinds, pin_saved_inputs, release_pinned, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
-from ppbackward._weight_edges import accumulate, stealable_roots, storage_of, weight_edge_grads
+from ppbackward._weight_edges import accumulate, weight_edge_grads
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -667,23 +667,14 @@ def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
     work = [group.w_work() for group in groups]  # B's, or a caller's written gradients'
     calls = [call for group_calls, _ in work for call in group_calls]
     contributions = [c for _, ready in work for c in ready]
-    # Note [W's gradients are stolen, not copied]: W's own outputs only; B's are copied
-    fresh: set[int] = set()
     del work
     if calls:
-        for (node, grads, w_edges), outs in zip(calls, weight_edge_grads(calls)):
+        for (node, _, w_edges), outs in zip(calls, weight_edge_grads(calls)):
             nf, seq = node.next_functions, node._sequence_nr()
-            inputs = None
             for i in w_edges:
                 if outs[i] is not None:
                     nxt, nr = nf[i][:2]
                     contributions.append((seq, GradientEdge(nxt, nr), outs[i]))
-                    if is_accumulate_grad(nxt):  # new, unless the node handed on (a view of) its input
-                        inputs = inputs or {storage_of(g) for g in grads if g is not None}
-                        out = outs[i]  # the engine sums a broadcast gradient back into a new tensor
-                        ptr = storage_of(out)
-                        if ptr != -1 and (ptr not in inputs or out.shape != nxt.variable.shape):
-                            fresh.add(id(out))
         del outs
     if contributions:
         # Note [accumulation order]: a full backward adds the gradients reaching one node in
@@ -691,11 +682,8 @@ def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
         # number. Feeding them as separate roots in that order (the engine adds roots in list
         # order) keeps W bit-identical to a full backward where a weight gets several.
         contributions.sort(key=lambda c: c[0], reverse=True)
+        roots = [GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions]
         grads = [grad for _, _, grad in contributions]
-        roots = stealable_roots(
-            [GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions], grads,
-            [id(g) in fresh for g in grads],
-        )
         del contributions
         accumulate(roots, grads, [p for group in groups for p in group.params], retain_graph)
         del roots, grads

@@ -53,8 +53,8 @@ def _zoo_work(name: str, regime: str) -> dict:
 
 def _assert_same_work(work: dict, what: str, regime: str = "accumulating") -> None:
     """Accumulating: exactly the full backward's kernels, FLOPs and bytes. First microbatch (``.grad``
-    empty): the same but for one ``new_empty_strided`` + ``copy_`` per weight gradient B computed itself
-    (Note [W's gradients are stolen, not copied]: a bias or norm weight, copied rather than stolen)."""
+    empty): the same but for one ``new_empty_strided`` + ``copy_`` per gradient W feeds straight into an
+    empty ``.grad`` (a root of its accumulating call, which ``AccumulateGrad`` copies: docs/how-it-works.md)."""
     full, split = work["full"], work["ppbackward"]
     extra = split.extra_over(full)
     copies = extra.get("copy_", 0)
@@ -174,8 +174,8 @@ def test_the_same_stage_with_a_hook_that_returns_a_new_tensor_is_exact_and_not_r
 
 @pytest.mark.parametrize("stage", ["output_is_a_parameter", "x_plus_a_full_size_parameter"])
 def test_w_never_lets_grad_share_the_callers_gradient_buffer(stage):
-    """Note [W's gradients are stolen, not copied]: only gradients B or W made are stolen; a stage output's
-    gradient (the caller's receive buffer) reaching ``.grad`` unchanged is copied, as a full backward does."""
+    """A stage output's gradient (the caller's receive buffer) reaching ``.grad`` unchanged is copied, as a full
+    backward copies it: ``.grad`` never shares the caller's buffer."""
     torch.manual_seed(0)
     p = nn.Parameter(torch.randn(3, 4))
     x = torch.randn(3, 4, requires_grad=True)
