@@ -27,6 +27,7 @@ runs anything (:meth:`ParamGroups._check_unchanged`): a few integer reads per in
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import threading
 from typing import NamedTuple
@@ -152,6 +153,12 @@ class ParamGroup:
 
     def keys(self) -> tuple[str, ...]:
         return _KEYS
+
+    def values(self) -> tuple[tuple, ...]:
+        return tuple(self[key] for key in _KEYS)
+
+    def items(self) -> tuple[tuple[str, tuple], ...]:
+        return tuple((key, self[key]) for key in _KEYS)
 
     def __contains__(self, key: object) -> bool:
         return key in _KEYS
@@ -335,6 +342,10 @@ class ParamGroups:
 
 
 _CLAIM_LOCK = threading.Lock()
+# code that checks what it holds (``isinstance(groups, Sequence)``, ``isinstance(group, Mapping)``) sees
+# the forms of torch's list of dicts
+collections.abc.Sequence.register(ParamGroups)
+collections.abc.Mapping.register(ParamGroup)
 
 
 def _written_versions(group: ParamGroup):

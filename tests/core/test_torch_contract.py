@@ -14,6 +14,7 @@ side runs.
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 
 import pytest
@@ -145,6 +146,8 @@ def test_param_groups_read_like_torchs_list_of_dicts(impl):
         assert len(grads) == len(inter) == 1
         shapes.add(tuple(grads[0][0].shape))  # the gradient flowing into the layer's addmm
     assert shapes == {(3, 6), (3, 4)}
+    assert isinstance(groups, collections.abc.Sequence) and isinstance(groups[0], collections.abc.Mapping)
+    assert dict(groups[0].items()).keys() == {"params", "intermediates", "grads"}
 
 
 @pytest.mark.parametrize("impl", IMPLS)
