@@ -201,8 +201,9 @@ class ParamGroup:
     def kept_gradients(self):
         """The gradient tensors W will read: B's captured ones it still uses, and the written ones."""
         calls, ready = self.w_work()
+        mine = {id(call) for call in self.intermediates}
         for call in calls:
-            if any(call is mine for mine in self.intermediates):  # B's capture (written ones: checked apart)
+            if id(call) in mine:  # B's capture (written ones are checked apart)
                 yield from (g for g in call[1] if g is not None)
         for _, _, grad in ready:
             yield grad
@@ -301,7 +302,7 @@ class ParamGroups:
         read = [
             self._versions[id(g)] for group in self._groups for g in group.kept_gradients() if id(g) in self._versions
         ]
-        written = [(g, v) for group in self._groups for g, v in _written_versions(group)]
+        written = [(g, v) for group in self._groups for g, v in group._written_versions]
         for grad, version in [*read, *written]:
             if grad._version != version:
                 raise _changed_gradient(self._groups, grad, version)
@@ -346,11 +347,6 @@ _CLAIM_LOCK = threading.Lock()
 # the forms of torch's list of dicts
 collections.abc.Sequence.register(ParamGroups)
 collections.abc.Mapping.register(ParamGroup)
-
-
-def _written_versions(group: ParamGroup):
-    """``(gradient, version)`` of each tensor a caller wrote into ``group["grads"]``, versions as written."""
-    return group._written_versions
 
 
 def _captured(group: ParamGroup):
