@@ -205,7 +205,7 @@ for v in "${versions[@]}"; do
   # 3. ppbackward check
   if [ "$quick" -eq 1 ]; then
     check="skipped (--quick)"
-  elif "$py" -c 'import ppbackward.__main__, importlib.util as u, sys; sys.exit(not (u.find_spec("ppbackward._cli") or u.find_spec("ppbackward._check")))' >/dev/null 2>&1; then
+  elif "$py" -c 'import ppbackward.__main__, importlib.util as u, sys; sys.exit(not (u.find_spec("ppbackward._tools.cli") or u.find_spec("ppbackward._check")))' >/dev/null 2>&1; then
     timeout -k 30 "$CHECK_TIMEOUT" "$py" -m ppbackward check >"$dir/check.log" 2>&1
     rc=$?
     check="exit ${rc}"

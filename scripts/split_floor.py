@@ -29,8 +29,8 @@ import torch
 
 import ppbackward
 import ppbackward.backward as bk
-from ppbackward._bench._models import build, parse_configs
-from ppbackward._bench._split import CONFIGS
+from ppbackward._tools.bench.models import build, parse_configs
+from ppbackward._tools.bench.split import CONFIGS
 from ppbackward._graph import analyze, gradient_edge
 
 

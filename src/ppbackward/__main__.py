@@ -1,10 +1,10 @@
-"""``ppbackward`` / ``python -m ppbackward``: the command line (``ppbackward._cli``)."""
+"""``ppbackward`` / ``python -m ppbackward``: the command line (``ppbackward._tools.cli``)."""
 
 from __future__ import annotations
 
 import sys
 
-from ppbackward._cli import main
+from ppbackward._tools.cli import main
 
 __all__ = ["main"]
 

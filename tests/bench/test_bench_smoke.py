@@ -1,11 +1,11 @@
-"""Smoke test of the benchmark (``ppbackward bench``, ``ppbackward._bench``).
+"""Smoke test of the benchmark (``ppbackward bench``, ``ppbackward._tools.bench``).
 
 Cheap, no-process checks first: the quick configuration once, one repeat; the report's structure
 and that its memory figures are consistent (W cannot read more than B left alive). No timing is
 asserted anywhere: timings are the benchmark's output, not a test criterion. Last, the torchrun
 launcher's timeout path: one short-lived process group, no schedule actually run, and a fake launch
 whose worker runs in a session of its own, as torchrun's do (Note [killing a hung launch] in
-``ppbackward._torchrun``).
+``ppbackward._tools.torchrun``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppbackward._bench import _loop, _models, _report, _schedule, _timing, main
-from ppbackward._bench._schedule import ScheduleBenchError, run_schedule
-from ppbackward._harness.launch import alive
+from ppbackward._tools.bench import loop as _loop
+from ppbackward._tools.bench import main
+from ppbackward._tools.bench import models as _models
+from ppbackward._tools.bench import report as _report
+from ppbackward._tools.bench import schedule as _schedule
+from ppbackward._tools.bench import timing as _timing
+from ppbackward._tools.bench.schedule import ScheduleBenchError, run_schedule
+from ppbackward._tools.harness.launch import alive
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +110,7 @@ def test_tables_printed(quick_report):
 
 
 def test_where_time_goes_counts():
-    from ppbackward._bench._profile import where_time_goes
+    from ppbackward._tools.bench.profile import where_time_goes
 
     prof = where_time_goes(_models.Config(1, 64, 16), reps=1)
     plain = prof["plain"]
@@ -149,9 +154,9 @@ def test_a_bad_option_imports_no_measurement_module():
     """Issue 23: a bad bench option took 6-7 s (check: 1-2 s); the options are now checked before any
     measurement module (pipelining, the profiler, torchrun) is imported."""
     code = (
-        "import sys\nfrom ppbackward._cli.bench import main\n"
+        "import sys\nfrom ppbackward._tools.cli.bench import main\n"
         "try:\n    main(['--budget', '-5', '--configs', '4x64x16'])\nexcept SystemExit as e:\n    print(e.code)\n"
-        "print(sorted(m for m in sys.modules if m.startswith('ppbackward._bench.')))"
+        "print(sorted(m for m in sys.modules if m.startswith('ppbackward._tools.bench.')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split("\n")[:2] == ["2", "[]"], proc.stdout + proc.stderr
@@ -173,7 +178,7 @@ def _wait_until_gone(pattern: str, seconds: float = 10.0) -> None:
 def test_the_allocator_header_names_every_setting_that_changes_ws_cost(monkeypatch):
     """The meta's allocator line: glibc's MALLOC_* variables with or without the trailing underscore
     (MALLOC_ARENA_MAX has none), GLIBC_TUNABLES' malloc entries, a preloaded allocator; else the defaults."""
-    from ppbackward._cli.bench import _allocator
+    from ppbackward._tools.cli.bench import _allocator
 
     for name in [k for k in os.environ if k.startswith("MALLOC_")] + ["GLIBC_TUNABLES", "LD_PRELOAD"]:
         monkeypatch.delenv(name, raising=False)
@@ -305,7 +310,7 @@ def test_schedule_step_runs_every_variant_exactly():
         if name.startswith("ZBVZeroBubble/merged"):
             assert any(parts["full"] > 0 for parts in ranks)  # the merge ran full backwards
     assert result["ratio_to_1f1b"]["Interleaved1F1B/upstream"] == pytest.approx(1.0)
-    from ppbackward._bench import _trace  # the real step's Chrome traces (Note [step traces])
+    from ppbackward._tools.bench import trace as _trace  # the real step's Chrome traces (Note [step traces])
 
     for name in result["variants"]:
         trace = json.loads(json.dumps(_trace.step_trace(result, name)))
@@ -318,7 +323,7 @@ def test_schedule_step_runs_every_variant_exactly():
 
 def _check_trace(trace: dict, parts_by_rank: list[dict]) -> None:
     """Every rank's slices tile its step without overlap, and their durations add up to its parts."""
-    from ppbackward._bench._trace import NAMES
+    from ppbackward._tools.bench.trace import NAMES
 
     for rank, parts in enumerate(parts_by_rank):
         mine = sorted((e for e in trace["traceEvents"] if e["pid"] == rank and e["ph"] == "X"), key=lambda e: e["ts"])
@@ -331,7 +336,7 @@ def _check_trace(trace: dict, parts_by_rank: list[dict]) -> None:
 
 
 def test_trace_of_synthetic_slices_tiles_the_step_and_the_replay_follows(tmp_path):
-    from ppbackward._bench import _trace
+    from ppbackward._tools.bench import trace as _trace
 
     slices = [["F", 1.0, 2.0, 0, 0], ["wait", 3.0, 1.0, None, None], ["B", 4.5, 2.0, 1, 0], ["W", 6.5, 1.0, 1, 0]]
     parts = {"F": 2.0, "full": 0.0, "B": 2.0, "W": 1.0, "wait": 1.0, "other": 2.0, "step": 8.0}

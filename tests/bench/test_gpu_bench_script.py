@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ppbackward._bench import _one_rank
-from ppbackward._bench._schedule_worker import variant_name
+from ppbackward._tools.bench import one_rank as _one_rank
+from ppbackward._tools.bench.schedule_worker import variant_name
 
 ROOT = Path(__file__).resolve().parents[2]
 

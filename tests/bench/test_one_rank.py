@@ -1,4 +1,4 @@
-"""The one-rank step (``ppbackward._bench._one_rank``, Note [one-rank step]) on CPU: every variant runs
+"""The one-rank step (``ppbackward._tools.bench.one_rank``, Note [one-rank step]) on CPU: every variant runs
 with exact grads, the merged ones run only full backwards, a schedule torch refuses is skipped with
 torch's message, a wrong grad is caught, and nothing is left behind (no process group, ppbackward's
 installed state as found). No timing is asserted."""
@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 import ppbackward
-from ppbackward._bench import _one_rank
-from ppbackward._bench._schedule_worker import variant_name
-from ppbackward._cli.bench import main as bench_main
 from ppbackward._install import merge_bw_enabled
+from ppbackward._tools.bench import one_rank as _one_rank
+from ppbackward._tools.bench.schedule_worker import variant_name
+from ppbackward._tools.cli.bench import main as bench_main
 
 TINY = _one_rank.QUICK._replace(repeats=1)
 

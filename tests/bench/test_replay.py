@@ -1,12 +1,12 @@
-"""The replayed schedule step (``ppbackward._bench._replay``, issue 22): exact event arithmetic on
+"""The replayed schedule step (``ppbackward._tools.bench.replay``, issue 22): exact event arithmetic on
 torch's own action lists, checked against values worked out by hand and the invariants of a replay."""
 
 from __future__ import annotations
 
 import pytest
 
-from ppbackward._bench import _replay
-from ppbackward._bench._replay import Action, simulate
+from ppbackward._tools.bench import replay as _replay
+from ppbackward._tools.bench.replay import Action, simulate
 
 
 def test_simulate_one_rank_is_the_sum_and_two_ranks_wait_for_each_other():
@@ -38,7 +38,7 @@ def test_replay_ideal_split_is_never_slower_than_measured_and_merging_a_free_spl
 def test_the_real_steps_replay_is_the_one_of_its_stage_shape_ranks_and_microbatches():
     """``_split.replayed_steps``: the replay shown beside the real step's parts is that of the split
     configuration with the real step's stage shape and microbatch size, at its ranks and microbatches."""
-    from ppbackward._bench._split import replayed_steps
+    from ppbackward._tools.bench.split import replayed_steps
 
     def config(name: str, scale: float, microbatches: int = 8) -> dict:
         costs = {"F": scale, "full": 2 * scale, "B": 1.5 * scale, "W": 1.5 * scale}

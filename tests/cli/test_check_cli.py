@@ -3,7 +3,7 @@
 Layers, cheapest first: bad requests and the table's arithmetic run in this process (no torchrun, well
 under a second each; ``main(argv)`` is called directly); one subprocess proves the console script;
 the end-to-end test launches torchrun twice with 2 ranks on two schedules; the hang test launches twice
-and waits for both hangs to be detected (Note [hang clock] in ``ppbackward._harness.launch``: the clock
+and waits for both hangs to be detected (Note [hang clock] in ``ppbackward._tools.harness.launch``: the clock
 starts once every rank has started, so nothing here depends on how fast the machine is).
 """
 
@@ -18,9 +18,9 @@ import tempfile
 import pytest
 import torch
 
-from ppbackward._cli import cells as _check_cells
-from ppbackward._cli import check as _check
 from ppbackward.__main__ import main
+from ppbackward._tools.cli import cells as _check_cells
+from ppbackward._tools.cli import check as _check
 
 
 def _check_main(capsys, *args: str) -> tuple[int, str, str]:
@@ -72,7 +72,7 @@ def test_check_bad_input_is_a_clear_error(capsys, args, message):
 
 
 def test_tables_render_as_github_markdown():
-    from ppbackward._text_table import format_table
+    from ppbackward._tools.text_table import format_table
 
     table = format_table(["case", "n"], [["a|b", "1"], ["skipped: why"]], left=1, markdown=True)
     assert table.splitlines() == ["| case | n |", "|:---|---:|", "| a\\|b | 1 |", "| skipped: why |  |"]
@@ -110,10 +110,23 @@ def test_check_without_torchrun_is_a_clear_error(monkeypatch, capsys):
     assert "has no torch.distributed / torchrun" in capsys.readouterr().err
 
 
+def test_check_without_numpy_names_the_extra(monkeypatch, capsys):
+    import importlib.util
+
+    from ppbackward._compat import torch_release
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numpy" else real(name, *a))
+    if torch_release()[:2] < (2, 6):  # static metadata there: numpy is not needed
+        pytest.skip("torch before 2.6 runs the check with static metadata")
+    assert _check.main([]) == 2
+    assert "pip install 'ppbackward[check]'" in capsys.readouterr().err
+
+
 def test_schedule_names_are_stripped_before_they_reach_the_workers():
     """Issue 23: ``--schedules "ScheduleGPipe, Schedule1F1B"`` was validated stripped but passed raw to the
     workers, whose launches then failed (a user's typo reported as a ppbackward failure)."""
-    from ppbackward._harness.scenarios import SCENARIOS
+    from ppbackward._tools.harness.scenarios import SCENARIOS
 
     only = _check._schedule_names(" ScheduleGPipe, Schedule1F1B ,")
     assert only == ["ScheduleGPipe", "Schedule1F1B"]
@@ -129,7 +142,7 @@ def test_merge_bw_reaches_ppbackwards_workers_only():
     """Issue 22: ``--merge-bw`` runs ppbackward's side as the harness's ``ppbackward-merged`` backward
     (``install(merge_bw=True)``; tests/multiproc/test_merged.py shows that backward exact); torch's side
     is torch's schedule as planned."""
-    from ppbackward._harness.scenarios import SCENARIOS
+    from ppbackward._tools.harness.scenarios import SCENARIOS
 
     args = _check._parser().parse_args(["--merge-bw"])
     ours = _check.worker_args("ppbackward", SCENARIOS["mlp"], args, None)

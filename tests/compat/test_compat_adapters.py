@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
-from tests.core.stages import Double, Scale
 from ppbackward import _compat, _node_owner
+from tests.core.stages import Double, Scale
 
 
 class Stage(nn.Module):

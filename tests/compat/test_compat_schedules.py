@@ -15,8 +15,8 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
 import ppbackward as pb
-from tests.core.stages import Double, Scale
 from ppbackward import _compat
+from tests.core.stages import Double, Scale
 
 N_MICROBATCHES = 2
 BATCH = 4

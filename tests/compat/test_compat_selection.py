@@ -15,8 +15,7 @@ from torch.distributed.pipelining import _backward as upstream_backward
 from torch.distributed.pipelining import stage as upstream_stage
 
 import ppbackward as pb
-from ppbackward import _compat, _node_owner
-from ppbackward import active_adapter
+from ppbackward import _compat, _node_owner, active_adapter
 from tests.core.stages import Double
 
 NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")

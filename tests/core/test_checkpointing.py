@@ -19,10 +19,10 @@ from torch.distributed.pipelining import _backward as upstream
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import ppbackward as pb
-from tests.core.helpers import ATOL, RTOL
 from ppbackward._compat import torch_release
 from ppbackward._saved import HOOKS_VISIBLE
 from ppbackward.leaks import track_activations
+from tests.core.helpers import ATOL, RTOL
 
 pytestmark = pytest.mark.skipif(not HOOKS_VISIBLE, reason="this torch does not expose saved-tensor hooks to Python")
 D = 6

@@ -1,6 +1,6 @@
 """B+W dispatches exactly a full backward's device work; W is only the deferred matrix products.
 
-Counted, not timed (``ppbackward._bench._device_work``: a ``TorchDispatchMode`` over every ATen op, the
+Counted, not timed (``ppbackward._tools.bench.device_work``: a ``TorchDispatchMode`` over every ATen op, the
 FLOP formulas of ``torch.utils.flop_counter``): the kernels by name, the FLOPs and the bytes allocated of
 B+W must equal those of a full backward of the same microbatch, with every ``.grad`` empty (the first
 microbatch of a step) and accumulating, on every stage of the core zoo. The negative control defers the
@@ -18,10 +18,10 @@ import torch.nn as nn
 
 import ppbackward as pb
 from ppbackward import _graph
-from ppbackward._bench import _memory
-from ppbackward._bench._device_work import REGIMES, count, stage_work
-from ppbackward._bench._models import Config
-from ppbackward._bench._models import build as build_bench
+from ppbackward._tools.bench import memory as _memory
+from ppbackward._tools.bench.device_work import REGIMES, count, stage_work
+from ppbackward._tools.bench.models import Config
+from ppbackward._tools.bench.models import build as build_bench
 from tests.core.stages import ZOO, build
 
 

@@ -1,5 +1,5 @@
 """Between B and W, ppbackward holds exactly the saved activations W reads (the floor); upstream
-holds more. Exact bytes, measured without saved-tensor hooks (ppbackward._memory)."""
+holds more. Exact bytes, measured without saved-tensor hooks (ppbackward._tools.memory)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch.distributed.pipelining import _backward as upstream
 
 import ppbackward as pb
 from ppbackward import _saved
-from ppbackward._memory import alive_bytes, saved_storages, w_floor_bytes
+from ppbackward._tools.memory import alive_bytes, saved_storages, w_floor_bytes
 from tests.core.helpers import clone_inputs, output_grads
 from tests.core.stages import build
 

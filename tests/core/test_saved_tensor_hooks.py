@@ -22,10 +22,10 @@ import torch.nn as nn
 from torch.distributed.pipelining import _backward as upstream
 
 import ppbackward as pb
-from tests.core.helpers import ATOL, RTOL
 from ppbackward._compat import torch_release
 from ppbackward._saved import HOOKS_VISIBLE
 from ppbackward.leaks import check_tensor_leaks, track_activations
+from tests.core.helpers import ATOL, RTOL
 
 pytestmark = pytest.mark.skipif(not HOOKS_VISIBLE, reason="this torch does not expose saved-tensor hooks to Python")
 

@@ -11,9 +11,7 @@ import pytest
 import torch
 
 import ppbackward.backward as backward
-from tests.core import test_exactness
-from tests.core import test_hooks
-from tests.core import test_random_stages
+from tests.core import test_exactness, test_hooks, test_random_stages
 from tests.core.stages import ZOO
 
 

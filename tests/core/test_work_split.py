@@ -12,7 +12,6 @@ from torch.profiler import ProfilerActivity, profile
 import ppbackward as pb
 
 
-
 def _count_matmuls(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()

@@ -294,7 +294,7 @@ def test_make_figures_command_works_and_images_are_small(tmp_path):
 
 def test_the_readme_states_the_rank_count_of_every_default_scenario():
     """Issue 23: the README said check runs "2 ranks" though the ddp scenario runs 4."""
-    from ppbackward._harness.scenarios import DEFAULT, SCENARIOS
+    from ppbackward._tools.harness.scenarios import DEFAULT, SCENARIOS
 
     readme = " ".join((ROOT / "README.md").read_text().split())
     said = readme.split("`ppbackward check` runs every schedule", 1)[1].split(". ", 1)[0]

@@ -17,8 +17,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from ppbackward.leaks import LeakReport, TensorLeakError, check_tensor_leaks
-from ppbackward.leaks import _gc_phase
+from ppbackward.leaks import LeakReport, TensorLeakError, _gc_phase, check_tensor_leaks
 from tests.leaks.gc_threads import another_thread_collecting
 
 
@@ -81,7 +80,7 @@ class _Holder:
 
 
 class _Slotted:
-    __slots__ = ("out", "me")
+    __slots__ = ("me", "out")
 
 
 @pytest.mark.parametrize("cls", [_Holder, _Slotted], ids=["plain-object", "slots"])
@@ -119,9 +118,8 @@ def test_weakref_proxies_in_the_garbage_are_neither_counted_nor_fatal():
 
 
 def test_strict_raises_with_the_report():
-    with pytest.raises(TensorLeakError) as info:
-        with check_tensor_leaks():
-            _make_cycle()
+    with pytest.raises(TensorLeakError) as info, check_tensor_leaks():
+        _make_cycle()
     report = info.value.report
     assert (report.num_tensors, report.tensor_bytes) == (1, 16)
     assert str(info.value) == report.format()
@@ -157,10 +155,9 @@ def test_gc_state_is_restored_even_when_the_body_raises(debug, enabled):
     gc.set_debug(debug)
     (gc.enable if enabled else gc.disable)()
     try:
-        with pytest.raises(KeyError):
-            with check_tensor_leaks():
-                gc.disable() if enabled else gc.enable()  # the body may flip it; it is put back
-                raise KeyError("boom")
+        with pytest.raises(KeyError), check_tensor_leaks():
+            gc.disable() if enabled else gc.enable()  # the body may flip it; it is put back
+            raise KeyError("boom")
         assert gc.get_debug() == debug and gc.isenabled() is enabled
         with check_tensor_leaks(strict=False, max_chains=0):
             _make_cycle()
@@ -266,11 +263,10 @@ def test_no_collection_at_exit_is_an_error_and_never_masks_the_body_s_exception(
         assert not report.done and (gc.get_debug(), gc.isenabled()) == (debug, enabled)
     monkeypatch.undo()
     with ExitStack() as other_thread:
-        with pytest.raises(KeyError) as info:
-            with check_tensor_leaks(max_chains=0) as report:
-                other_thread.enter_context(another_thread_collecting())
-                monkeypatch.setattr(_gc_phase, "_FULL_COLLECT_TIMEOUT_S", 0.0)
-                raise KeyError("the body's own")
+        with pytest.raises(KeyError) as info, check_tensor_leaks(max_chains=0) as report:
+            other_thread.enter_context(another_thread_collecting())
+            monkeypatch.setattr(_gc_phase, "_FULL_COLLECT_TIMEOUT_S", 0.0)
+            raise KeyError("the body's own")
         assert not report.done and (gc.get_debug(), gc.isenabled()) == (debug, enabled)
     if sys.version_info >= (3, 11):
         assert any("check_tensor_leaks: no report" in n for n in info.value.__notes__)
@@ -279,10 +275,9 @@ def test_no_collection_at_exit_is_an_error_and_never_masks_the_body_s_exception(
 
 
 def test_body_exception_wins_over_the_leak_and_carries_the_report():
-    with pytest.raises(ValueError) as info:
-        with check_tensor_leaks(max_chains=0) as report:
-            _make_cycle()
-            raise ValueError("original")
+    with pytest.raises(ValueError) as info, check_tensor_leaks(max_chains=0) as report:
+        _make_cycle()
+        raise ValueError("original")
     assert report.done and report.body_raised and report.num_tensors == 1
     if sys.version_info >= (3, 11):
         assert info.value.__notes__ == [report.format()]
@@ -356,9 +351,8 @@ def test_bad_arguments_and_reuse_are_refused():
     with pytest.raises(TypeError, match="warmup must be a callable"):
         check_tensor_leaks(warmup=3)  # type: ignore[arg-type]
     checker = check_tensor_leaks()
-    with checker:
-        with pytest.raises(RuntimeError, match="already active"):
-            checker.__enter__()
+    with checker, pytest.raises(RuntimeError, match="already active"):
+        checker.__enter__()
 
 
 def test_report_before_exit_says_so():

@@ -23,8 +23,8 @@ import textwrap
 import pytest
 import torch
 
-from tests.leaks import leaky_variants as lv
 from ppbackward.leaks import TensorLeakError, _gc_phase, check_tensor_leaks, track_activations
+from tests.leaks import leaky_variants as lv
 
 
 @pytest.fixture

@@ -14,8 +14,6 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.leaks.gc_threads import another_thread_collecting
-from tests.leaks.leaky_variants import HIDDEN_BYTES, OUT_BYTES, make_input, make_stage
 from ppbackward.leaks import (
     ActivationReport,
     ActivationTracker,
@@ -23,6 +21,8 @@ from ppbackward.leaks import (
     check_tensor_leaks,
     track_activations,
 )
+from tests.leaks.gc_threads import another_thread_collecting
+from tests.leaks.leaky_variants import HIDDEN_BYTES, OUT_BYTES, make_input, make_stage
 
 WEIGHT_BYTES = 16 * 8 * 4
 
@@ -236,9 +236,8 @@ def test_refuses_where_saved_tensor_hooks_are_disabled_and_nested_reentry():
             with track_activations():
                 pass
     tracker = track_activations()
-    with tracker:
-        with pytest.raises(RuntimeError, match="already active"):
-            tracker.__enter__()
+    with tracker, pytest.raises(RuntimeError, match="already active"):
+        tracker.__enter__()
 
 
 def test_reentry_accumulates_and_clear_forgets():

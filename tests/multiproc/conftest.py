@@ -33,12 +33,12 @@ On torch 2.5 the same tests run the schedules 2.5 has (see ``docs/compatibility.
 under torchrun"); ``test_upstream.py`` then requires torch's own full backward to fail, by its leak.
 
 Where things run: pytest (this process) only launches ``python -m torch.distributed.run --standalone``
-through :func:`ppbackward._harness.launch.launch`; torchrun starts the ranks, each running
-``python -m ppbackward._harness.worker`` (``src/ppbackward/_harness/``), which writes
+through :func:`ppbackward._tools.harness.launch.launch`; torchrun starts the ranks, each running
+``python -m ppbackward._tools.harness.worker`` (``src/ppbackward/_tools/harness/``), which writes
 ``rank<r>.json`` and ``rank<r>.log`` into a temporary folder. Each launch has its own rendezvous
 (``--standalone``: no fixed port).
 
-What each case asserts, per rank and per step (see ``ppbackward._harness.worker`` and ``.probes``):
+What each case asserts, per rank and per step (see ``ppbackward._tools.harness.worker`` and ``.probes``):
 garbage (``check_tensor_leaks``: 0 tensors, 0 autograd nodes), lifetime (gc disabled: every saved
 activation freed once ``clear_runtime_states()`` ran and the receive buffers -- what torch's stage keeps
 by design -- are released), caches (``fwd_cache``, ``backward_state`` empty; ``bwd_cache`` and
@@ -49,7 +49,7 @@ within ``|x - ref| <= 1e-6 + 1e-5 |ref|`` of a single-process float32 reference,
 ``scale_grads=False``), hooks (post-accumulate-grad hooks once per trainable parameter per microbatch).
 
 Bounded time without depending on the machine's speed: the launcher's hang clock starts once every rank
-has started and measures time without progress (Note [hang clock] in ``ppbackward._harness.launch``);
+has started and measures time without progress (Note [hang clock] in ``ppbackward._tools.harness.launch``);
 the workers' gloo timeouts scale with the launch's measured start-up (Note [timeouts scale with
 start-up] in the worker); ``@pytest.mark.timeout`` is a backstop only.
 """
@@ -62,9 +62,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from tests.multiproc.multiproc_specs import LAUNCHES, launches_of
 
-from ppbackward._harness.launch import LaunchResult, launch
+from ppbackward._tools.harness.launch import LaunchResult, launch
+from tests.multiproc.multiproc_specs import LAUNCHES, launches_of
 
 # Note [launches prefetched]: the launches the selected tests read start at collection time, one at a
 # time, in a background thread, in the order the tests will need them; a test waits for its launch's
@@ -74,7 +74,7 @@ from ppbackward._harness.launch import LaunchResult, launch
 # second core and the waits (about a minute off the suite on 2 idle cores). Running concurrently with
 # other work is safe by design: the launcher's hang clock measures progress, not wall-clock time, and
 # the workers' gloo timeouts scale with the start-up they measure (Note [hang clock] in
-# ``ppbackward._harness.launch``, Note [timeouts scale with start-up] in the worker).
+# ``ppbackward._tools.harness.launch``, Note [timeouts scale with start-up] in the worker).
 
 
 class _Launches:

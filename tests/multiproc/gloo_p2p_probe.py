@@ -1,6 +1,6 @@
 """Run by ``test_gloo_p2p.py`` under torchrun (2 ranks, gloo): one batch of three P2P ops, rank 0 -> rank 1.
 
-``keep``: through ``ppbackward._harness.gloo_p2p`` (every ``Work`` kept and waited on); ``pop``: torch
+``keep``: through ``ppbackward._tools.harness.gloo_p2p`` (every ``Work`` kept and waited on); ``pop``: torch
 2.5-2.7's ``_batch_p2p`` (only the last ``Work`` kept), the negative control, which must time out.
 Prints ``rank <r> received [...]`` and ``rank <r> done``.
 """
@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ppbackward._harness import gloo_p2p
+from ppbackward._tools.harness import gloo_p2p
 
 # A long timeout for the rendezvous (start-up can be slow on a busy machine), then a group whose timeout
 # is argv[2] seconds for the batch itself, made once both ranks are known to be up.

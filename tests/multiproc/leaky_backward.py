@@ -83,17 +83,17 @@ def _leak(stage_output: Any, input_values: Any) -> None:
     walk(1)
 
 
-def stage_backward(stage_output, output_grads, input_values, outputs_with_grads_idxs=None):  # noqa: ANN001, ANN201
+def stage_backward(stage_output, output_grads, input_values, outputs_with_grads_idxs=None):
     _leak(stage_output, input_values)
     return _ORIGINALS["stage_backward"](stage_output, output_grads, input_values, outputs_with_grads_idxs)
 
 
-def stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights):  # noqa: ANN001, ANN201
+def stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights):
     _leak(stage_outputs_or_loss, input_values)
     return _ORIGINALS["stage_backward_input"](stage_outputs_or_loss, output_grads, input_values, weights)
 
 
-def stage_backward_weight(weights, param_groups, retain_graph=False):  # noqa: ANN001, ANN201
+def stage_backward_weight(weights, param_groups, retain_graph=False):
     return _ORIGINALS["stage_backward_weight"](weights, param_groups, retain_graph)
 
 

@@ -21,7 +21,7 @@ CONTROL_ARGS = (
 @dataclasses.dataclass(frozen=True)
 class LaunchSpec:
     """One torchrun launch. ``timeout``: seconds without progress once every rank has started (Note [hang
-    clock] in ``ppbackward._harness.launch``), so it does not depend on how busy the machine is."""
+    clock] in ``ppbackward._tools.harness.launch``), so it does not depend on how busy the machine is."""
 
     nproc: int
     args: tuple[str, ...]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ppbackward._compat import torch_release
-from ppbackward._harness import gloo_p2p
+from ppbackward._tools.harness import gloo_p2p
 
 PROBE = Path(__file__).resolve().parent / "gloo_p2p_probe.py"
 # Seconds gloo waits for the batch, once both ranks are up (the rendezvous itself gets 300 s). The

@@ -1,6 +1,6 @@
 """A hung rank fails in bounded time, readably (layer 5 of ``conftest.py``).
 
-Nothing here depends on how fast the machine is (Note [hang clock] in ``ppbackward._harness.launch``):
+Nothing here depends on how fast the machine is (Note [hang clock] in ``ppbackward._tools.harness.launch``):
 the hang clock starts once both ranks have started, and the launcher waits for each rank's stack dump
 before it kills the launch.
 """
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ppbackward._harness.launch import alive, launch
+from ppbackward._tools.harness.launch import alive, launch
 
 HANG_TIMEOUT = 3.0  # seconds without progress once every rank has started
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ppbackward._compat import torch_release
-from ppbackward._harness import models, parallel, probes, schedules, worker
-from ppbackward._harness.launch import LaunchResult
+from ppbackward._tools.harness import models, parallel, probes, schedules, worker
+from ppbackward._tools.harness.launch import LaunchResult
 
 # ----------------------------------------------------------------------------------------------------
 # schedule matrix
@@ -362,7 +362,7 @@ def test_one_rank_skips_multi_stage_schedules_only_where_torch_cannot_hand_over_
 
 
 def test_scenarios_select_default_all_and_names_and_refuse_unknown_ones() -> None:
-    from ppbackward._harness import scenarios
+    from ppbackward._tools.harness import scenarios
 
     assert [s.name for s in scenarios.select("default")] == list(scenarios.DEFAULT)
     assert len(scenarios.select("all")) == len(scenarios.SCENARIOS)
@@ -408,7 +408,7 @@ def test_layout_puts_each_rank_on_one_dp_x_pp_coordinate() -> None:
     ],
 )
 def test_every_kind_of_failure_is_named(failure: str, wrap: str, kind: str) -> None:
-    from ppbackward._harness import diagnose
+    from ppbackward._tools.harness import diagnose
 
     record = {"failures": [failure], "wrap": wrap}
     assert diagnose.kind_of(failure, record) == kind
@@ -418,7 +418,7 @@ def test_every_kind_of_failure_is_named(failure: str, wrap: str, kind: str) -> N
 
 
 def test_ddp_shape_inference_is_named_from_torchs_message_in_the_whole_traceback() -> None:
-    from ppbackward._harness import diagnose
+    from ppbackward._tools.harness import diagnose
 
     # the failure line lost DDP's message to the cut (Note [DDP and shape inference]); the traceback has it
     failure = "exception: RuntimeError: [Stage 1] failed to run forward: ... (caused by RuntimeError: false INTERNAL ..."
@@ -436,14 +436,14 @@ def test_ddp_shape_inference_is_named_from_torchs_message_in_the_whole_traceback
 
 
 def test_order_ranks_every_kind_as_kinds_lists_them() -> None:
-    from ppbackward._harness import diagnose
+    from ppbackward._tools.harness import diagnose
 
     assert list(diagnose.ORDER) == [kind.key for kind in diagnose.KINDS]
     assert sorted(diagnose.ORDER.values()) == list(range(len(diagnose.KINDS)))
 
 
 def test_findings_come_most_telling_first_and_once_per_kind() -> None:
-    from ppbackward._harness import diagnose
+    from ppbackward._tools.harness import diagnose
 
     record = {"wrap": "ddp", "failures": ["step 0: hooks: a", "step 0: numerics: x outside", "step 0: replicas: r", "step 1: hooks: b"]}
     assert [f.kind.key for f in diagnose.diagnose(record)] == ["ddp-replicas", "grads-wrong", "hooks-skipped"]
@@ -453,7 +453,7 @@ def test_findings_come_most_telling_first_and_once_per_kind() -> None:
 def test_progress_reports_a_case_once_every_rank_has_it_and_says_what_runs_meanwhile(tmp_path: Path) -> None:
     """Issue 23: progress came from rank 0 alone (``lora-last pass`` over a failing row) and froze 20-29 s
     with no word of why (Note [progress says what runs]); no process, a fake clock: no timing involved."""
-    from ppbackward._harness.launch import _CaseReporter
+    from ppbackward._tools.harness.launch import _CaseReporter
 
     now = [0.0]
     seen: list[tuple[str, dict]] = []

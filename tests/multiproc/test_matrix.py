@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from ppbackward._tools.harness import models, schedules
+from ppbackward._tools.harness.probes import recv_buffers_kept_by_stage
 from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, LAUNCHES, slow_params
-from ppbackward._harness import models, schedules
-from ppbackward._harness.probes import recv_buffers_kept_by_stage
 
 MATRIX = ("ws2", "ws4", "ws2-static")
 

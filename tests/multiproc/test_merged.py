@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, slow_params
 from tests.multiproc import test_matrix, test_training
+from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, slow_params
 
 ZB = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 # merged launch -> (the same cases unmerged, how a passing case is checked for vacuity)
@@ -78,9 +78,9 @@ def test_check_s_merge_lines_count_what_each_rank_ran(launches) -> None:
     summed over ranks: here against the same cases launched unmerged (full backwards gained, B actions
     there), DualPipeV (whose own lowering already runs full backwards) included; unmerged cases read 0;
     with no splitting schedule it says so."""
-    from ppbackward._cli import cells
-    from ppbackward._cli import check as _check
-    from ppbackward._harness.scenarios import Scenario
+    from ppbackward._tools.cli import cells
+    from ppbackward._tools.cli import check as _check
+    from ppbackward._tools.harness.scenarios import Scenario
 
     scenario = Scenario("pp", "pipeline", 2, ("one", "two"))  # two models: rows are whole case ids
 

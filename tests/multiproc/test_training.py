@@ -3,14 +3,14 @@
 Two launches: the training models (frozen prefix + LoRA, LoRA on the last stage only, a compiled block,
 bf16 autocast with a scaled loss, a custom Function with a side-effect counter) on one pipeline of 2
 ranks; and pipeline x data parallel on a 2-D mesh of 4 ranks (dp 2 x pp 2; Note [dp x pp layout] in
-``ppbackward._harness.parallel``), ``mlp`` and ``lora`` with every stage wrapped in DDP, in FSDP2's
+``ppbackward._tools.harness.parallel``), ``mlp`` and ``lora`` with every stage wrapped in DDP, in FSDP2's
 ``fully_shard``, and in ``fully_shard(reshard_after_forward=False)``, each dp rank on its own data shard.
 Every case of every schedule must pass every check on every rank (the single-pipeline ones, plus the
 grads against the reference of the mean of the per-shard losses, identical DDP replicas, and the custom
 Function's backward run once per microbatch). A third launch (issue 20) runs torchtitan's shape
 (``titan``, ``titan-sac``: final RMSNorm, ``lm_head`` applied in a chunked loss with its own backward)
 plain and sharded as torchtitan shards it (``fsdp-titan``: Note [torchtitan's final norm] in
-``ppbackward._harness.models``). torch's own backward on the same launches: ``test_training_upstream.py``.
+``ppbackward._tools.harness.models``). torch's own backward on the same launches: ``test_training_upstream.py``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from ppbackward._tools.harness import models, parallel, schedules
+from ppbackward._tools.harness.worker import case_id
 from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, slow_params
-from ppbackward._harness import models, parallel, schedules
-from ppbackward._harness.worker import case_id
 
 WRAPS = ("ddp", "fsdp", "fsdp-keep")
 TITAN_WRAPS = ("none", "fsdp-titan")

@@ -1,7 +1,7 @@
 """torch's own backward in the training setups of ``test_training.py``: which cells it fails, and why.
 
 Same two launches with ``--backward upstream``. Every cell's kinds of failure
-(``ppbackward._harness.diagnose``, the kinds ``ppbackward check`` names) must be exactly the ones stated
+(``ppbackward._tools.harness.diagnose``, the kinds ``ppbackward check`` names) must be exactly the ones stated
 here, strictly: a cell that starts passing, or fails another way, fails this test. Pinned for torch
 2.13 and 2.14, whose ``_backward.py`` are identical, and 2.15 (its ``_backward.py`` only takes
 ``GradientEdge`` and ``None`` outputs besides: the same kinds, checked on 2.15.0); other releases are
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT
 from ppbackward._compat import torch_release
-from ppbackward._harness import schedules
-from ppbackward._harness.diagnose import KINDS, diagnose
+from ppbackward._tools.harness import schedules
+from ppbackward._tools.harness.diagnose import KINDS, diagnose
+from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT
 from tests.multiproc.test_training import expected_cases
 
 SPLIT = {name for name, rule in schedules.RULES.items() if rule.split_backward}

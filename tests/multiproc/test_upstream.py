@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, uses_launch
 from ppbackward._compat import torch_release
-from ppbackward._harness import schedules
+from ppbackward._tools.harness import schedules
+from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, uses_launch
 
 FULL_BACKWARD = [name for name, rule in schedules.RULES.items() if not rule.split_backward]
 

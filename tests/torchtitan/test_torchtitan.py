@@ -21,7 +21,7 @@ Where this checkout's ppbackward does not support the venv's torch (``ppbackward
 ppbackward cases assert the launcher's refusal instead: exit code 3 before torchtitan starts, one line
 naming the version.
 
-Every launch goes through the harness launcher (``ppbackward._harness.launch``): its hang clock restarts
+Every launch goes through the harness launcher (``ppbackward._tools.harness.launch``): its hang clock restarts
 at every optimizer step a rank reports, a hang dumps every rank's stack, and a failure shows every rank's
 log tail.
 """
@@ -39,7 +39,7 @@ import pytest
 
 from ppbackward import UnsupportedTorchError
 from ppbackward._compat import check_supported
-from ppbackward._harness.launch import LaunchResult, launch
+from ppbackward._tools.harness.launch import LaunchResult, launch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

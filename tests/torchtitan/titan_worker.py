@@ -1,7 +1,7 @@
 """Tests-only launcher of one torchtitan rank on CPU: the CPU adaptations, a grad recorder, then the target.
 
 Run by ``tests/torchtitan/test_torchtitan.py`` under torchrun, through the project's harness launcher
-(``ppbackward._harness.launch.launch(..., module="titan_worker")``), in the torchtitan venv
+(``ppbackward._tools.harness.launch.launch(..., module="titan_worker")``), in the torchtitan venv
 (``scripts/newest_venv.sh``)::
 
     python -m titan_worker --out DIR --launched-at T --backward {torch,ppbackward} -- TORCHTITAN ARGS...
@@ -21,7 +21,7 @@ The CPU adaptations (none edits torchtitan's files; each is needed only because 
    launcher calls ``torch.use_deterministic_algorithms(True)`` itself (the rest of what that flag does
    concerns CUDA).
 
-What it leaves in ``DIR`` (the harness launcher's files, Note [hang clock] in ``ppbackward._harness.launch``):
+What it leaves in ``DIR`` (the harness launcher's files, Note [hang clock] in ``ppbackward._tools.harness.launch``):
 ``rank<r>.pid``; ``rank<r>.json``, rewritten after every optimizer step (``{"backward", "cases": [one
 record per step], "complete", "fatal"}``); ``grads-rank<r>.pt``: ``{step: {parameter fqn: grad before
 clipping, or None}}``; ``rank<r>.log``: this process's stdout and stderr, where ``faulthandler`` dumps every thread's

@@ -1,0 +1,456 @@
+"""The split's cost: B, W and B+W per microbatch-stage against one full backward of the same graph.
+
+Private module (issue 22). Note [split cost]: a zero-bubble schedule pays for its smaller bubble with
+the B/W split: B then W run the same matrix products as one full backward, so the floor of B+W over
+the full backward is 1.0x; what lies above it is the split's own work (graph analysis, hooks, engine
+entries, W's node calls). Per configuration and regime (Note [regimes] in ``timing``), each repeat
+runs, in an order rotated by one from the previous repeat (Note [interleaved repeats]), ppbackward's
+full ``stage_backward`` and its B then W on a fresh forward each (forward untimed), plus torch's own
+B then W for contrast; the figures are the minima over repeats and, beside them, the median and the
+spread (first and third quartile) of the ratios taken within one repeat. B alone is B's time in the
+split variant. ``extra`` maps more variant names to ``(B, W)`` pairs of callables with ppbackward's
+signatures, timed the same way (e.g. an older ppbackward imported under another name, to compare a
+change side by side in one run).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+import ppbackward.backward as _ours
+from ppbackward._tools.bench.impls import UPSTREAM_B, UPSTREAM_W
+from ppbackward._tools.bench.models import Config, Stage, build, reset_grads
+from ppbackward._tools.bench.timing import REGIMES, fit_repeats, gc_paused, prepare_regime, rotations
+
+__all__: list[str] = []  # private module
+
+# The configurations, from host-bound (4x16x4: the host's per-node cost is everything) to compute-bound
+# (4x512x64), and the limits on B+W over the full backward (docs/performance.md, Targets).
+CONFIGS = (
+    Config(4, 16, 4), Config(4, 128, 16), Config(4, 256, 16), Config(16, 64, 16), Config(16, 256, 16),
+    Config(4, 512, 64),
+)
+LIMITS = {
+    "4x16x4": 1.5, "4x128x16": 1.30, "4x256x16": 1.15, "16x64x16": 1.5, "16x256x16": 1.15, "4x512x64": 1.05,
+}
+
+Split = tuple[Callable[..., Any], Callable[..., Any]]
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """``time.perf_counter``, after waiting for the device's queued work (CUDA runs asynchronously)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
+
+
+def _time_full(stage: Stage) -> dict[str, float]:
+    clock = device_clock(stage.x.device)
+    t0 = clock()
+    out = stage.model(stage.x)
+    t1 = clock()
+    _ours.stage_backward((out,), (stage.grad,), [stage.x])
+    return {"fwd": t1 - t0, "full": clock() - t1}
+
+
+def _time_split(name: str, pair: Split, stage: Stage) -> dict[str, float]:
+    b, w = pair
+    clock = device_clock(stage.x.device)
+    out = stage.model(stage.x)
+    t0 = clock()
+    _, groups = b((out,), (stage.grad,), [stage.x], iter(stage.params))
+    t1 = clock()
+    w(iter(stage.params), groups)
+    t2 = clock()
+    return {f"{name}_b": t1 - t0, f"{name}_w": t2 - t1, f"{name}_bw": t2 - t0}
+
+
+def _variants(extra: dict[str, Split]) -> dict[str, Callable[[Stage], dict[str, float]]]:
+    pairs: dict[str, Split] = {
+        "pp": (_ours.stage_backward_input, _ours.stage_backward_weight),
+        "torch": (UPSTREAM_B, UPSTREAM_W),
+        **extra,
+    }
+    runners: dict[str, Callable[[Stage], dict[str, float]]] = {"full": _time_full}
+    for name, pair in pairs.items():
+        runners[name] = functools.partial(_time_split, name, pair)
+    return runners
+
+
+def _round(stage: Stage, runners: dict, order: tuple[str, ...], regime: str) -> dict[str, float]:
+    got: dict[str, float] = {}
+    with gc_paused():
+        for name in order:
+            prepare_regime(stage, regime)
+            got.update(runners[name](stage))
+    return got
+
+
+def _stats(rounds: list[dict[str, float]], num: str, den: str) -> dict[str, float]:
+    ratios = sorted(r[num] / r[den] for r in rounds)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {
+        "min_ratio": min(r[num] for r in rounds) / min(r[den] for r in rounds),
+        "median": statistics.median(ratios),
+        "q1": q[0],
+        "q3": q[2],
+    }
+
+
+def on_device(stage: Stage, device: torch.device | str) -> Stage:
+    """``stage`` with its model, input and output gradient on ``device``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return stage
+    model = stage.model.to(device)
+    x = stage.x.detach().to(device).requires_grad_()
+    return Stage(model, list(model.parameters()), x, stage.grad.to(device))
+
+
+def measure_config(
+    cfg: Config,
+    repeats: int,
+    budget_s: float | None,
+    extra: dict[str, Split] | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """One configuration: min-of-N ms of every figure per regime, and the ratios to the full backward.
+
+    Returns:
+        ``{"name", "label", "batch" (microbatch size), "repeats", "time_ms": {regime: {key: ms}},
+        "ratios": {regime: {key: {"min_ratio", "median", "q1", "q3"}}}}`` where the keys are
+        ``<variant>_b``, ``<variant>_w``, ``<variant>_bw`` for every split variant (``pp``, ``torch`` and
+        ``extra``'s), ratios taken against ``full`` (ppbackward's ``stage_backward``).
+    """
+    stage = on_device(build(cfg), device)
+    runners = _variants(extra or {})
+    names = tuple(runners)
+    for regime in REGIMES:  # warm-up
+        _round(stage, runners, names, regime)
+    t0 = time.perf_counter()
+    for regime in REGIMES:
+        _round(stage, runners, names, regime)
+    n = fit_repeats(repeats, budget_s, time.perf_counter() - t0)
+    rounds: dict[str, list[dict[str, float]]] = {regime: [] for regime in REGIMES}
+    for order in rotations(names, n):
+        for regime in REGIMES:
+            rounds[regime].append(_round(stage, runners, order, regime))
+    reset_grads(stage)
+    keys = [k for k in rounds[REGIMES[0]][0] if k not in ("full", "fwd")]
+    return {
+        "name": cfg.name,
+        "label": cfg.label,
+        "batch": cfg.batch,
+        "nodes": graph_nodes(stage),
+        "repeats": n,
+        "limit_bw": LIMITS.get(cfg.name),
+        "time_ms": {rg: {k: 1e3 * min(r[k] for r in rs) for k in ["fwd", "full", *keys]} for rg, rs in rounds.items()},
+        "ratios": {rg: {k: _stats(rs, k, "full") for k in keys} for rg, rs in rounds.items()},
+        "held_bytes": held_bytes(stage) if stage.x.device.type == "cuda" else None,
+    }
+
+
+def graph_nodes(stage: Stage) -> int:
+    """The number of autograd nodes one microbatch's backward of ``stage`` walks (its graph below the
+    output, down to the stage input and the parameters' ``AccumulateGrad`` nodes)."""
+    from ppbackward._graph import analyze, gradient_edge
+
+    out = stage.model(stage.x)
+    return len(analyze([gradient_edge(out)], {gradient_edge(stage.x).node}).structure.nodes)
+
+
+def held_bytes(stage: Stage) -> dict[str, int]:
+    """CUDA allocator bytes alive between B and W beyond what the stage holds after W, per split
+    (``pp``, ``torch``): ``memory_allocated`` right after B minus right after W, the stage output
+    kept alive throughout as ``PipelineStage`` keeps it (the parameter grads exist before: accumulating
+    regime, so W allocates none)."""
+    out_bytes: dict[str, int] = {}
+    prepare_regime(stage, "accumulating")
+    splits: dict[str, Split] = {
+        "pp": (_ours.stage_backward_input, _ours.stage_backward_weight),
+        "torch": (UPSTREAM_B, UPSTREAM_W),
+    }
+    for name, (b, w) in splits.items():
+        stage.x.grad = None
+        out = stage.model(stage.x)
+        _, groups = b((out,), (stage.grad,), [stage.x], iter(stage.params))
+        torch.cuda.synchronize()
+        after_b = torch.cuda.memory_allocated()
+        w(iter(stage.params), groups)
+        del groups
+        torch.cuda.synchronize()
+        out_bytes[name] = after_b - torch.cuda.memory_allocated()
+        del out
+    reset_grads(stage)
+    return out_bytes
+
+
+def measure(
+    configs: tuple[Config, ...] | list[Config] = CONFIGS,
+    repeats: int = 60,
+    budget_s: float | None = 15.0,
+    extra: dict[str, Split] | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """:func:`measure_config` for each configuration (torch's thread count at 1), each with the
+    replayed steps (``_replay.replay``, 2 and 4 ranks, 8 microbatches) from its accumulating-regime
+    costs (a step's microbatches after the first accumulate)."""
+    from ppbackward._tools.bench import replay as _replay
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = []
+        for cfg in configs:
+            c = measure_config(cfg, repeats, budget_s, extra, device)
+            t = c["time_ms"]["accumulating"]
+            costs = {"F": t["fwd"], "full": t["full"], "B": t["pp_b"], "W": t["pp_w"]}
+            c["costs_ms"] = costs
+            c["replay"] = {f"{r} ranks": _replay.replay(costs, ranks=r) for r in (2, 4)}
+            out.append(c)
+        return {"device": str(torch.device(device)), "configs": out}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def targets(result: dict[str, Any], schedule: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Issue 22's targets as rows of ``_report.targets`` (``_report._target``): B+W over the full
+    backward per configuration and regime, B alone <= the full backward; with the real torchrun step
+    (``schedule``, from ``_schedule.run_schedule``), ZBVZeroBubble <= 1.00x and InterleavedZeroBubble <=
+    1.05x the Interleaved1F1B step."""
+    from ppbackward._tools.bench.report import _target
+
+    rows = []
+    for c in result["configs"]:
+        for regime in REGIMES:
+            r = c["ratios"][regime]
+            where = f"{c['label']}, {regime}, {result.get('device', 'cpu')}"
+            if c["limit_bw"] is not None:
+                bw = r["pp_bw"]
+                name = f"split: B+W <= {c['limit_bw']:.2f}x full backward"
+                rows.append(_target(name, where, bw["min_ratio"], c["limit_bw"], bw["median"]))
+            b = r["pp_b"]
+            rows.append(_target("split: B alone <= 1.00x full backward", where, b["min_ratio"], 1.0, b["median"]))
+    if schedule and "ratio_to_1f1b" in schedule:
+        where = f"torchrun {schedule['ranks']} ranks, d {schedule['d_model']}, {schedule['microbatches']} microbatches"
+        plain = schedule["ratio_to_1f1b"].get("Interleaved1F1B/ppbackward")
+        if plain is not None:  # a user who installs ppbackward for correctness must not pay in a plain schedule
+            rows.append(
+                _target("real step: Interleaved1F1B, ppbackward's full backward <= 1.01x torch's", where, plain, 1.01)
+            )
+        for zb, limit in (("ZBVZeroBubble", 1.0), ("InterleavedZeroBubble", 1.05)):
+            for backward in ("ppbackward", "merged"):
+                value = schedule["ratio_to_1f1b"].get(f"{zb}/{backward}")
+                if value is not None:
+                    name = f"real step: {zb} ({backward}) <= {limit:.2f}x Interleaved1F1B"
+                    rows.append(_target(name, where, value, limit))
+    return rows
+
+
+def format_split(result: dict[str, Any]) -> str:
+    """The split table: per configuration and regime, ms and ratios to the full backward."""
+    lines = [
+        "Split cost per microbatch-stage: ms (min of N) and ratio to ppbackward's full stage_backward "
+        "(min/min; median [q1-q3] of per-repeat ratios)"
+    ]
+    lines += _per_node_lines(result)
+    for c in result["configs"]:
+        for regime in REGIMES:
+            t, r = c["time_ms"][regime], c["ratios"][regime]
+            variants = sorted({k.rsplit("_", 1)[0] for k in r})
+            cells = [f"{c['label']:<13} {regime:<12} N={c['repeats']:<3} full {t['full']:7.2f}"]
+            for v in variants:
+                bw, b = r[f"{v}_bw"], r[f"{v}_b"]
+                cells.append(
+                    f"{v}: B {t[v + '_b']:.2f} W {t[v + '_w']:.2f} B+W {bw['min_ratio']:.2f}x "
+                    f"({bw['median']:.2f} [{bw['q1']:.2f}-{bw['q3']:.2f}]) B/full {b['min_ratio']:.2f}x"
+                )
+            lines.append("  ".join(cells))
+        if c.get("held_bytes"):
+            h = c["held_bytes"]
+            lines.append(
+                f"{'':<13} CUDA allocator bytes held between B and W (freed by W): pp {h['pp']}, torch {h['torch']}"
+            )
+    lines.append(
+        "\nReplayed step (Note [replayed step]: torch's action lists, these costs, zero communication; "
+        "ratio to Interleaved1F1B; merged: B directly followed by its W run as one full backward)"
+    )
+    for c in result["configs"]:
+        for ranks, rp in c.get("replay", {}).items():
+            r = rp["ratio_to_1f1b"]
+            cells = [f"{c['label']:<13} {ranks}, {rp['microbatches']} mb:"]
+            for zb in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"):
+                short = zb.replace("Schedule", "").replace("ZeroBubble", "ZB")
+                cells.append(
+                    f"{short} ideal {r[zb + '/ideal']:.2f}x measured {r[zb + '/measured']:.2f}x "
+                    f"merged {r[zb + '/merged']:.2f}x ({rp['merged_share'][zb]:.0%} of W merged)"
+                )
+            lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def _per_node_lines(result: dict[str, Any]) -> list[str]:
+    """Host cost per autograd node (accumulating regime): the full backward's, B's, W's and what B+W cost
+    beyond the full backward, in us per node of the stage's graph."""
+    lines = ["Host cost per autograd node (accumulating, us per node of the stage graph)"]
+    for c in result["configs"]:
+        nodes = c.get("nodes")
+        if not nodes:
+            continue
+        t = c["time_ms"]["accumulating"]
+        per = {k: 1e3 * t[k] / nodes for k in ("full", "pp_b", "pp_w", "pp_bw")}
+        lines.append(
+            f"  {c['label']:<13} {nodes:5d} nodes  full {per['full']:6.2f}  B {per['pp_b']:6.2f}"
+            f"  W {per['pp_w']:6.2f}  B+W - full {per['pp_bw'] - per['full']:+6.2f}"
+        )
+    return lines
+
+
+def run(args: Any, meta: dict[str, Any]) -> int:
+    """``ppbackward bench --split``: measure, replay, optionally the real torchrun step and the one-rank
+    step (``one_rank``); print and write JSON (``args.json``). Returns 0, or 1 when a schedule run
+    failed or its grads differ."""
+    import json
+
+    from ppbackward._tools.bench import models as _models
+    from ppbackward._tools.bench import report as _report
+
+    configs = list(CONFIGS) if args.configs == "all" else _models.parse_configs(args.configs)
+    if args.quick:
+        configs = [Config(4, 64, 16)]
+    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 60)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("ppbackward bench --split --device cuda: no CUDA device available")
+    split = measure(configs, repeats, None if args.quick else args.budget, device=device)
+    report: dict[str, Any] = {"meta": meta, "split": split}
+    failed = False
+    if args.schedule:
+        from ppbackward._tools.bench import schedule as _schedule
+
+        try:
+            report["schedule"] = _schedule.run_schedule(
+                repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout,
+                d_model=args.schedule_d_model,
+            )
+            failed = not report["schedule"]["grads_match"]
+        except _schedule.ScheduleBenchError as e:
+            report["schedule"] = {"error": str(e)}
+            failed = True
+    if args.trace and "slices_ms" in report.get("schedule", {}):
+        _write_traces(args.trace, report)
+    if args.plot:
+        from ppbackward._tools.bench import plots as _plots
+
+        for path in _plots.write_plots(args.plot, report["split"]):
+            print(f"bench: wrote {path}", file=sys.stderr)
+    if args.one_rank_step:
+        report["one_rank_step"] = _one_rank_step(args, device)
+        failed = failed or not report["one_rank_step"].get("grads_match", False)
+    report["targets"] = targets(report["split"], report.get("schedule"))
+    report["meta"]["loadavg_end"] = _loadavg()
+    print(format_run(report, _report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if failed else 0
+
+
+def _write_traces(folder: str, report: dict[str, Any]) -> None:
+    """``--trace``: the real step's traces, with the replayed step where ``--split`` measured the same stage
+    shape and microbatch size (Note [step traces])."""
+    from ppbackward._tools.bench import trace as _trace
+
+    sched = report["schedule"]
+    shape = f"{sched['layers_per_stage']}x{sched['d_model']}x{sched['seq']}"  # Config.name
+    config = next((c for c in report["split"]["configs"] if c["name"] == shape), None)
+    costs = config["costs_ms"] if config and config.get("batch") == sched.get("microbatch_size") else None
+    for path in _trace.write_traces(folder, sched, costs):
+        print(f"bench: wrote {path}", file=sys.stderr)
+
+
+def _one_rank_step(args: Any, device: torch.device) -> dict[str, Any]:
+    """``--one-rank-step``: ``_one_rank.measure`` (tiny with ``--quick``), or ``{"error": why}``."""
+    from ppbackward._tools.bench import one_rank as _one_rank
+
+    cfg = _one_rank.QUICK if args.quick else _one_rank.OneRankConfig(
+        d_model=args.schedule_d_model, repeats=args.schedule_repeats
+    )
+    try:
+        return _one_rank.measure(cfg, device)
+    except RuntimeError as e:
+        return {"error": str(e)}
+
+
+def _loadavg() -> float | None:
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def replayed_steps(split: dict[str, Any], sched: dict[str, Any]) -> dict[str, float]:
+    """``{real-step variant name: replayed step ms}`` from the split configuration of the real step's stage
+    shape (``layers_per_stage``, ``d_model``, ``seq``, microbatch size) replayed at its rank and microbatch
+    counts; ``{}`` when none was. ppbackward's variants get the replay of ppbackward's costs (``merged``:
+    the merged replay); torch's zero-bubble variants have none (the replay is of ppbackward's split)."""
+    shape = f"{sched['layers_per_stage']}x{sched['d_model']}x{sched['seq']}"  # Config.name
+    config = next((c for c in split["configs"] if c["name"] == shape), None)
+    if config is None or config.get("batch") != sched.get("microbatch_size"):
+        return {}
+    rp = config.get("replay", {}).get(f"{sched['ranks']} ranks")
+    if rp is None or rp["microbatches"] != sched["microbatches"]:
+        return {}
+    ms = rp["step_ms"]
+    out = {f"Interleaved1F1B/{b}": ms["ScheduleInterleaved1F1B"] for b in ("upstream", "ppbackward")}
+    for zb in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+        out[f"{zb}/ppbackward"] = ms[f"Schedule{zb}/measured"]
+        out[f"{zb}/merged"] = ms[f"Schedule{zb}/merged"]
+    return out
+
+
+def format_run(report: dict[str, Any], rep: Any) -> str:
+    """The ``--split`` report: header, split and replay tables, the real step, the targets."""
+    m = report["meta"]
+    parts = [
+        f"ppbackward bench --split  {m['date']}  torch {m['torch']}  device {report['split']['device']}  "
+        f"{m['cpu_count']} CPU cores, 1 torch thread; ppbackward {m.get('ppbackward_commit')}; "
+        f"1-min load average {m.get('loadavg_start')} at start, {m.get('loadavg_end')} at end; "
+        f"CPU allocator: {m.get('allocator', 'not recorded')}",
+        format_split(report["split"]),
+    ]
+    sched = report.get("schedule")
+    if sched:
+        if "error" in sched:
+            parts.append(f"\nReal step: ERROR\n{sched['error']}")
+        else:
+            r = sched["ratio_to_1f1b"]
+            parts.append(
+                f"\nReal step (torchrun {sched['ranks']} ranks, {sched['stages']} stages x "
+                f"{sched['layers_per_stage']} layers d {sched['d_model']} s {sched['seq']}, "
+                f"{sched['microbatches']} microbatches; min of {sched['repeats']} steps; ratio to Interleaved1F1B "
+                "with torch's backward; merged: built under install(merge_bw=True), each B directly followed by "
+                "its own W run as one full backward; on shared cores these ratios move by tens of percent between "
+                "runs, docs/performance.md): "
+                + "  ".join(f"{k} {v:.2f}x" for k, v in r.items())
+                + rep.step_parts_table(sched, replayed_steps(report["split"], sched))
+            )
+    if "one_rank_step" in report:
+        from ppbackward._tools.bench.one_rank import format_one_rank
+
+        parts.append(format_one_rank(report["one_rank_step"]))
+    parts.append(rep.targets_table(report["targets"], "issue 22; docs/performance.md"))
+    return "\n".join(parts)

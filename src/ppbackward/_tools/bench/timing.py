@@ -1,0 +1,133 @@
+"""Interleaved, min-of-N timing of the backward variants.
+
+Private module. Note [interleaved repeats]: on a small, shared machine the speed drifts over
+seconds (other processes, frequency scaling). Each repeat therefore runs every variant once, in an
+order rotated by one from the previous repeat, and each figure is the minimum over repeats: the
+run least disturbed by the machine. Ratios are taken between minima of the same run. The forward
+is re-run before every timed backward and is not timed; the gc is run before each repeat and
+disabled during it (a ``gc.collect()`` costs tens of ms in a process that imported torch). The
+helpers :func:`fit_repeats`, :func:`rotations` and :func:`gc_paused` are shared with the
+microbatch loop (``loop``).
+
+Note [regimes]: a stage's first microbatch of a step finds every parameter's ``.grad`` ``None``; the
+others accumulate into existing grads, which is a different path in ``AccumulateGrad`` (an add into
+the held grad, or a fresh tensor) and a different allocation pattern. Each repeat runs one round in
+each regime: ``first`` (every ``.grad`` set to ``None`` before each variant) and ``accumulating``
+(grads kept, so each variant adds into what the previous one left). The stage input's ``.grad`` is
+reset before every variant in both: a pipeline stage gets fresh inputs per microbatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from collections.abc import Iterator
+from typing import TypeVar
+
+from ppbackward._tools.bench.impls import VARIANTS, run_variant
+from ppbackward._tools.bench.models import Config, Stage, build, reset_grads
+
+__all__: list[str] = []  # private module
+
+# Keys of the result, each the minimum over repeats, in seconds.
+KEYS = ("plain", "upstream_b", "upstream_w", "upstream_bw", "ppbackward_b", "ppbackward_w", "ppbackward_bw", "full")
+
+
+REGIMES = ("first", "accumulating")
+
+_T = TypeVar("_T")
+
+
+def fit_repeats(repeats: int, budget_s: float | None, per_repeat_s: float) -> int:
+    """N, the repeats to time: ``repeats``, lowered so that N repeats of ``per_repeat_s`` seconds take
+    about ``budget_s`` seconds, but never below 3 (nor above ``repeats``); ``repeats`` itself when there
+    is no budget (``None``) or ``per_repeat_s`` is not positive."""
+    if budget_s is None or per_repeat_s <= 0:
+        return repeats
+    return max(min(repeats, 3), min(repeats, int(budget_s / per_repeat_s)))
+
+
+def rotations(items: tuple[_T, ...], repeats: int) -> Iterator[tuple[_T, ...]]:
+    """The order of each of ``repeats`` repeats: ``items`` rotated by one more each time (Note [interleaved
+    repeats])."""
+    for r in range(repeats):
+        k = r % len(items)
+        yield items[k:] + items[:k]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect, then keep the gc off for the block (Note [interleaved repeats])."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def prepare_regime(stage: Stage, regime: str) -> None:
+    if regime == "first" or any(p.grad is None for p in stage.params):
+        reset_grads(stage)
+        if regime == "accumulating":  # grads to accumulate into
+            out = stage.model(stage.x)
+            out.backward(stage.grad)
+    stage.x.grad = None
+
+
+def _one_round(stage: Stage, order: tuple[str, ...], regime: str) -> dict[str, float]:
+    got: dict[str, float] = {}
+    with gc_paused():
+        for name in order:
+            prepare_regime(stage, regime)
+            t = run_variant(name, stage)
+            if name in ("plain", "full"):
+                got[name] = t["total"]
+            else:
+                got[f"{name}_b"], got[f"{name}_w"], got[f"{name}_bw"] = t["b"], t["w"], t["total"]
+    return got
+
+
+def time_config(
+    cfg: Config, repeats: int, budget_s: float | None = None, stage: Stage | None = None
+) -> tuple[dict[str, dict[str, float]], int, dict[str, dict[str, float]]]:
+    """Per regime (Note [regimes]): min-of-N seconds for every key of :data:`KEYS`; the N used; and
+    per regime :func:`paired_medians`.
+
+    Two warm-up repeats run first (not counted); the second sizes N. With ``budget_s``, N is lowered (never below 3,
+    nor above ``repeats``) so that the repeats take about that long: big configurations get fewer.
+    """
+    stage = stage or build(cfg)
+    for regime in REGIMES:  # warm-up (first-time allocations)
+        _one_round(stage, VARIANTS, regime)
+    t0 = time.perf_counter()
+    for regime in REGIMES:  # not counted either; sizes N
+        _one_round(stage, VARIANTS, regime)
+    n = fit_repeats(repeats, budget_s, time.perf_counter() - t0)
+    rounds: dict[str, list[dict[str, float]]] = {regime: [] for regime in REGIMES}
+    for order in rotations(VARIANTS, n):
+        for regime in REGIMES:
+            rounds[regime].append(_one_round(stage, order, regime))
+    reset_grads(stage)
+    mins = {regime: {key: min(got[key] for got in rs) for key in KEYS} for regime, rs in rounds.items()}
+    return mins, n, {regime: paired_medians(rs) for regime, rs in rounds.items()}
+
+
+# (numerator, denominator) of the ratios whose per-repeat median is reported.
+PAIRS = {
+    "upstream_bw/plain": ("upstream_bw", "plain"),
+    "ppbackward_bw/plain": ("ppbackward_bw", "plain"),
+    "full/plain": ("full", "plain"),
+    "ppbackward_bw/upstream_bw": ("ppbackward_bw", "upstream_bw"),
+}
+
+
+def paired_medians(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Median over repeats of each ratio in :data:`PAIRS`, both terms taken from the same repeat.
+
+    A second view of the same data: the minima (the main figures) are the least disturbed runs,
+    these medians compare runs made seconds apart. When the two disagree, the machine was noisy.
+    """
+    return {name: statistics.median(r[a] / r[b] for r in rounds) for name, (a, b) in PAIRS.items()}

@@ -1,0 +1,350 @@
+"""``ppbackward bench``: the stage-backward benchmark's command (options, validation, the run, the output).
+
+Private module. Every option is checked before the measurement modules are imported (a bad value is
+refused in the time ``import ppbackward`` takes); the measurements are ``ppbackward._tools.bench``'s modules.
+Method and results: ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from typing import Any, NamedTuple
+
+from ppbackward._tools.cli.paths import output_dir_problem, output_file_problem
+
+__all__ = ["main"]
+
+_EXIT_CODES = """exit codes:
+  0  every measurement ran (a missed target is reported, not an error)
+  1  an implementation's gradients differ from plain autograd, or the schedule run failed
+  2  a bad option (nothing was measured)"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ppbackward bench",
+        description=(
+            "Time, memory and counted device work of the pipeline stage backward: plain autograd, torch's B+W, "
+            "ppbackward's B+W and full backward, side by side (one process, 1 thread), with grads None "
+            "and accumulating; a microbatch loop in zero-bubble order; the allocator's counts; the kernels, "
+            "FLOPs and bytes B+W dispatch against a full backward. "
+            "Method and results: docs/performance.md."
+        ),
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--configs",
+        default="all",
+        help="'all' (4,16 layers x d 64,256 x seq 16,128) or a comma-separated list of "
+        "LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="max timed repeats per config (default 100; 20 with --quick)"
+    )
+    p.add_argument(
+        "--budget", type=float, default=20.0,
+        help="seconds of timed repeats per config (the microbatch loop gets half as much again): N is lowered "
+        "(not below 3) to fit (default 20)",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
+    p.add_argument(
+        "--quick", action="store_true",
+        help="only 4x64x16, few repeats, small scaling sweep, no profile (smoke test, CI); overrides --configs, "
+        "and the schedule steps run 2 repeats whatever --schedule-repeats says",
+    )
+    p.add_argument(
+        "--schedule", action="store_true",
+        help="also time the schedule step under torchrun (2 ranks, gloo): Interleaved1F1B, InterleavedZeroBubble "
+        "and ZBVZeroBubble with torch's backward, ppbackward's and merged (install(merge_bw=True)), with peak "
+        "memory per rank (without --split) or where each rank's time goes (with --split)",
+    )
+    p.add_argument(
+        "--schedule-repeats", type=int, default=8,
+        help="timed steps per schedule variant, of --schedule and --one-rank-step (default 8)"
+    )
+    p.add_argument(
+        "--schedule-timeout", type=float, default=300.0,
+        help="seconds before the torchrun process group is killed (default 300)",
+    )
+    p.add_argument(
+        "--split", action="store_true",
+        help="only the split's cost (issue 22): B, W, B+W against one full backward per microbatch-stage on "
+        "--configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and with "
+        "--schedule the real torchrun step; targets and verdicts",
+    )
+    p.add_argument(
+        "--one-rank-step", action="store_true",
+        help="with --split: also time one schedule step with every stage on one rank in this process (world-1 "
+        "process group, 2 stages x 4 layers d --schedule-d-model, --schedule-repeats repeats; tiny with --quick) on "
+        "--device: Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble with torch's backward, ppbackward's "
+        "and merged; no bubble, so it shows the runtime's and the split's overhead",
+    )
+    p.add_argument("--device", default="cpu", help="device of the --split measurement: cpu (default) or cuda")
+    p.add_argument(
+        "--schedule-d-model", type=int, default=128,
+        help="d_model of the --schedule and --one-rank-step stages (default 128)"
+    )
+    p.add_argument(
+        "--trace", metavar="DIR",
+        help="with --schedule: write one Chrome trace per schedule variant to DIR (open in Perfetto or "
+        "chrome://tracing): one process per rank, a slice per F, full backward, B, W, wait and the rest; with "
+        "--split the replayed step (ideal, measured, merged) beside it",
+    )
+    p.add_argument(
+        "--plot", metavar="DIR",
+        help="with --split: write PNGs to DIR: the split's cost against the stage's size, and each replayed "
+        "schedule step per rank (needs matplotlib: pip install 'ppbackward[plot]')",
+    )
+    p.add_argument("--no-scaling", action="store_true", help="skip the graph-analysis scaling sweep")
+    p.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes profile")
+    p.add_argument("--profile-config", default="16x64x16", help="configuration profiled (default 16x64x16)")
+    return p
+
+
+class _Request(NamedTuple):
+    """What the options ask for, validated."""
+
+    configs: list[Any]  # ppbackward._tools.bench.models.Config
+    profile_config: Any
+    repeats: int
+    budget: float | None  # None: --quick (no time budget, the repeat count alone)
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Request:
+    """Every option checked before any measurement module is imported; a bad one exits with code 2."""
+    for flag, value in (("--budget", args.budget), ("--schedule-timeout", args.schedule_timeout)):
+        if not math.isfinite(value) or value <= 0:
+            parser.error(f"{flag} {value:g}: must be a positive number of seconds")
+    repeats = args.repeats if args.repeats is not None else (20 if args.quick else 100)
+    if repeats < 1 or args.schedule_repeats < 1:
+        parser.error("--repeats and --schedule-repeats must be >= 1")
+    if args.schedule_d_model < 4 or args.schedule_d_model % 4:
+        parser.error(f"--schedule-d-model {args.schedule_d_model}: must be a positive multiple of 4 (nhead)")
+    if args.one_rank_step and not args.split:
+        parser.error("--one-rank-step: only with --split")
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device!r}: cpu or cuda (cuda:N)")
+    if args.json:
+        problem = output_file_problem(args.json)
+        if problem:
+            parser.error(f"--json {args.json}: {problem}")
+    if args.trace and not args.schedule:
+        parser.error("--trace: only with --schedule (it draws the real schedule step)")
+    if args.plot and not args.split:
+        parser.error("--plot: only with --split (it draws the split's cost and the replayed steps)")
+    for flag, folder in (("--trace", args.trace), ("--plot", args.plot)):
+        problem = folder and output_dir_problem(folder)
+        if problem:
+            parser.error(f"{flag} {folder}: {problem}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot: needs matplotlib, which is not installed: pip install 'ppbackward[plot]'")
+    from ppbackward._tools.bench import models as _models  # torch.nn only: the parse itself needs no measurement module
+
+    try:
+        if args.split:  # --split reads its own configurations (ppbackward._tools.bench.split.CONFIGS for 'all')
+            configs = [] if args.configs == "all" else _models.parse_configs(args.configs)
+        else:
+            configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(args.configs)
+        profile_config = _models.parse_configs(args.profile_config)[0]
+    except ValueError as e:
+        parser.error(str(e))
+    return _Request(configs, profile_config, repeats, None if args.quick else args.budget)
+
+
+def _git_commit() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", ".."],
+            capture_output=True, text=True, timeout=10,
+        )
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _meta(argv: list[str]) -> dict[str, Any]:
+    import torch
+
+    import ppbackward
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "ppbackward": ppbackward.__version__,
+        "ppbackward_commit": _git_commit(),
+        "argv": argv,
+        "loadavg_start": _loadavg(),
+        "allocator": _allocator(),
+    }
+
+
+def _allocator() -> str:
+    """The CPU allocator settings that change W's cost (docs/performance.md, "The allocator"): every
+    ``MALLOC_*`` variable (glibc's ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_ARENA_MAX``, ...; jemalloc's
+    ``MALLOC_CONF``), the ``glibc.malloc.*`` entries of ``GLIBC_TUNABLES`` (the same thresholds set the
+    newer way) and an ``LD_PRELOAD``ed jemalloc or tcmalloc; ``"glibc defaults"`` without any."""
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")]
+    tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
+    settings += [f"GLIBC_TUNABLES {t}" for t in tunables if t.startswith("glibc.malloc.")]
+    preload = os.environ.get("LD_PRELOAD", "")
+    settings += [f"LD_PRELOAD {name}" for name in ("jemalloc", "tcmalloc") if name in preload]
+    return ", ".join(settings) or "glibc defaults"
+
+
+def _loadavg() -> float | None:
+    """1-minute load average (other processes share the cores: a high value means noisy timings)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _measure_config(cfg: Any, request: _Request) -> dict[str, Any]:
+    """One configuration: exactness, memory, param groups, timings, the microbatch loop, allocations."""
+    from ppbackward._tools.bench import alloc as _alloc
+    from ppbackward._tools.bench import device_work as _device_work
+    from ppbackward._tools.bench import impls as _impls
+    from ppbackward._tools.bench import loop as _loop
+    from ppbackward._tools.bench import memory as _memory
+    from ppbackward._tools.bench import models as _models
+    from ppbackward._tools.bench import timing as _timing
+
+    _log(f"bench: {cfg.name} ...")
+    stage = _models.build(cfg)
+    exact = _impls.grads_match(stage)
+    device_work = _device_work.bench_work(stage)
+    memory = {
+        impl: {**_memory.measure_split(impl, stage), "hooked": _memory.measure_hooked(impl, stage)}
+        for impl in ("upstream", "ppbackward")
+    }
+    groups = {}
+    for impl in ("upstream", "ppbackward"):
+        out = stage.model(stage.x)
+        g = _impls.run_b(impl, stage, out)
+        groups[impl] = len(g)
+        _impls.run_w(impl, stage, g)
+        del g, out
+    _models.reset_grads(stage)
+    secs, n, paired = _timing.time_config(cfg, request.repeats, request.budget, stage)
+    ms = {regime: {k: v * 1e3 for k, v in t.items()} for regime, t in secs.items()}
+    _log(f"bench: {cfg.name} microbatch loop ...")
+    loop = _loop.time_loop(cfg, request.repeats, None if request.budget is None else request.budget / 2)
+    return {
+        "name": cfg.name, "label": cfg.label, "layers": cfg.layers, "d_model": cfg.d_model,
+        "seq": cfg.seq, "batch": cfg.batch, "nhead": cfg.nhead, "dim_feedforward": 4 * cfg.d_model,
+        "repeats": n, "time_ms": ms,
+        "ratio_to_plain": {regime: {k: v / t["plain"] for k, v in t.items()} for regime, t in ms.items()},
+        "paired_ratio_median": paired, "loop": loop, "allocations": _alloc.measure(stage),
+        "param_groups": groups, "grads_match": exact, "memory": memory, "device_work": device_work,
+    }
+
+
+def _measure_schedule(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """The schedule step under torchrun; returns its report and whether it failed."""
+    from ppbackward._tools.bench import schedule as _schedule
+
+    _log("bench: schedule step under torchrun ...")
+    try:
+        result = _schedule.run_schedule(
+            repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout,
+            d_model=args.schedule_d_model,
+        )
+    except _schedule.ScheduleBenchError as e:
+        return {"error": str(e)}, True
+    return result, not result["grads_match"]
+
+
+def _measure(args: argparse.Namespace, request: _Request, argv: list[str]) -> tuple[dict[str, Any], bool]:
+    """Every measurement the options ask for; returns the report and whether a run failed."""
+    from ppbackward._tools.bench import report as _report
+    from ppbackward._tools.bench import scaling as _scaling
+
+    report: dict[str, Any] = {"meta": _meta(argv), "configs": []}
+    for cfg in request.configs:
+        report["configs"].append(_measure_config(cfg, request))
+    if not args.no_scaling:
+        _log("bench: graph analysis scaling ...")
+        depths = _scaling.QUICK_DEPTHS if args.quick else _scaling.DEPTHS
+        report["analysis_scaling"] = _scaling.measure(depths, repeats=3 if args.quick else 15)
+    if not (args.quick or args.no_profile):
+        from ppbackward._tools.bench import profile as _profile
+
+        _log(f"bench: profile {args.profile_config} ...")
+        report["profile"] = _profile.where_time_goes(request.profile_config)
+    failed = False
+    if args.schedule:
+        report["schedule"], failed = _measure_schedule(args)
+        if args.trace and "slices_ms" in report["schedule"]:
+            from ppbackward._tools.bench import trace as _trace
+
+            for path in _trace.write_traces(args.trace, report["schedule"]):
+                _log(f"bench: wrote {path}")
+    report["targets"] = _report.targets(report)
+    report["meta"]["loadavg_end"] = _loadavg()
+    return report, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the tables (stdout) and optionally write JSON.
+
+    Args:
+        argv: command-line arguments without the program name (``None``: ``sys.argv[1:]``).
+
+    Returns:
+        0 when every measurement ran (targets may be missed: that is reported, not an error);
+        1 when an implementation's gradients differ from plain autograd or the schedule run failed.
+        A bad option exits with code 2 (``SystemExit``, as argparse does) before anything is measured.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    request = _validate(parser, args)
+
+    # torch.profiler (allocator counts, profile) logs every start and stop to stderr unless told not to
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
+    import torch
+
+    if args.split:
+        from ppbackward._tools.bench import split as _split
+
+        return _split.run(args, _meta(argv))
+
+    from ppbackward._tools.bench import report as _report
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report, failed = _measure(args, request, argv)
+    finally:
+        torch.set_num_threads(threads)
+    print(_report.format_text(report))
+    problem = _report.summary_line(report)
+    if problem:
+        print(problem)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if (problem or failed) else 0
