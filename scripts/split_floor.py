@@ -28,18 +28,18 @@ import time
 import torch
 
 import ppbackward
-import ppbackward.backward as bk
+import ppbackward._weight_edges as we
+from ppbackward._graph import analyze, gradient_edge
 from ppbackward._tools.bench.models import build, parse_configs
 from ppbackward._tools.bench.split import CONFIGS
-from ppbackward._graph import analyze, gradient_edge
 
 
 class _Engine:
-    """Wraps W's two engine entries (as ``ppbackward.backward`` imports them) and sums their time."""
+    """Wraps W's two engine entries (``ppbackward._weight_edges``) and sums their time."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.originals = (bk.weight_edge_grads, bk.accumulate)
+        self.originals = (we.weight_edge_grads, we.accumulate)
 
     def _timed(self, fn):
         def call(*args):
@@ -52,11 +52,11 @@ class _Engine:
         return call
 
     def __enter__(self) -> _Engine:
-        bk.weight_edge_grads, bk.accumulate = map(self._timed, self.originals)
+        we.weight_edge_grads, we.accumulate = map(self._timed, self.originals)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        bk.weight_edge_grads, bk.accumulate = self.originals
+        we.weight_edge_grads, we.accumulate = self.originals
 
 
 def _one_round(stage, engine: _Engine) -> dict[str, float]:

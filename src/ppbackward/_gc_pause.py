@@ -7,10 +7,10 @@ B's graph analysis holds a stage graph's worth of short-lived Python objects at 
 autograd node, its ``next_functions`` tuples, the analysis' lists and dicts; thousands at 16 layers),
 and W a smaller set. All of them die by reference counting before the call returns (Note [no closure
 cycle] in ``ppbackward.backward``), but while they live they push the collector's allocation count
-over its threshold: on the 16-layer stage of tests/core/test_gc_pause.py, B's work started 8 young
-collections per microbatch and W's 1, each promoting the live temporaries to an older generation, and
-so, every few dozen microbatches, a full collection (tens of milliseconds in a process that imported
-torch, during which this rank, and so the pipeline, stands still; docs/performance.md). So B and W run
+over its threshold: young collections start inside B and W, each promoting the live temporaries to an
+older generation, and so, now and then, a full collection (in a process that imported torch, a long
+one, during which this rank, and so the pipeline, stands still; counts and times: docs/performance.md,
+"The automatic gc inside B and W"). So B and W run
 with the automatic collector paused and put it back as they found it: none of their own work needs a
 collection. What B keeps for W (the param groups) still counts, and may start one collection after B.
 

@@ -56,6 +56,18 @@ def gradient_edge(t: torch.Tensor | GradientEdge) -> GradientEdge:
     return torch.autograd.graph.get_gradient_edge(t)
 
 
+class Intermediate(NamedTuple):
+    """An intermediate of a param group: a B-set node with edges into W-only nodes.
+
+    Attributes:
+        node: the autograd node (``grad_fn``) B runs and W calls again for its weight edges.
+        w_edges: the indices of ``node.next_functions`` that lead into W-only nodes or weight leaves.
+    """
+
+    node: Node
+    w_edges: tuple[int, ...]
+
+
 class GroupSpec(NamedTuple):
     """One param group as found by the analysis (no gradients yet).
 
@@ -67,7 +79,7 @@ class GroupSpec(NamedTuple):
         leaves: the ``AccumulateGrad`` nodes of the group's weights.
     """
 
-    intermediates: list[tuple[Node, tuple[int, ...]]]
+    intermediates: list[Intermediate]
     root_edges: list[int]
     leaves: list[Node]
 
@@ -128,18 +140,34 @@ class _Structure(NamedTuple):
     groups: dict[int, GroupSpec]
 
 
+class FrontierSlot(NamedTuple):
+    """An input slot of W's work where B's engine call returns a complete gradient (its fields lead
+    those of :class:`CheapLeaf`, which is one too).
+
+    Attributes:
+        group: the param group the slot's node belongs to.
+        edge: ``GradientEdge(node, input slot)``: the engine captures the gradient flowing in there.
+        seq: the largest sequence number among the slot's producers (Note [accumulation order] in
+            ``ppbackward._weight_edges``).
+    """
+
+    group: GroupSpec
+    edge: GradientEdge
+    seq: int
+
+
 class EagerWork(NamedTuple):
     """The W work B does itself (Note [hooked saved tensors run once] in ``ppbackward._saved``).
 
     Attributes:
         nodes: intermediates and W-only nodes that B runs entirely (W never calls them again).
-        frontier: ``(group, edge, sequence_nr)`` for every edge from those nodes into the rest of W's
+        frontier: a :class:`FrontierSlot` for every edge from those nodes into the rest of W's
             work (W-only nodes, weight leaves): B's engine call returns the gradient at each, complete
             (every producer of that slot is among ``nodes``), and W starts from it.
     """
 
     nodes: set[Node]
-    frontier: list[tuple[GroupSpec, GradientEdge, int]]
+    frontier: list[FrontierSlot]
 
 
 class CheapLeaf(NamedTuple):
@@ -148,7 +176,8 @@ class CheapLeaf(NamedTuple):
     Attributes:
         group: the param group the leaf belongs to.
         edge: ``GradientEdge(leaf AccumulateGrad, 0)``: B's engine call returns the gradient there.
-        seq: the largest sequence number among the intermediates feeding it (Note [accumulation order]).
+        seq: the largest sequence number among the intermediates feeding it (Note [accumulation order]
+            in ``ppbackward._weight_edges``).
         feeders: the intermediates whose weight edges lead into its component.
     """
 
@@ -359,7 +388,7 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
                 group = _group(st.groups, st.union, k)
                 frontier[edge] = (group, max(seq, frontier.get(edge, (group, -1))[1]))
     return EagerWork(
-        {st.nodes[i] for i in chosen}, [(group, edge, seq) for edge, (group, seq) in frontier.items()]
+        {st.nodes[i] for i in chosen}, [FrontierSlot(group, edge, seq) for edge, (group, seq) in frontier.items()]
     )
 
 
@@ -389,7 +418,7 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         if k in w_only:
             _group(groups, parent, k).root_edges.append(i)
     for i, w_edges in intermediates:  # BFS order: outputs side first
-        _group(groups, parent, i).intermediates.append((nodes[i], w_edges))
+        _group(groups, parent, i).intermediates.append(Intermediate(nodes[i], w_edges))
     leaf_groups = []
     for i in leaves:
         spec = _group(groups, parent, i)

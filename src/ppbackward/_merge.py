@@ -1,4 +1,4 @@
-"""Run a B and the W that directly follows it as one full backward (issue 22; opt-in).
+"""Run a B and the W that directly follows it as one full backward (opt-in).
 
 Private module; the switch is ``ppbackward.install(merge_bw=True)`` (and ``python -m ppbackward.run
 --merge-bw``). Note [merged B and W]: a zero-bubble schedule splits each backward into B (input grads,

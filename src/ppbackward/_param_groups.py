@@ -28,14 +28,18 @@ runs anything (:meth:`ParamGroups._check_unchanged`): a few integer reads per in
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import itertools
 import threading
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from ppbackward._errors import BadType, BadValue, StageBackwardError
+from ppbackward._graph import Intermediate
+from ppbackward._saved import release_pinned
 from ppbackward._tree import check_like
 
 __all__ = ["ParamGroups"]
@@ -50,6 +54,45 @@ class WeightSet(NamedTuple):
     sharded: bool
 
 
+class NodeCall(NamedTuple):
+    """An intermediate W calls again (Note [W computes only weight edges] in ``ppbackward._weight_edges``).
+
+    Attributes:
+        node: the autograd node.
+        grads: the gradient flowing into each of its input slots (``None`` where none flowed), as B
+            captured it or as a caller wrote it into ``group["grads"]``.
+        w_edges: the indices of ``node.next_functions`` whose gradients W computes.
+    """
+
+    node: Node
+    grads: tuple
+    w_edges: tuple[int, ...]
+
+
+class Contribution(NamedTuple):
+    """A gradient W hands to its accumulating engine call as a root.
+
+    Attributes:
+        edge: the slot it flows into (a weight-only node's or a weight's ``AccumulateGrad``).
+        grad: the gradient.
+        seq: the sequence number that orders it among the gradients reaching one slot (Note
+            [accumulation order] in ``ppbackward._weight_edges``): the producing node's, ``inf`` for an output's.
+    """
+
+    edge: GradientEdge
+    grad: torch.Tensor
+    seq: float
+
+
+class WeightWork(NamedTuple):
+    """What W runs for some param groups: the intermediates to call, the gradients already known after
+    B, and the parameters accumulated."""
+
+    calls: list[NodeCall]
+    ready: list[Contribution]
+    params: list[torch.Tensor]
+
+
 _KEYS = ("params", "intermediates", "grads")
 
 
@@ -57,13 +100,12 @@ class ParamGroup:
     """One param group ready for W; reads and writes like one of torch's param-group dicts.
 
     Attributes (W's work):
-        intermediates: ``(node, grads, w_edges)`` for each intermediate W must call: the gradient B
-            captured for each of the node's input slots (``None`` where none flowed) and the
-            indices of the node's ``next_functions`` whose weight gradients W computes.
-        ready: ``(sequence_nr, edge, grad)`` contributions already known after B: output edges
-            leading straight into weight-only nodes (sequence number ``inf``), the weight edges of
-            custom ``autograd.Function`` intermediates (which ran once, in B) and the weight gradients
-            B computed itself (Note [cheap weight gradients in B] in ``ppbackward._graph``).
+        intermediates: a :class:`NodeCall` for each intermediate W must call, with the gradients B
+            captured flowing into it.
+        ready: the :class:`Contribution`\\ s already known after B: output edges leading straight into
+            weight-only nodes (sequence number ``inf``), the weight edges of custom ``autograd.Function``
+            intermediates (which ran once, in B) and the weight gradients B computed itself (Note [cheap
+            weight gradients in B] in ``ppbackward._graph``).
         params: the leaf tensors whose ``AccumulateGrad`` the group reaches.
 
     Note [param groups read like torch's]: torch's B returns a list of dicts with ``"params"`` (the
@@ -106,19 +148,19 @@ class ParamGroup:
 
     def __init__(
         self,
-        intermediates: list[tuple[Node, tuple, tuple[int, ...]]],
-        ready: list[tuple[float, GradientEdge, torch.Tensor]],
+        intermediates: list[NodeCall],
+        ready: list[Contribution],
         params: list[torch.Tensor],
-        nodes: list[tuple[Node, tuple[int, ...]]] | None = None,
+        nodes: list[Intermediate] | None = None,
         leaves: list[Node] | None = None,
         replaced: dict[Node, list] | None = None,
     ) -> None:
         self.intermediates = intermediates
         self.ready = ready
         self.params = params
-        self._nodes = nodes if nodes is not None else [(n, w) for n, _, w in intermediates]
+        self._nodes = nodes if nodes is not None else [Intermediate(c.node, c.w_edges) for c in intermediates]
         self._leaves = leaves or []
-        self._captured = {node: grads for node, grads, _ in intermediates}
+        self._captured = {call.node: call.grads for call in intermediates}
         # node -> the entries of ``ready`` its written gradients replace (a custom Function's outputs, the
         # cheap weight gradients it alone fed); a ``None`` among them: shared with another node
         self._replaced = replaced or {}
@@ -131,11 +173,11 @@ class ParamGroup:
         if key == "params":
             return tuple(self._leaves)
         if key == "intermediates":
-            return tuple(node for node, _ in self._nodes)
+            return tuple(inter.node for inter in self._nodes)
         if key == "grads":
             if self._written is not None:
                 return tuple(self._written)
-            return tuple(self._captured.get(node) for node, _ in self._nodes)
+            return tuple(self._captured.get(inter.node) for inter in self._nodes)
         raise KeyError(f"ParamGroup[{key!r}]: a param group has the keys {', '.join(map(repr, _KEYS))}")
 
     def __setitem__(self, key: str, value: object) -> None:
@@ -180,33 +222,33 @@ class ParamGroup:
         """The gradients a caller wrote into ``group["grads"]`` (checked), or ``None``."""
         return self._written
 
-    def w_work(self) -> tuple[list, list]:
+    def w_work(self) -> tuple[list[NodeCall], list[Contribution]]:
         """``(calls, ready)`` W runs for this group: B's, or with the written gradients (Note [param groups
         read like torch's])."""
         if self._written is None:
             return self.intermediates, self.ready
-        calls: list = []
+        calls: list[NodeCall] = []
         replaced: set[int] = set()
-        kept = {call[0]: call for call in self.intermediates}
-        for (node, w_edges), grads in itertools.zip_longest(self._nodes, self._written[: len(self._nodes)]):
+        kept = {call.node: call for call in self.intermediates}
+        for inter, grads in itertools.zip_longest(self._nodes, self._written[: len(self._nodes)]):
             if grads is None:  # what B has for it stays
-                if node in kept:
-                    calls.append(kept[node])
+                if inter.node in kept:
+                    calls.append(kept[inter.node])
                 continue
-            replaced.update(id(entry) for entry in self._replaced.get(node, ()))
-            calls.append((node, grads, w_edges))
+            replaced.update(id(entry) for entry in self._replaced.get(inter.node, ()))
+            calls.append(NodeCall(inter.node, grads, inter.w_edges))
         ready = [c for c in self.ready if id(c) not in replaced]
         return calls, ready
 
-    def kept_gradients(self):
+    def kept_gradients(self) -> Iterator[torch.Tensor]:
         """The gradient tensors W will read: B's captured ones it still uses, and the written ones."""
         calls, ready = self.w_work()
         mine = {id(call) for call in self.intermediates}
         for call in calls:
             if id(call) in mine:  # B's capture (written ones are checked apart)
-                yield from (g for g in call[1] if g is not None)
-        for _, _, grad in ready:
-            yield grad
+                yield from (g for g in call.grads if g is not None)
+        for c in ready:
+            yield c.grad
 
 
 def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict) -> list:
@@ -219,10 +261,11 @@ def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict
     if len(value) > len(nodes):
         raise BadValue(
             f"param_group['grads']: {len(value)} entries for {len(nodes)} intermediate(s) "
-            f"({', '.join(node.name() for node, _ in nodes)})"
+            f"({', '.join(inter.node.name() for inter in nodes)})"
         )
     out: list = []
-    for i, (entry, (node, _)) in enumerate(zip(value, nodes)):
+    for i, (entry, inter) in enumerate(zip(value, nodes)):
+        node = inter.node
         path = f"param_group['grads'][{i}]"
         if entry is None:
             out.append(None)
@@ -296,6 +339,32 @@ class ParamGroups:
             self._consumed = True
             return True
 
+    @contextlib.contextmanager
+    def _consumed_by_w(self, weights: list[torch.Tensor], retain_graph: bool) -> Iterator[Iterator[WeightWork]]:
+        """W's use of this object: claim it (Note [W claims param_groups first]), check what B captured is
+        unchanged (Note [captured gradients are checked at W]), give W its work in chunks (Note [W in
+        chunks]), and release everything when the block ends, whatever happens (Note [param_groups hold no
+        cycle]; the pinned saved tensors too unless ``retain_graph``: Note [outputs detached after B] in
+        ``ppbackward._saved``).
+
+        Raises:
+            StageBackwardError: already consumed; or a captured gradient changed in place since B.
+            ValueError: a parameter's shape changed since B. Nothing has run then.
+        """
+        if not self._claim():
+            raise StageBackwardError(CONSUMED)
+        try:
+            self._check_unchanged(weights)
+            yield self._chunks(_W_CHUNK_BYTES)
+        finally:
+            if not retain_graph:
+                release_pinned(self._pinned)
+            self._release()
+
+    def _chunks(self, limit: int) -> Iterator[WeightWork]:
+        """W's work, one chunk of param groups at a time (Note [W in chunks]), made as W reaches it."""
+        return map(_weight_work, _runs(self._groups, limit))
+
     def _check_unchanged(self, weights: list[torch.Tensor]) -> None:
         """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
         are checked at W]); ``weights`` (W's) name the parameters."""
@@ -343,30 +412,76 @@ class ParamGroups:
 
 
 _CLAIM_LOCK = threading.Lock()
+CONSUMED = (
+    "param_groups: already consumed by an earlier stage_backward_weight call (finished, or still running: "
+    "W called from a hook it fired, or from another thread); W runs once per microbatch"
+)
+
+# Note [W in chunks]: W's first engine call materialises the weight gradients of every intermediate it
+# covers, all alive at once until the accumulating call consumes them. Over a whole stage that is a
+# stage's worth of parameter-sized temporaries: the allocator maps them fresh and returns them to the
+# system afterwards, every microbatch (page faults a full backward, which adds each gradient as it is
+# made, does not pay). W therefore runs its two engine calls per chunk of consecutive param groups
+# holding about ``_W_CHUNK_BYTES`` of parameters, so the temporaries of one chunk are freed before the
+# next is made and their memory is reused. On glibc, freeing a chunk's temporaries at once leaves a free
+# region at the top of the heap larger than its trim threshold, which is returned to the system and
+# faulted in again by the next microbatch; smaller chunks trigger that less, and chunks too small cost
+# more engine calls where layers are narrow (the sizes measured: docs/performance.md, "W in chunks").
+# Exactness is kept: a param group's weight-only nodes and parameters belong to it alone, so every
+# gradient reaching one node is still summed in one engine call in the order of Note [accumulation
+# order], and each parameter still gets exactly one ``AccumulateGrad`` call. A small stage is one chunk
+# (two engine calls).
+_W_CHUNK_BYTES = 4 * 2**20
+
+
+def _runs(groups: list[ParamGroup], limit: int) -> Iterator[list[ParamGroup]]:
+    """Consecutive runs of ``groups`` whose parameters reach ``limit`` bytes (the last may be smaller)."""
+    run: list[ParamGroup] = []
+    size = 0
+    for group in groups:
+        run.append(group)
+        size += sum(p.numel() * p.element_size() for p in group.params)
+        if size >= limit:
+            yield run
+            run, size = [], 0
+    if run:
+        yield run
+
+
+def _weight_work(groups: list[ParamGroup]) -> WeightWork:
+    """The work of ``groups`` together (B's, or with the gradients a caller wrote)."""
+    calls: list[NodeCall] = []
+    ready: list[Contribution] = []
+    for group in groups:
+        group_calls, group_ready = group.w_work()
+        calls += group_calls
+        ready += group_ready
+    return WeightWork(calls, ready, [p for group in groups for p in group.params])
+
 # code that checks what it holds (``isinstance(groups, Sequence)``, ``isinstance(group, Mapping)``) sees
 # the forms of torch's list of dicts
 collections.abc.Sequence.register(ParamGroups)
 collections.abc.Mapping.register(ParamGroup)
 
 
-def _captured(group: ParamGroup):
+def _captured(group: ParamGroup) -> Iterator[torch.Tensor]:
     """The gradient tensors B captured for ``group``."""
-    for _, grads, _ in group.intermediates:
-        yield from (g for g in grads if g is not None)
-    for _, _, grad in group.ready:
-        yield grad
+    for call in group.intermediates:
+        yield from (g for g in call.grads if g is not None)
+    for c in group.ready:
+        yield c.grad
 
 
 def _changed_gradient(groups: list[ParamGroup], grad: torch.Tensor, version: int) -> StageBackwardError:
     where = "a gradient"
     for group in groups:
-        for node, grads, _ in group.intermediates:
-            for i, g in enumerate(grads):
+        for call in group.intermediates:
+            for i, g in enumerate(call.grads):
                 if g is grad:
-                    where = f"the gradient B captured for {node.name()}'s input {i}"
-        for _, edge, g in group.ready:
-            if g is grad:
-                where = f"the gradient B captured for the edge into {edge.node.name()} (input {edge.output_nr})"
+                    where = f"the gradient B captured for {call.node.name()}'s input {i}"
+        for c in group.ready:
+            if c.grad is grad:
+                where = f"the gradient B captured for the edge into {c.edge.node.name()} (input {c.edge.output_nr})"
         for i, entry in enumerate(group.written or ()):
             for j, g in enumerate(entry or ()):
                 if g is grad:

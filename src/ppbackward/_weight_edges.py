@@ -1,7 +1,8 @@
 """W's engine work: the intermediates' weight edges, then one accumulating call.
 
-Private module used by ``ppbackward.backward.stage_backward_weight``; see
-Note [W computes only weight edges] below and Note [accumulation order] in ``ppbackward.backward``.
+Private module used by ``ppbackward.backward.stage_backward_weight``, which hands it one chunk of W's
+work at a time (:func:`run_weight_work`); see Note [W computes only weight edges] below and Note
+[accumulation order].
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import warnings
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
+
+from ppbackward._param_groups import Contribution, NodeCall, WeightWork
+from ppbackward._saved import release_saved_tensors
 
 __all__: list[str] = []  # private module
 
@@ -26,14 +30,14 @@ class _Job:
 
     __slots__ = ("calls", "results")
 
-    def __init__(self, calls: list) -> None:
+    def __init__(self, calls: list[NodeCall]) -> None:
         self.calls = calls
         self.results: list[list] = []
 
     def __call__(self, _grad_outputs: tuple) -> None:
         calls, self.calls = self.calls, []
-        for node, grads, _ in calls:
-            self.results.append(_call_node(node, grads))
+        for call in calls:
+            self.results.append(_call_node(call.node, call.grads))
 
 
 def _call_node(node, grads: tuple) -> list:
@@ -79,7 +83,8 @@ def _conform(grad: torch.Tensor, edge: GradientEdge) -> torch.Tensor:
 # pre-hook on, never a node of the stage). It is a view of a one-element leaf and the root gradient a
 # one-element tensor, both made once per device and kept: a view is a metadata op, and the engine only
 # captures at the leaf (it is among the call's ``inputs``), so the call dispatches no kernel besides the
-# intermediates' own (a fresh ``zeros`` + ``clone`` + ``ones_like`` per call did, issue 27). Neither
+# intermediates' own (a fresh ``zeros`` + ``clone`` + ``ones_like`` per call did; docs/performance.md, "W's
+# engine entries"). Neither
 # tensor is ever written: the leaf's gradient is captured, not accumulated, and the view's node passes
 # the root gradient on unchanged to that capture. Each call makes its own view node, so threads running
 # W at once never share a hook.
@@ -96,7 +101,7 @@ def _anchor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return pair
 
 
-def weight_edge_grads(calls: list) -> list[list]:
+def weight_edge_grads(calls: list[NodeCall]) -> list[list]:
     """Call each intermediate on its captured gradients, computing only its weight edges.
 
     Note [W computes only weight edges]: an autograd node decides which of its outputs to compute
@@ -108,7 +113,8 @@ def weight_edge_grads(calls: list) -> list[list]:
     layer), never re-runs a node of the input side and never walks it. The call is an
     ``autograd.grad`` from a view of a one-element anchor, whose ``ViewBackward0`` node (W's own,
     made for this call; Note [W's anchor runs no kernel]) has a pre-hook that calls the nodes (:class:`_Job`; a custom
-    ``autograd.Function`` did this before, at 0.08 ms per ``apply``); it accumulates nothing, and the
+    ``autograd.Function`` did this before, slower: docs/performance.md, "W's engine entries"); it accumulates
+    nothing, and the
     hook is removed when the call returns, whatever happens. No hook touches a node of the stage.
 
     Returns:
@@ -121,14 +127,14 @@ def weight_edge_grads(calls: list) -> list[list]:
     job = _Job(calls)
     targets: list[GradientEdge] = []
     seen: set = set()
-    for node, _, w_edges in calls:
-        nf = node.next_functions
-        for i in w_edges:
-            edge = GradientEdge(*nf[i][:2])
+    for call in calls:
+        nf = call.node.next_functions
+        for i in call.w_edges:
+            edge = GradientEdge(*nf[i][:2])  # type: ignore[arg-type]  # a weight edge leads to a node
             if edge not in seen:
                 seen.add(edge)
                 targets.append(edge)
-    first = next(g for _, grads, _ in calls for g in grads if g is not None)
+    first = next(g for call in calls for g in call.grads if g is not None)
     anchor, one = _anchor(first.device)
     with torch.inference_mode(False), torch.enable_grad():  # W may be called under either
         out = anchor.view_as(anchor)  # a node of W's own, no kernel (Note [W's anchor runs no kernel])
@@ -136,7 +142,7 @@ def weight_edge_grads(calls: list) -> list[list]:
     try:
         if _ENGINE_RUN_BACKWARD is None:
             torch.autograd.grad([out], [anchor, *targets], grad_outputs=[one], allow_unused=True)  # type: ignore[arg-type]
-        else:  # what torch.autograd.grad ends in, without its per-input Python checks (49 inputs here)
+        else:  # what torch.autograd.grad ends in, without its per-input Python checks
             _ENGINE_RUN_BACKWARD((out,), (one,), False, False, (anchor, *targets), True, False)
     finally:
         handle.remove()
@@ -145,7 +151,7 @@ def weight_edge_grads(calls: list) -> list[list]:
     return job.results
 
 
-def _check_nan(calls: list, results: list[list]) -> None:
+def _check_nan(calls: list[NodeCall], results: list[list]) -> None:
     """Under ``torch.autograd.detect_anomaly()``, raise as the engine does for a node that returned NaN.
 
     Note [anomaly mode names W's nodes]: W calls the intermediates itself, not through the engine, so the
@@ -153,10 +159,11 @@ def _check_nan(calls: list, results: list[list]) -> None:
     the accumulating call and blamed on its ``GraphRoot``. So W checks them here, with the engine's message
     and the forward traceback the engine prints (from the node's anomaly metadata). Off outside anomaly mode.
     """
-    for (node, _, w_edges), outs in zip(calls, results):
-        for i in w_edges:
+    for call, outs in zip(calls, results):
+        node = call.node
+        for i in call.w_edges:
             if outs[i] is not None and torch.isnan(outs[i]).any():
-                trace = node.metadata.get("traceback_")
+                trace = node.metadata.get("traceback_")  # type: ignore[attr-defined]  # a dict, not in the stub
                 if trace:
                     warnings.warn(
                         f"Error detected in {node.name()}. Traceback of forward call that caused the error:\n"
@@ -175,11 +182,49 @@ def accumulate(roots: list, grads: list, params: list, retain_graph: bool) -> No
     broadcast operand is summed back to its shape (``at::sum_to``), dtype and device are cast. W's
     roots are exactly such node outputs (or gradients already checked by ``ppbackward._tree``), so W
     hands them over unshaped and goes straight to the engine entry point that
-    ``torch.autograd.backward`` itself ends in (without its per-root Python checks; about 1 ms less
-    per 300 roots); on a torch without it, the public call.
+    ``torch.autograd.backward`` itself ends in (without its per-root Python checks, docs/performance.md,
+    "W's engine entries"); on a torch without it, the public call.
     """
     if _ENGINE_RUN_BACKWARD is None:
         grads = [_conform(g, edge) for edge, g in zip(roots, grads)]
         torch.autograd.backward(roots, grad_tensors=grads, inputs=params, retain_graph=retain_graph)
     else:
         _ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(params), True, True)
+
+
+def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
+    """W's two engine calls for one chunk of its work (Note [W in chunks] in ``ppbackward._param_groups``):
+    the intermediates' weight edges (:func:`weight_edge_grads`), then every gradient of the chunk handed
+    to one accumulating call (:func:`accumulate`) in the order of Note [accumulation order].
+
+    Note [accumulation order]: a full backward adds the gradients reaching one node in the order their
+    producers run: the outputs' first, then by decreasing sequence number. Feeding them as separate roots
+    in that order (the engine adds roots in list order) keeps W bit-identical to a full backward where a
+    weight gets several.
+    """
+    calls = work.calls
+    contributions = list(work.ready)
+    if calls:
+        for call, outs in zip(calls, weight_edge_grads(calls)):
+            nf, seq = call.node.next_functions, call.node._sequence_nr()
+            for i in call.w_edges:
+                if outs[i] is not None:
+                    edge = GradientEdge(*nf[i][:2])  # type: ignore[arg-type]  # a weight edge leads to a node
+                    contributions.append(Contribution(edge, outs[i], seq))
+        del outs
+    if contributions:
+        contributions.sort(key=_by_seq, reverse=True)
+        roots = [GradientEdge(c.edge.node, c.edge.output_nr) for c in contributions]
+        grads = [c.grad for c in contributions]
+        del contributions
+        accumulate(roots, grads, work.params, retain_graph)
+        del roots, grads
+    if calls and not retain_graph:
+        # W called these nodes itself, outside an engine call that would free them: drop what they saved
+        # now, not when the last output referencing the graph dies (an output B could not detach, e.g. a
+        # view, may live until the next step).
+        release_saved_tensors(call.node for call in calls)
+
+
+def _by_seq(c: Contribution) -> float:
+    return c.seq

@@ -39,20 +39,21 @@ from ppbackward._graph import (
     NO_CHEAP_WORK,
     CheapLeaf,
     EagerWork,
+    FrontierSlot,
     analyze,
     eager_work,
     gradient_edge,
     is_accumulate_grad,
 )
 from ppbackward._node_owner import candidate_owners, owners_needed
-from ppbackward._param_groups import ParamGroup, ParamGroups, WeightSet
-from ppbackward._saved import hook_kinds, pin_saved_inputs, release_pinned, release_saved_tensors
+from ppbackward._param_groups import CONSUMED, Contribution, NodeCall, ParamGroup, ParamGroups, WeightSet
+from ppbackward._saved import hook_kinds, pin_saved_inputs, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
-from ppbackward._weight_edges import accumulate, weight_edge_grads
+from ppbackward._weight_edges import run_weight_work
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
-_ROOT_SEQ = float("inf")  # the outputs' gradients come first (Note [accumulation order])
+_ROOT_SEQ = float("inf")  # the outputs' gradients come first (Note [accumulation order] in ppbackward._weight_edges)
 _NO_EAGER_WORK = EagerWork(set(), [])
 # Outputs B detached in place, by id (weak): meeting one again is an error, not a silent no-op.
 _DETACHED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -231,23 +232,23 @@ def _backward_input(
     root_edges = [gradient_edge(t) for t in flat.tensors]
     analysis = analyze(root_edges, input_nodes)
     specs, b_only, w_only = analysis.groups, analysis.b_only, analysis.w_only
-    inter = [node for spec in specs for node, _ in spec.intermediates]
+    inter = [i.node for spec in specs for i in spec.intermediates]
     _refuse_reentrant_checkpoint(b_only, inter, w_only)
     owners = candidate_owners(flat.tensors)  # Note [custom Function nodes need an owner]; () on torch 2.13+
     eager = _eager_work(analysis, b_only, inter, w_only)  # Note [hooked saved tensors run once]
     # Note [cheap weight gradients in B] (ppbackward._graph); not beside hooked work, which runs as before
     cheap = analysis.cheap if eager is _NO_EAGER_WORK else NO_CHEAP_WORK
     deferred = [
-        node
+        i.node
         for spec in specs
-        for node, w_edges in spec.intermediates
-        if node not in eager.nodes and len(cheap.edges.get(node, ())) < len(w_edges)
+        for i in spec.intermediates
+        if i.node not in eager.nodes and len(cheap.edges.get(i.node, ())) < len(i.w_edges)
     ]
     # B must keep the graph for the C++ intermediates W calls again; otherwise it releases every node
     # it runs, as a full backward does (Note [hooked saved tensors run once])
     retain = any(not isinstance(n, BackwardCFunction) for n in deferred)
     run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain)
-    w_edges_of = {node: w_edges for spec in specs for node, w_edges in spec.intermediates}
+    w_edges_of = {i.node: i.w_edges for spec in specs for i in spec.intermediates}
     captured = [
         _checked_capture(node, box, w_edges_of[node], analysis.structure) for node, box in zip(deferred, run.boxes)
     ]
@@ -276,13 +277,22 @@ def _backward_input(
     return tuple(result), ParamGroups(groups, weight_ids, owners, pinned)
 
 
-class _EngineCall(NamedTuple):
-    """What B's engine call left: per deferred intermediate its capture box, the input gradients by input id,
-    and the frontier slots with their gradients."""
+class _Captured(NamedTuple):
+    """What a capture hook saw (Note [capturing intermediates]): the gradients, and their versions then
+    (Note [captured gradients are checked at W] in ``ppbackward._param_groups``)."""
 
-    boxes: list[list]
+    grads: tuple
+    versions: tuple
+
+
+class _EngineCall(NamedTuple):
+    """What B's engine call left: per deferred intermediate its capture box (a list that gets one
+    :class:`_Captured` if the engine reached the node), the input gradients by input id, and each
+    frontier slot (:class:`~ppbackward._graph.FrontierSlot` or ``CheapLeaf``) with its gradient."""
+
+    boxes: list[list[_Captured]]
     found: dict[int, torch.Tensor | None]
-    frontier: list
+    frontier: list[tuple[FrontierSlot | CheapLeaf, torch.Tensor | None]]
 
 
 def _engine_call(
@@ -300,8 +310,8 @@ def _engine_call(
     edges; nor do those whose every weight edge B computes (``cheap``): the engine call returns the
     gradient at each such weight's ``AccumulateGrad``.
     """
-    taken = [edge for _, edge, _ in eager.frontier] + [leaf.edge for leaf in cheap.leaves]
-    boxes: list[list] = [[] for _ in deferred]
+    taken = [slot.edge for slot in eager.frontier] + [leaf.edge for leaf in cheap.leaves]
+    boxes: list[list[_Captured]] = [[] for _ in deferred]
     handles = []
     try:
         for node, box in zip(deferred, boxes):
@@ -311,7 +321,7 @@ def _engine_call(
                 handles.append(node.register_prehook(_capture_inputs_hook(box)))
         if not (grad_inputs or taken):
             return _EngineCall(boxes, {}, [])
-        with _leaf_hooks_muted(edge.node for _, edge, _ in eager.frontier):  # cheap leaves have no hooks
+        with _leaf_hooks_muted(slot.edge.node for slot in eager.frontier):  # cheap leaves have no hooks
             results = torch.autograd.grad(
                 flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
                 [*grad_inputs, *taken],
@@ -323,8 +333,9 @@ def _engine_call(
         for handle in handles:
             handle.remove()
     found: dict[int, torch.Tensor | None] = {id(t): g for t, g in zip(grad_inputs, results)}
-    frontier = list(zip([*eager.frontier, *cheap.leaves], results[len(grad_inputs) :]))
-    return _EngineCall(boxes, found, frontier)
+    slots: list[FrontierSlot | CheapLeaf] = [*eager.frontier, *cheap.leaves]
+    grads: list[torch.Tensor | None] = list(results[len(grad_inputs) :])
+    return _EngineCall(boxes, found, list(zip(slots, grads)))
 
 
 # Note [B claims its outputs]: B registers the outputs it was given (by id, under a lock) before it runs
@@ -413,7 +424,7 @@ def _capture_inputs_hook(box: list):
     (Note [no closure cycle]; Note [captured gradients are checked at W] in ``ppbackward._param_groups``)."""
 
     def hook(grad_outputs) -> None:
-        box.append((grad_outputs, _versions(grad_outputs)))
+        box.append(_Captured(grad_outputs, _versions(grad_outputs)))
 
     return hook
 
@@ -423,12 +434,12 @@ def _capture_outputs_hook(box: list):
     (Note [no closure cycle])."""
 
     def hook(grad_inputs, _grad_outputs) -> None:
-        box.append((grad_inputs, _versions(grad_inputs)))
+        box.append(_Captured(grad_inputs, _versions(grad_inputs)))
 
     return hook
 
 
-def _checked_capture(node: Any, box: list, w_edges: tuple[int, ...], structure: Any) -> tuple | None:
+def _checked_capture(node: Any, box: list[_Captured], w_edges: tuple[int, ...], structure: Any) -> tuple | None:
     """What B captured for ``node`` (``None`` if the engine never reached it), or a
     :class:`StageBackwardError` when a later hook of B's own engine call changed what W reads of it in
     place: every gradient flowing into a C++ intermediate, the weight edges (``w_edges``) of a custom
@@ -441,7 +452,7 @@ def _checked_capture(node: Any, box: list, w_edges: tuple[int, ...], structure: 
     """
     if not box:
         return None
-    grads, versions = box[0]
+    grads, versions = box[0].grads, box[0].versions
     custom = isinstance(node, BackwardCFunction)
     for i in w_edges if custom else range(len(grads)):
         g, version = grads[i], versions[i]
@@ -506,53 +517,53 @@ def _build_groups(
 ) -> list[ParamGroup]:
     """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls;
     ``cheap_edges``: intermediate -> the weight edges B computed itself) and the frontier gradients of
-    B's own W work (``frontier``: ``((group, edge, seq), grad)``, the weight leaves of Note [cheap weight
-    gradients in B] among them) into W's work.
+    B's own W work (``frontier``: ``(slot, grad)``, the weight leaves of Note [cheap weight gradients in B]
+    among the slots) into W's work.
 
     C++ intermediates become deferred calls; a custom Function's captured outputs, the outputs that
     lead straight into weight-only nodes and the frontier gradients become ready contributions, each
-    tagged with the sequence number that orders it (Note [accumulation order]). Intermediates B ran
-    entirely are not in ``captured``: W does nothing for them, nor for an output whose gradient B's
-    engine call already sent on (into a node B ran, or into a frontier slot, whose gradient includes it).
+    tagged with the sequence number that orders it (Note [accumulation order] in
+    ``ppbackward._weight_edges``). Intermediates B ran entirely are not in ``captured``: W does nothing
+    for them, nor for an output whose gradient B's engine call already sent on (into a node B ran, or
+    into a frontier slot, whose gradient includes it).
     """
-    extra: dict[int, list] = {}
+    extra: dict[int, list[Contribution]] = {}
     done = set()  # the frontier slots, whose gradients B's engine call already sent on (with the roots')
     fed_by: dict[int, dict] = {}  # group -> {the one intermediate feeding a cheap leaf: its entries}
     for slot, grad in frontier:
-        group, edge, seq = slot[:3]
-        done.add(edge)
+        done.add(slot.edge)
         if grad is not None:
-            entry = (seq, edge, grad)
-            extra.setdefault(id(group), []).append(entry)
-            for node in slot.feeders if isinstance(slot, CheapLeaf) else ():  # Note [param groups read like torch's]
-                fed_by.setdefault(id(group), {}).setdefault(node, []).append(entry if len(slot.feeders) == 1 else None)
+            entry = Contribution(slot.edge, grad, slot.seq)
+            extra.setdefault(id(slot.group), []).append(entry)
+            feeders = slot.feeders if isinstance(slot, CheapLeaf) else ()  # Note [param groups read like torch's]
+            for node in feeders:
+                fed_by.setdefault(id(slot.group), {}).setdefault(node, []).append(entry if len(feeders) == 1 else None)
     groups: list[ParamGroup] = []
     for spec in specs:
-        deferred = []
+        deferred: list[NodeCall] = []
         ready = [
-            (_ROOT_SEQ, root_edges[i], output_grads[i])
+            Contribution(root_edges[i], output_grads[i], _ROOT_SEQ)
             for i in spec.root_edges
             if root_edges[i] not in done and root_edges[i].node not in eager_nodes
         ]
         ready += extra.get(id(spec), [])
-        nodes: list = []  # Note [param groups read like torch's]: the intermediates W could still call
+        nodes = []  # Note [param groups read like torch's]: the intermediates W could still call
         replaced = dict(fed_by.get(id(spec), {}))  # node -> B's entries its written gradients replace
-        for node, w_edges in spec.intermediates:
-            if node not in captured:
-                continue
-            grads = captured[node]
+        for inter in spec.intermediates:
+            node, w_edges = inter.node, inter.w_edges
+            grads = captured.get(node)
             if grads is None or all(g is None for g in grads):
                 continue
             if isinstance(node, BackwardCFunction):  # outputs, computed once in B
                 nf, seq = node.next_functions, node._sequence_nr()
-                mine = [(seq, GradientEdge(*nf[i][:2]), grads[i]) for i in w_edges if grads[i] is not None]
+                mine = [Contribution(GradientEdge(*nf[i][:2]), grads[i], seq) for i in w_edges if grads[i] is not None]
                 ready += mine
                 replaced[node] = mine
-                nodes.append((node, w_edges))
+                nodes.append(inter)
             else:  # only the weight edges B did not compute (Note [cheap weight gradients in B])
                 in_b = cheap_edges.get(node, ())
-                deferred.append((node, tuple(grads), tuple(j for j in w_edges if j not in in_b)))
-                nodes.append((node, w_edges))
+                deferred.append(NodeCall(node, tuple(grads), tuple(j for j in w_edges if j not in in_b)))
+                nodes.append(inter)
         if deferred or ready:
             params = [leaf.variable for leaf in spec.leaves]
             groups.append(
@@ -573,10 +584,10 @@ def stage_backward_weight(
     backward, so tensor hooks and ``register_post_accumulate_grad_hook`` hooks (DDP,
     optimizer-in-backward; pytorch/pytorch#144530) fire once per parameter, and the grad layout is
     the one a full backward produces. Two engine calls per chunk of param groups holding about 4 MiB
-    of parameters (one chunk for a small stage; Note [W in chunks]): one computes the
-    intermediates' weight edges (Note [W computes only weight edges] in
-    ``ppbackward._weight_edges``), one runs the weight-only subgraphs and accumulates every
-    parameter of the chunk exactly once.
+    of parameters (one chunk for a small stage; Note [W in chunks] in ``ppbackward._param_groups``): one
+    computes the intermediates' weight edges (Note [W computes only weight edges] in
+    ``ppbackward._weight_edges``), one runs the weight-only subgraphs and accumulates every parameter of
+    the chunk exactly once.
 
     Args:
         weights: the same parameters that were given to :func:`stage_backward_input`.
@@ -600,98 +611,24 @@ def stage_backward_weight(
         never half-accumulates one: each gets exactly one ``AccumulateGrad`` call.
     """
     weight_list = _weights_list(weights)
+    _check_param_groups(param_groups, weight_list)
+    with param_groups._consumed_by_w(weight_list, retain_graph) as chunks, automatic_gc_paused():
+        # Note [no collection inside B and W] in ppbackward._gc_pause
+        for work in chunks:
+            run_weight_work(work, retain_graph)
+    return tuple(w.grad for w in weight_list)
+
+
+def _check_param_groups(param_groups: Any, weights: list[torch.Tensor]) -> None:
+    """W's checks before it runs anything: ``param_groups`` is B's, unconsumed, for these ``weights``."""
     if not isinstance(param_groups, ParamGroups):
         raise BadType(
             "param_groups: expected the ppbackward.ParamGroups returned by "
             f"ppbackward.stage_backward_input, got {type(param_groups).__name__}"
         )
     if param_groups.consumed:
-        raise StageBackwardError(_CONSUMED)
-    _check_same_weights(weight_list, param_groups._weight_ids)
-    if not param_groups._claim():  # Note [W claims param_groups first]
-        raise StageBackwardError(_CONSUMED)
-    try:
-        param_groups._check_unchanged(weight_list)  # Note [captured gradients are checked at W]
-        with automatic_gc_paused():  # Note [no collection inside B and W] in ppbackward._gc_pause
-            for chunk in _chunks(param_groups._groups, _W_CHUNK_BYTES):
-                _weight_chunk(chunk, retain_graph)
-    finally:
-        if not retain_graph:
-            release_pinned(param_groups._pinned)  # Note [outputs detached after B]
-        param_groups._release()
-    return tuple(w.grad for w in weight_list)
-
-
-_CONSUMED = (
-    "param_groups: already consumed by an earlier stage_backward_weight call (finished, or still running: "
-    "W called from a hook it fired, or from another thread); W runs once per microbatch"
-)
-
-# Note [W in chunks]: W's first engine call materialises the weight gradients of every intermediate it
-# covers, all alive at once until the accumulating call consumes them. Over a whole stage that is a
-# stage's worth of parameter-sized temporaries: the allocator maps them fresh and returns them to the
-# system afterwards, every microbatch (page faults a full backward, which adds each gradient as it is
-# made, does not pay). W therefore runs its two engine calls per chunk of consecutive param groups
-# holding about ``_W_CHUNK_BYTES`` of parameters, so the temporaries of one chunk are freed before the
-# next is made and their memory is reused (16 layers, d 256, grads accumulating: W 45 -> 33 ms with
-# 8 MiB chunks). On glibc, freeing a chunk's temporaries at once leaves a free region at the top of the
-# heap larger than its trim threshold, which is then returned to the system and faulted in again by the
-# next microbatch (raising MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ removes it: docs/
-# performance.md, "The allocator"); 4 MiB chunks trigger it less. Measured side by side in one process,
-# twice (issue 22): W accumulating 8.4-8.8 -> 6.4 ms at 4 layers d 256, 28.2-29.3 -> 24.6-28.1 ms at
-# 16 layers d 256; alike within noise at d 128 and d 64; W with grads None +5% at 16 layers d 256
-# (once a step); 2 and 1 MiB are slower again where layers are narrow (more engine calls). Exactness
-# is kept: a param group's weight-only nodes and parameters belong to it alone, so every gradient
-# reaching one node is still summed in one engine call in the order of Note [accumulation order], and
-# each parameter still gets exactly one ``AccumulateGrad`` call. A small stage is one chunk (two
-# engine calls, as before).
-_W_CHUNK_BYTES = 4 * 2**20
-
-
-def _chunks(groups: list[ParamGroup], limit: int) -> Iterator[list[ParamGroup]]:
-    """Consecutive runs of ``groups`` whose parameters reach ``limit`` bytes (the last may be smaller)."""
-    chunk: list[ParamGroup] = []
-    size = 0
-    for group in groups:
-        chunk.append(group)
-        size += sum(p.numel() * p.element_size() for p in group.params)
-        if size >= limit:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
-def _weight_chunk(groups: list[ParamGroup], retain_graph: bool) -> None:
-    """W's two engine calls for ``groups`` (Note [W in chunks])."""
-    work = [group.w_work() for group in groups]  # B's, or a caller's written gradients'
-    calls = [call for group_calls, _ in work for call in group_calls]
-    contributions = [c for _, ready in work for c in ready]
-    del work
-    if calls:
-        for (node, _, w_edges), outs in zip(calls, weight_edge_grads(calls)):
-            nf, seq = node.next_functions, node._sequence_nr()
-            for i in w_edges:
-                if outs[i] is not None:
-                    nxt, nr = nf[i][:2]
-                    contributions.append((seq, GradientEdge(nxt, nr), outs[i]))
-        del outs
-    if contributions:
-        # Note [accumulation order]: a full backward adds the gradients reaching one node in
-        # the order their producers run: the outputs' first, then by decreasing sequence
-        # number. Feeding them as separate roots in that order (the engine adds roots in list
-        # order) keeps W bit-identical to a full backward where a weight gets several.
-        contributions.sort(key=lambda c: c[0], reverse=True)
-        roots = [GradientEdge(edge.node, edge.output_nr) for _, edge, _ in contributions]
-        grads = [grad for _, _, grad in contributions]
-        del contributions
-        accumulate(roots, grads, [p for group in groups for p in group.params], retain_graph)
-        del roots, grads
-    if calls and not retain_graph:
-        # W called these nodes itself, outside an engine call that would free them: drop
-        # what they saved now, not when the last output referencing the graph dies (an
-        # output B could not detach, e.g. a view, may live until the next step).
-        release_saved_tensors(node for node, _, _ in calls)
+        raise StageBackwardError(CONSUMED)
+    _check_same_weights(weights, param_groups._weight_ids)
 
 
 def _weights_list(weights: Any) -> list[torch.Tensor]:

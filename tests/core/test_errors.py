@@ -167,8 +167,8 @@ def test_w_rejects_upstream_param_groups():
 
 def test_exception_in_accumulating_call_releases_everything():
     m, out, groups = _b("shared_late")
-    nodes = [node for group in groups for node, _, _ in group.intermediates]
-    grad_refs = [weakref.ref(g) for group in groups for _, grads, _ in group.intermediates for g in grads if g is not None]
+    nodes = [call.node for group in groups for call in group.intermediates]
+    grad_refs = [weakref.ref(g) for group in groups for call in group.intermediates for g in call.grads if g is not None]
     assert nodes and grad_refs
 
     def boom(_p):

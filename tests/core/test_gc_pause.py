@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
+import ppbackward._param_groups as _param_groups
+import ppbackward._weight_edges as _weight_edges
 import ppbackward.backward as backward
 from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward.leaks._gc_phase import full_collect
@@ -25,7 +27,8 @@ def _stage() -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(*layers), torch.randn(2, 8, 16, requires_grad=True)
 
 
-_WORK = {backward._backward_input.__code__, backward._weight_chunk.__code__}  # B's and W's work
+# B's and W's work: B's after its argument checks; W's chunks as they are made and run
+_WORK = {backward._backward_input.__code__, _param_groups._weight_work.__code__, _weight_edges.run_weight_work.__code__}
 
 
 def _inside_work() -> bool:
@@ -39,7 +42,8 @@ def _inside_work() -> bool:
 
 @contextlib.contextmanager
 def _collections_started() -> Iterator[list[int]]:
-    """Count the collections started inside B's and W's work (``_backward_input``, ``_weight_chunk``)
+    """Count the collections started inside B's and W's work (``_backward_input``, ``_weight_work``,
+    ``run_weight_work``)
     in the block, with the collector enabled and a young-generation threshold of 200 allocations (CPython's
     default is 700: W, down to the weight matmuls, no longer makes that many objects in one microbatch of
     this stage), from allocation counts of 0 (a collection first). What B keeps for W may start one just

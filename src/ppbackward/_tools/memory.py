@@ -77,14 +77,14 @@ def w_floor_bytes(param_groups, exclude: Iterable[torch.Tensor] = ()) -> int:
     """Bytes saved by the nodes ppbackward's W runs for ``param_groups`` (its intermediates and
     their weight-only subgraphs): the least a B/W split must hold between B and W."""
     exclude = list(exclude)
-    intermediates = [node for group in param_groups for node, _, _ in group.intermediates]
+    intermediates = [call.node for group in param_groups for call in group.intermediates]
     roots = [
-        node.next_functions[i][0]
+        call.node.next_functions[i][0]
         for group in param_groups
-        for node, _, w_edges in group.intermediates
-        for i in w_edges
+        for call in group.intermediates
+        for i in call.w_edges
     ]
-    roots += [edge.node for group in param_groups for _, edge, _ in group.ready]
+    roots += [c.edge.node for group in param_groups for c in group.ready]
     held = saved_storages(roots, exclude)
     held.update(saved_storages(intermediates, exclude, stop=intermediates))
     return sum(nbytes for _, nbytes in held.values())
