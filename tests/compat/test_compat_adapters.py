@@ -1,6 +1,7 @@
 """The adapters' own behaviour, on any installed torch (they only wrap ppbackward's functions):
 what each returns, that the torch 2.5 B keeps stage 0's graph whole for the full backward at W
-time, the custom-Function node owners ppbackward's B keeps (``ppbackward._node_owner``), exact grads against plain autograd, and no reference cycle."""
+time, the custom-Function node owners ppbackward's B keeps (``ppbackward._node_owner``), exact grads against plain
+autograd, and no reference cycle."""
 
 from __future__ import annotations
 
@@ -264,11 +265,11 @@ def _paths():
 
     def legacy_stage_0():
         stage, inputs, outs, grads = _setup(custom=True, pair=True, received=False)
-        _, groups = _compat.legacy_stage_backward_input(outs, grads, inputs, stage.parameters())
+        _, _groups = _compat.legacy_stage_backward_input(outs, grads, inputs, stage.parameters())
         _compat.legacy_stage_backward(outs, grads, inputs)
 
     def legacy_full():
-        stage, inputs, outs, grads = _setup(custom=True, pair=True, n_inputs=2)
+        _stage, inputs, outs, grads = _setup(custom=True, pair=True, n_inputs=2)
         _compat.legacy_stage_backward(outs, grads, inputs)
 
     def direct_split():

@@ -202,7 +202,7 @@ def test_install_refuses_a_stage_py_it_does_not_recognise_and_patches_nothing(mo
         else _compat._LEGACY_SHAPE
     )
     monkeypatch.setattr(_compat, "probe_stage_shape", lambda source=None: other)
-    with pytest.raises(pb.UnsupportedTorchError, match="stage.py"):
+    with pytest.raises(pb.UnsupportedTorchError, match=r"stage\.py"):
         pb.install()
     assert not pb.is_installed() and active_adapter() is None
     assert all(_current()[k] is originals[k] for k in originals)

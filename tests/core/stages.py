@@ -149,7 +149,8 @@ class Transformer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=DTYPE)
-        self.blocks = nn.ModuleList([layer, nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=DTYPE)])
+        second = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=DTYPE)
+        self.blocks = nn.ModuleList([layer, second])
 
     def forward(self, x):
         for b in self.blocks:

@@ -47,7 +47,7 @@ def test_split_shapes_broadcast_and_cast_weight_grads_exactly_like_a_full_backwa
     for p, s in zip(model.parameters(), start):
         p.grad = None if s is None else s.clone()
     out = model(x.detach().requires_grad_())
-    (gx,), groups = ppbackward.stage_backward_input((out,), (grad,), [x], model.parameters())
+    (_gx,), groups = ppbackward.stage_backward_input((out,), (grad,), [x], model.parameters())
     ppbackward.stage_backward_weight(model.parameters(), groups)
     for (name, p), r in zip(model.named_parameters(), ref):
         assert p.grad.shape == p.shape and p.grad.dtype == p.dtype, name

@@ -149,7 +149,9 @@ def test_middle_stage_survives_the_caller_detaching_its_outputs(stage, input_gra
     ref_out = ref(*ref_x)
     outs = ref_out if isinstance(ref_out, tuple) else (ref_out,)
     torch.autograd.backward(list(outs), list(output_grads(outs, 7)))
-    got = _run_middle_stage(module, x, lambda out: output_grads(out, 7) if isinstance(out, tuple) else output_grads((out,), 7)[0])
+    got = _run_middle_stage(
+        module, x, lambda out: output_grads(out, 7) if isinstance(out, tuple) else output_grads((out,), 7)[0]
+    )
     assert_grads_equal(got[0], ref_x[0].grad if input_grad else None, "input")
     assert_param_grads(module, {n: p.grad for n, p in ref.named_parameters()}, "stage")
 

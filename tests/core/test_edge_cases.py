@@ -100,7 +100,10 @@ class _Out:
     [
         (lambda t: {t}, "stage_output: a set cannot be matched with gradients"),
         (lambda t: (x for x in [t]), "stage_output: a generator cannot be matched with gradients"),
-        (lambda t: (t.sum(), _Out(t, 3)), "stage_output[1]: dataclass _Out holds a tensor that requires grad ('hidden')"),
+        (
+            lambda t: (t.sum(), _Out(t, 3)),
+            "stage_output[1]: dataclass _Out holds a tensor that requires grad ('hidden')",
+        ),
     ],
 )
 def test_containers_that_would_hide_tensors_are_refused(make, message):
@@ -117,7 +120,7 @@ def test_reentrant_checkpoint_is_refused_clearly_in_b_and_works_in_full():
     inner, head = nn.Linear(4, 4), nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
     out = head(checkpoint(inner, x, use_reentrant=True))
-    with pytest.raises(RuntimeError, match="use_reentrant=True .* use use_reentrant=False"):
+    with pytest.raises(RuntimeError, match=r"use_reentrant=True .* use use_reentrant=False"):
         pb.stage_backward_input(out, torch.ones(2, 4), [x], [*inner.parameters(), *head.parameters()])
     assert out.requires_grad and inner.weight.grad is None
     (gx,) = pb.stage_backward(out, torch.ones(2, 4), [x])
@@ -132,7 +135,7 @@ def test_reentrant_checkpoint_on_a_weight_only_branch_is_refused_in_b_before_any
     x = torch.randn(2, 4, requires_grad=True)
     ww = checkpoint(lambda a: torch.sin(a) * 2, w, use_reentrant=True)  # a weight-only branch
     out = torch.tanh(x @ v) @ ww
-    with pytest.raises(RuntimeError, match="use_reentrant=True .* use use_reentrant=False"):
+    with pytest.raises(RuntimeError, match=r"use_reentrant=True .* use use_reentrant=False"):
         pb.stage_backward_input((out,), (torch.ones(2, 4),), [x], [w, v])
     assert out.requires_grad and w.grad is None and v.grad is None
     (gx,) = pb.stage_backward((out,), (torch.ones(2, 4),), [x])

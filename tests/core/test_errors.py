@@ -141,12 +141,15 @@ def test_w_with_another_stages_weights_raises_before_anything_runs():
         (None, "weights: expected an iterable of parameters (e.g. module.parameters()), got NoneType"),
         ("w", "weights[0]: expected a torch.Tensor (a parameter), got str"),
         (lambda m: [m.layers[0].weight, 3], "weights[1]: expected a torch.Tensor (a parameter), got int"),
-        (lambda m: m.layers[0].weight, "weights: expected an iterable of parameters (e.g. module.parameters()), got Parameter"),
+        (
+            lambda m: m.layers[0].weight,
+            "weights: expected an iterable of parameters (e.g. module.parameters()), got Parameter",
+        ),
     ],
     ids=["None", "str", "an-int-among-them", "one-tensor"],
 )
 def test_weights_that_are_not_tensors_are_refused_before_anything_runs(weights, message):
-    m, out, groups = _b()
+    m, _out, groups = _b()
     bad = weights(m) if callable(weights) else weights
     with pytest.raises(TypeError) as info:
         pb.stage_backward_weight(bad, groups)
@@ -161,14 +164,16 @@ def test_weights_that_are_not_tensors_are_refused_before_anything_runs(weights, 
 
 def test_w_rejects_upstream_param_groups():
     m, _, _ = _b()
-    with pytest.raises(TypeError, match="param_groups: expected the ppbackward.ParamGroups"):
+    with pytest.raises(TypeError, match=r"param_groups: expected the ppbackward\.ParamGroups"):
         pb.stage_backward_weight(m.parameters(), [{"params": set(), "intermediates": []}])
 
 
 def test_exception_in_accumulating_call_releases_everything():
     m, out, groups = _b("shared_late")
     nodes = [call.node for group in groups for call in group.intermediates]
-    grad_refs = [weakref.ref(g) for group in groups for call in group.intermediates for g in call.grads if g is not None]
+    grad_refs = [
+        weakref.ref(g) for group in groups for call in group.intermediates for g in call.grads if g is not None
+    ]
     assert nodes and grad_refs
 
     def boom(_p):

@@ -105,11 +105,14 @@ def test_an_edge_needs_its_gradient_and_one_that_fits():
     mod, _ = _pair()
     x = torch.randn(4, 6, requires_grad=True)
     edge = get_gradient_edge(mod(x))
-    with pytest.raises(pb.StageBackwardError, match=r"stage_output\[0\]: a GradientEdge output requires output gradients"):
+    message = r"stage_output\[0\]: a GradientEdge output requires output gradients"
+    with pytest.raises(pb.StageBackwardError, match=message):
         pb.stage_backward_input([edge], None, [x], mod.parameters())
-    with pytest.raises(ValueError, match=r"stage_output\[0\]: grad shape \(4, 5\) != GradientEdge input shape \(4, 6\)"):
+    message = r"stage_output\[0\]: grad shape \(4, 5\) != GradientEdge input shape \(4, 6\)"
+    with pytest.raises(ValueError, match=message):
         pb.stage_backward([edge], [torch.ones(4, 5)], [x])
-    with pytest.raises(TypeError, match=r"stage_output\[0\]: grad dtype torch.float64 != GradientEdge input dtype torch.float32"):
+    message = r"stage_output\[0\]: grad dtype torch.float64 != GradientEdge input dtype torch.float32"
+    with pytest.raises(TypeError, match=message):
         pb.stage_backward([edge], [torch.ones(4, 6, dtype=torch.float64)], [x])
     assert all(p.grad is None for p in mod.parameters())  # nothing ran
 
@@ -122,6 +125,7 @@ def test_a_malformed_edge_is_refused_naming_the_output():
     out = mod(x)
     with pytest.raises(ValueError, match=r"stage_output\[0\]: GradientEdge node is NoneType, not an autograd node"):
         pb.stage_backward((GradientEdge(None, 0),), (torch.ones(3, 6),), [x])
-    with pytest.raises(ValueError, match=r"stage_output\[0\]: GradientEdge output_nr 5 is out of range for AddmmBackward0"):
+    message = r"stage_output\[0\]: GradientEdge output_nr 5 is out of range for AddmmBackward0"
+    with pytest.raises(ValueError, match=message):
         pb.stage_backward_input((GradientEdge(out.grad_fn, 5),), (torch.ones(3, 6),), [x], mod.parameters())
     assert out.requires_grad and all(p.grad is None for p in mod.parameters())

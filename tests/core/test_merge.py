@@ -16,7 +16,7 @@ from ppbackward._install import merge_bw_enabled
 from ppbackward._merge import merge_actions
 
 A = s._Action
-I, W, B, F = s.BACKWARD_INPUT, s.BACKWARD_WEIGHT, s.FULL_BACKWARD, s.FORWARD
+I, W, B, F = s.BACKWARD_INPUT, s.BACKWARD_WEIGHT, s.FULL_BACKWARD, s.FORWARD  # noqa: E741  # torch's action letters
 SPLIT = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
@@ -57,7 +57,10 @@ def test_every_backward_runs_once_and_nothing_else_moves(name: str):
         # with the merged pairs put back, the list is the planner's
         unmerged = []
         for a in merged:
-            unmerged += [a._replace(computation_type=I), a._replace(computation_type=W)] if a in _pairs(rank_ops) else [a]
+            if a in _pairs(rank_ops):
+                unmerged += [a._replace(computation_type=I), a._replace(computation_type=W)]
+            else:
+                unmerged.append(a)
         assert [a for a in unmerged if a is not None] == [a for a in rank_ops if a is not None]
 
 
