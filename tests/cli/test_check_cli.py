@@ -21,6 +21,15 @@ import torch
 from ppbackward.__main__ import main
 from ppbackward._tools.cli import cells as _check_cells
 from ppbackward._tools.cli import check as _check
+from ppbackward._tools.harness.records import (
+    CaseRecord,
+    Failure,
+    GarbageRecord,
+    HooksRecord,
+    LifetimeRecord,
+    NumericsRecord,
+    StepRecord,
+)
 
 
 def _check_main(capsys, *args: str) -> tuple[int, str, str]:
@@ -193,38 +202,44 @@ def test_console_script_runs():
 # the table's arithmetic (Note [worst cell]) and the progress words
 
 
-def _step(step: int, fired: int, expected: int, garbage: int = 0) -> dict:
-    return {
-        "step": step,
-        "seconds": 0.01,
-        "garbage": {"tensors": garbage, "nodes": 0},
-        "lifetime": {"bytes_freed_only_by_gc": 0, "bytes_held_after_gc": 0},
-        "numerics": {"max_abs_grad_err": 0.0},
-        "hooks": {"fired": fired, "expected": expected},
-    }
+def _step(step: int, fired: int, expected: int, garbage: int = 0, **numerics) -> StepRecord:
+    return StepRecord(
+        step=step, seconds=0.01, garbage=GarbageRecord(tensors=garbage), lifetime=LifetimeRecord(), caches={},
+        numerics=NumericsRecord(**numerics), hooks=HooksRecord(fired=fired, expected=expected),
+    )
+
+
+def _case(status: str, steps: list[StepRecord] = (), failures: list[Failure] = (), **kw) -> CaseRecord:
+    return CaseRecord("S/m", status=status, steps=list(steps), failures=list(failures), **kw)
+
+
+def _hooks(step: int, fired: int, expected: int = 16) -> Failure:
+    message = f"post-accumulate-grad hooks fired {fired} times, expected {expected} (...)"
+    return Failure("hooks", "hooks-skipped", message, step)
 
 
 def test_every_column_is_the_worst_rank_and_step_and_the_footnote_quotes_that_cell():
-    hooks = "hooks: post-accumulate-grad hooks fired {} times, expected 16 (...)"
     per_rank = {
-        0: {"status": "fail", "steps": [_step(0, 8, 16), _step(1, 8, 16)],
-            "failures": ["step 0: " + hooks.format(8), "step 1: " + hooks.format(8)]},
-        1: {"status": "fail", "steps": [_step(0, 16, 16), _step(1, 0, 16, garbage=0)],
-            "failures": ["step 1: " + hooks.format(0)]},
+        0: _case("fail", [_step(0, 8, 16), _step(1, 8, 16)], [_hooks(0, 8), _hooks(1, 8)]),
+        1: _case("fail", [_step(0, 16, 16), _step(1, 0, 16, garbage=0)], [_hooks(1, 0)]),
     }
     values = _check_cells.cell_values(per_rank)
     assert (values["hooks_fired"], values["hooks_expected"]) == (0, 16)  # rank 1, step 1: not a total
     assert values["worst"]["hooks"] == [1, 1]
     assert _check_cells.format_cell("hooks", values, _check_cells.cell_ok(values)["hooks"]) == "0/16 FAIL"
-    assert _check_cells.reason(values) == "rank 1, step 1: " + hooks.format(0)
+    assert _check_cells.reason(values) == "rank 1, step 1: hooks: " + _hooks(1, 0).message
     assert _check_cells.short_reason(values) == "FAIL: hooks skipped in W"  # the kind, never a bare message
 
 
+def _raised(kind: str, message: str) -> Failure:
+    return Failure("exception", kind, message, raised=message.split(":", 1)[0])
+
+
 def test_footnotes_group_failures_by_kind_with_reason_report_rows_and_one_example():
-    raised = {0: {"status": "error", "failures": ["exception: RuntimeError: Trying to backward through the graph a "
-                                                  "second time (or directly ...)"]}}
-    hooks = {1: {"status": "fail", "steps": [_step(0, 0, 8)], "failures": ["step 0: hooks: fired 0 times, expected 8"]}}
-    odd = {0: {"status": "error", "failures": ["exception: ValueError: something nobody has seen"]}}
+    raised = {0: _case("error", failures=[_raised(
+        "shared-parameter", "RuntimeError: Trying to backward through the graph a second time (or directly ...)")])}
+    hooks = {1: _case("fail", [_step(0, 0, 8)], [Failure("hooks", "hooks-skipped", "fired 0 times, expected 8", 0)])}
+    odd = {0: _case("error", failures=[_raised("other", "ValueError: something nobody has seen")])}
     rows = [(name, _check_cells.cell_values(r)) for name, r in (("a S1", raised), ("a S2", hooks), ("b S1", odd))]
     assert _check_cells.short_reason(rows[0][1]) == "FAIL: shared parameter: W backprops twice"
     assert _check_cells.short_reason(rows[2][1]) == "FAIL: ValueError: something nobody has seen"
@@ -237,14 +252,14 @@ def test_footnotes_group_failures_by_kind_with_reason_report_rows_and_one_exampl
     assert lines[-2:] == ["- ValueError: something nobody has seen", "    in: b S1"]  # unknown kinds last, as recorded
 
 
-def test_ddp_shape_inference_is_named_from_the_traceback_the_rank_recorded():
-    failure = "exception: RuntimeError: [Stage 0] failed to run forward: ... (caused by RuntimeError: false ..."
-    error = "Traceback ...\nRuntimeError: ... rebuilt parameter indices size is not same as original model parameters size."
-    values = _check_cells.cell_values({0: {"status": "error", "failures": [failure], "error": error, "wrap": "ddp"}})
+def test_ddp_shape_inference_is_named_from_the_kind_the_rank_recorded():
+    message = "RuntimeError: [Stage 0] failed to run forward: ... (caused by RuntimeError: false ..."
+    values = _check_cells.cell_values({0: _case("error", failures=[_raised("ddp-shape-inference", message)],
+                                                error="Traceback ...", wrap="ddp")})
     assert _check_cells.short_reason(values) == "FAIL: DDP + shape inference"
     (line, rows, example) = _check_cells.by_kind([("ddp S1", values)])
     assert line.startswith("- DDP + shape inference: torch's PipelineStage shape inference (no input_args)")
-    assert rows == "    in: ddp S1" and example == "    e.g. rank 0, " + failure
+    assert rows == "    in: ddp S1" and example == "    e.g. rank 0, exception: " + message
 
 
 def test_memory_passes_only_at_most_what_w_reads_and_nothing_after_w():
@@ -259,50 +274,54 @@ def test_memory_passes_only_at_most_what_w_reads_and_nothing_after_w():
 
 def test_a_rank_with_no_trainable_parameter_is_not_the_hooks_cell():
     """Issue 23: a LoRA row showed ``hooks 0/0 ok`` because the worst-rank rule picked the frozen rank."""
-    per_rank = {0: {"status": "pass", "steps": [_step(0, 0, 0)], "failures": []},
-                1: {"status": "pass", "steps": [_step(0, 8, 8)], "failures": []}}
+    per_rank = {0: _case("pass", [_step(0, 0, 0)]), 1: _case("pass", [_step(0, 8, 8)])}
     values = _check_cells.cell_values(per_rank)
     assert (values["hooks_fired"], values["hooks_expected"]) == (8, 8) and values["worst"]["hooks"] == [1, 0]
     assert _check_cells.format_cell("hooks", values, _check_cells.cell_ok(values)["hooks"]) == "8/8 ok"
     frozen = _check_cells.cell_values({0: per_rank[0], 1: per_rank[0]})  # every rank frozen: 0/0 it is
     assert (frozen["hooks_fired"], frozen["hooks_expected"]) == (0, 0)
-    missed = {**per_rank, 2: {"status": "fail", "steps": [_step(0, 4, 8)], "failures": ["step 0: hooks: x"]}}
+    missed = {**per_rank, 2: _case("fail", [_step(0, 4, 8)], [_hooks(0, 4, 8)])}
     assert _check_cells.cell_values(missed)["worst"]["hooks"] == [2, 0]  # the furthest from expected wins
+
+
+def _numerics(message: str, kind: str = "grads-wrong") -> Failure:
+    return Failure("numerics", kind, message, 0)
 
 
 def test_grads_none_say_so_instead_of_a_zero_difference_marked_fail():
     """Issue 23: ``max|dg| 0.0e+00 FAIL`` where the pipeline left a trainable grad None."""
-    none = "step 0: numerics: 3.lora_a.grad is None in the pipeline but set in the reference"
-    values = _check_cells.cell_values({0: {"status": "pass", "steps": [_step(0, 0, 0)], "failures": []},
-                                       1: {"status": "fail", "steps": [_step(0, 8, 8)], "failures": [none]}})
+    none = _numerics("3.lora_a.grad is None in the pipeline but set in the reference", "grads-missing")
+    values = _check_cells.cell_values({0: _case("pass", [_step(0, 0, 0)]),
+                                       1: _case("fail", [_step(0, 8, 8, grads_none=1)], [none])})
     ok = _check_cells.cell_ok(values)["max|dg|"]
     assert not ok and _check_cells.format_cell("max|dg|", values, ok) == "grad None FAIL"
-    loss = {"status": "fail", "steps": [_step(0, 8, 8)], "failures": ["step 0: numerics: loss of microbatch 0 = 1.0"]}
+    loss = _case("fail", [_step(0, 8, 8, losses_wrong=1)], [_numerics("loss of microbatch 0 = 1.0")])
     values = _check_cells.cell_values({0: loss})
     assert _check_cells.format_cell("max|dg|", values, False) == "loss FAIL"
-    measured = _step(0, 8, 8)
-    measured["numerics"]["max_abs_grad_err"] = 0.5
-    values = _check_cells.cell_values({0: {"status": "fail", "steps": [measured], "failures": ["step 0: numerics: w"]}})
+    measured = _step(0, 8, 8, max_abs_grad_err=0.5)
+    values = _check_cells.cell_values({0: _case("fail", [measured], [_numerics("w")])})
     assert _check_cells.format_cell("max|dg|", values, False) == "5.0e-01 FAIL"  # a measured difference shows
+    replicas = _case("fail", [_step(0, 8, 8, replicas_diverged=True)], [Failure("replicas", "ddp-replicas", "r", 0)])
+    assert _check_cells.format_cell("max|dg|", _check_cells.cell_values({0: replicas}), False) == "replicas FAIL"
 
 
 def test_the_progress_line_says_what_the_row_will():
     """Issue 23: the progress line said ``lora-last pass`` (rank 0's record) while the row said FAIL."""
-    frozen_rank = {"status": "pass", "failures": []}
-    last_rank = {"status": "fail", "failures": ["step 0: numerics: 3.w.grad is None in the pipeline but set"]}
+    frozen_rank = _case("pass")
+    last_rank = _case("fail", failures=[_numerics("3.w.grad is None in the pipeline but set", "grads-missing")])
     assert _check_cells.progress_status_of({0: frozen_rank, 1: last_rank}) == "FAIL numerics"
     assert _check_cells.progress_status_of({0: frozen_rank, 1: frozen_rank}) == "pass"
-    assert _check_cells.progress_status_of({0: {"status": "skip"}, 1: {"status": "skip"}}) == "skip"
-    raised = {"status": "error", "failures": ["exception: KeyError: 'x'"]}
+    assert _check_cells.progress_status_of({0: _case("skip"), 1: _case("skip")}) == "skip"
+    raised = _case("error", failures=[_raised("other", "KeyError: 'x'")])
     assert _check_cells.progress_status_of({0: frozen_rank, 1: raised}) == "FAIL raised KeyError"
 
 
 def test_progress_says_why_a_case_failed():
-    assert _check_cells.progress_status({"status": "pass"}) == "pass"
-    raised = {"status": "error", "failures": ["exception: RuntimeError: Trying to backward ... (caused by X)"]}
-    assert _check_cells.progress_status(raised) == "FAIL raised RuntimeError"
-    checks = {"status": "fail", "failures": ["step 0: hooks: fired 0", "step 0: numerics: x", "step 1: hooks: y"]}
-    assert _check_cells.progress_status(checks) == "FAIL hooks,numerics"
+    assert _check_cells.progress_status("pass", []) == "pass"
+    raised = [_raised("shared-parameter", "RuntimeError: Trying to backward ... (caused by X)")]
+    assert _check_cells.progress_status("error", raised) == "FAIL raised RuntimeError"
+    checks = [_hooks(0, 0), _numerics("x"), _hooks(1, 1)]
+    assert _check_cells.progress_status("fail", checks) == "FAIL hooks,numerics"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -11,8 +11,17 @@ import pytest
 import torch
 
 from ppbackward._compat import torch_release
-from ppbackward._tools.harness import models, parallel, probes, schedules, worker
+from ppbackward._tools.harness import diagnose, models, parallel, probes, schedules, worker
 from ppbackward._tools.harness.launch import LaunchResult
+from ppbackward._tools.harness.records import (
+    CaseRecord,
+    Event,
+    EventReader,
+    EventWriter,
+    Failure,
+    RankVerdict,
+    to_json,
+)
 
 # ----------------------------------------------------------------------------------------------------
 # schedule matrix
@@ -154,18 +163,38 @@ def test_compare_flags_a_perturbed_grad_a_missing_grad_and_a_wrong_loss() -> Non
     named = [(n, p.grad) for n, p in models.param_names(0, lin)]
     exact = {n: g.clone() for n, g in named}
     info, failures = worker._compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.0])
-    assert failures == [] and info["params_compared"] == 2 and info["max_abs_grad_err"] == 0.0
+    assert failures == [] and info.params_compared == 2 and info.max_abs_grad_err == 0.0
     off = dict(exact)
     off["stage0.weight"] = exact["stage0.weight"] + 1e-3
-    _, failures = worker._compare(named, _ref_for(off), None)
-    assert len(failures) == 1 and "stage0.weight.grad: 9 of 9 elements outside tolerance" in failures[0]
+    _, failures = worker._compare(named, _ref_for(off), None, step=1)
+    (failure,) = failures
+    assert failure.text.startswith("step 1: numerics: stage0.weight.grad: 9 of 9 elements outside tolerance")
+    assert (failure.check, failure.kind) == ("numerics", "grads-wrong")
     within = dict(exact)
     within["stage0.weight"] = exact["stage0.weight"] * (1 + 1e-6)
     assert worker._compare(named, _ref_for(within), None)[1] == []
     missing = dict(exact, **{"stage0.bias": None})
-    assert "None in the reference" in worker._compare(named, _ref_for(missing), None)[1][0]
-    _, failures = worker._compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.001])
-    assert failures and "loss of microbatch 0" in failures[0]
+    info, failures = worker._compare(named, _ref_for(missing), None)
+    assert failures[0].message == "stage0.bias.grad is set in the pipeline but None in the reference"
+    assert (info.grads_unexpected, info.grads_none, failures[0].kind) == (1, 0, "grads-wrong")
+    info, failures = worker._compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.001])
+    assert failures[0].message == "loss of microbatch 0 = 1.001, reference 1.0" and info.losses_wrong == 1
+
+
+@pytest.mark.parametrize(
+    ("wrap", "grad_none", "kind"),
+    [("fsdp", True, "fsdp-swap"), ("fsdp", False, "fsdp-swap"), ("fsdp-titan", True, "fsdp-loss-reshard"),
+     ("fsdp-titan", False, "grads-wrong"), ("none", True, "grads-missing"), ("ddp", False, "grads-wrong")],
+)
+def test_a_numerics_failure_gets_its_kind_where_the_grads_are_compared(wrap: str, grad_none: bool, kind: str) -> None:
+    lin = torch.nn.Linear(2, 2)
+    lin(torch.randn(1, 2)).sum().backward()
+    named = [(n, p.grad) for n, p in models.param_names(0, lin)]
+    want = {n: g.clone() + 1.0 for n, g in named}
+    if grad_none:
+        named = [(n, None) for n, _ in named]
+    info, failures = worker._compare(named, _ref_for(want), None, wrap=wrap, step=0)
+    assert [f.kind for f in failures] == [kind, kind] and info.grads_none == (2 if grad_none else 0)
 
 
 def _fake_stage(index: int, last: bool, **caches) -> types.SimpleNamespace:
@@ -222,9 +251,9 @@ def test_activation_probe_counts_what_releasing_the_receive_buffers_frees(with_f
     probe.after_clear()
     assert probe.release_recv_buffers([stage]) == 1
     probe.after_gc()
-    result = probe.to_dict()
-    assert result["kept_by_design"]["recv_buffer"] == 1  # Linear saved its input, the receive buffer
-    assert (result["freed_only_by_gc"], result["held_after_gc"]) == (0, 0)
+    result = probe.to_record()
+    assert result.kept_by_design.recv_buffer == 1  # Linear saved its input, the receive buffer
+    assert (result.freed_only_by_gc, result.held_after_gc) == (0, 0)
 
 
 def test_garbage_probe_keeps_the_chains_as_text_and_leaves_no_graph_folder(tmp_path: Path, monkeypatch) -> None:
@@ -283,46 +312,47 @@ def test_select_backward_rejects_an_unknown_mode() -> None:
 # failure formatting
 
 
-def _result(tmp_path: Path, verdicts: dict[int, dict | None], **kw) -> LaunchResult:
-    for rank, verdict in verdicts.items():
-        if verdict is not None:
-            (tmp_path / f"rank{rank}.json").write_text(json.dumps(verdict))
+def _result(tmp_path: Path, verdicts: dict[int, RankVerdict | None], **kw) -> LaunchResult:
     defaults = dict(command=["torchrun"], out_dir=tmp_path, world_size=len(verdicts), returncode=0,
                     timeout=10.0, seconds=1.0, verdicts=verdicts)
     defaults.update(kw)
     return LaunchResult(**defaults)
 
 
-def _record(case_id: str, status: str, **extra) -> dict:
-    return {"id": case_id, "status": status, "stages": [0], "failures": [], "steps": [], **extra}
+def _verdict(rank: int, *cases: CaseRecord, complete: bool = True, backward: str = "ppbackward") -> RankVerdict:
+    return RankVerdict(rank, 2, backward, complete=complete, cases=list(cases))
 
 
 def test_failures_are_one_block_per_case_with_failing_ranks_details_and_log(tmp_path: Path) -> None:
-    ok = {"complete": True, "backward": "ppbackward", "cases": [_record("S/m", "pass"), _record("S/x", "pass")]}
-    bad = {
-        "complete": True,
-        "backward": "ppbackward",
-        "cases": [
-            _record("S/m", "pass"),
-            _record(
-                "S/x", "error", failures=["exception: RuntimeError: boom"], error="Traceback ...\nRuntimeError: boom"
-            ),
-        ],
-    }
-    (tmp_path / "rank1.log").write_text("[rank 1] >>> S/m\n[rank 1] S/m: pass\n[rank 1] >>> S/x\nboom happened\n")
+    ok = _verdict(0, CaseRecord("S/m", stages=[0]), CaseRecord("S/x", stages=[0]))
+    boom = Failure("exception", "other", "RuntimeError: boom", raised="RuntimeError")
+    bad = _verdict(1, CaseRecord("S/m", stages=[0]), CaseRecord(
+        "S/x", status="error", stages=[0], failures=[boom], error="Traceback ...\nRuntimeError: boom"
+    ))
+    log = tmp_path / "rank1.log"
+    events = EventWriter(tmp_path, 1, log=log)
+    events.emit("started")
+    events.emit("case_start", case="S/m")
+    log.write_text("[rank 1] case S/m\n[rank 1] S/m: pass\n")
+    events.emit("case_end", case="S/m", record=bad.cases[0])
+    events.emit("case_start", case="S/x")
+    with log.open("a") as f:
+        f.write("[rank 1] case S/x\nboom happened\n")
+    events.close()
     result = _result(tmp_path, {0: ok, 1: bad})
     assert result.complete and not result.ok
     assert result.case_status("S/m") == "pass" and result.case_status("S/x") == "fail"
     text = result.format_failures()
     assert text.count("=== ") == 1 and "=== S/x (world size 2, backward=ppbackward) ===" in text
     assert "rank 0 [stages 0]: pass" in text and "rank 1 [stages 0]: error" in text
-    assert "RuntimeError: boom" in text and "boom happened" in text
-    assert ">>> S/m" not in text  # only the failing case's part of the log
+    assert "exception: RuntimeError: boom" in text and "boom happened" in text
+    # only the failing case's part of the log (from its events' log offsets)
+    assert "case S/m" not in text and "case S/x" in text
 
 
 def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_path: Path) -> None:
     (tmp_path / "rank1.log").write_text("stuck here\n")
-    verdict = {"complete": False, "backward": "upstream", "cases": []}
+    verdict = _verdict(0, complete=False, backward="upstream")
     result = _result(tmp_path, {0: verdict, 1: None}, returncode=-9, hang="progress")
     problems = "\n".join(result.launch_problems())
     assert "timed out: no rank made progress for 10s after every rank had started" in problems
@@ -332,7 +362,7 @@ def test_a_missing_verdict_and_a_timeout_are_launch_problems_with_log_tails(tmp_
 
 
 def test_a_rank_that_never_started_is_a_start_up_timeout(tmp_path: Path) -> None:
-    result = _result(tmp_path, {0: {"complete": False, "cases": []}, 1: None}, returncode=-9,
+    result = _result(tmp_path, {0: _verdict(0, complete=False), 1: None}, returncode=-9,
                      hang="startup", startup_timeout=300.0)
     problems = "\n".join(result.launch_problems())
     assert "timed out: rank(s) 1 had not started 300s after the launch" in problems
@@ -384,70 +414,88 @@ def test_layout_puts_each_rank_on_one_dp_x_pp_coordinate() -> None:
         parallel.wrap(torch.nn.Linear(2, 2), "ddp", parallel.Groups(None, None, None, []))
 
 
+def _raised(exc: BaseException) -> Failure:
+    try:
+        raise exc
+    except BaseException as e:
+        return worker._exception_failure(e)[0]
+
+
 @pytest.mark.parametrize(
-    ("failure", "wrap", "kind"),
+    ("message", "kind"),
     [
-        ("exception: RuntimeError: Trying to backward through the graph a second time (or ...", "none", "shared-parameter"),
-        ("exception: RuntimeError: Can't detach views in-place. Use detach() instead ...", "none", "view-output"),
-        ("exception: RuntimeError: rebuilt parameter indices size is not same as original model parameters size.", "ddp",
-         "ddp-shape-inference"),
-        ("exception: RuntimeError: [gloo] Timed out waiting 6000ms for recv operation to complete", "none", "peer-failed"),
-        ("exception: RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:14546. This is typically ...", "none",
-         "peer-failed"),
-        ("step 0: replicas: the dp replicas' gradients differ (...)", "ddp", "ddp-replicas"),
-        ("step 0: numerics: stage1.w.grad: 4 of 4 elements outside tolerance (...)", "fsdp", "fsdp-swap"),
-        ("step 0: numerics: stage1.w.grad is None in the pipeline but set in the reference", "fsdp-keep", "grads-missing"),
-        ("step 0: numerics: stage1.w.grad: 4 of 4 elements outside tolerance (...)", "none", "grads-wrong"),
-        ("step 1: side effects: stage 3's custom Function backward ran 8 times ...", "none", "side-effects-twice"),
-        ("step 0: hooks: post-accumulate-grad hooks fired 0 times, expected 8 (...)", "none", "hooks-skipped"),
-        ("step 0: garbage: 1 tensors and 1 autograd nodes in reference cycles after the step (...)", "none", "reference-cycle"),
-        ("step 0: lifetime: 2 saved activations (64 B) outlived the step and were freed only by a gc run", "none", "reference-cycle"),
-        ("step 0: lifetime: 2 saved activations (64 B) still alive after clear_runtime_states() ...", "none", "held-activations"),
-        ("step 0: caches: stage 1: fwd_cache holds 2 entries after the step", "none", "stage-caches"),
-        ("exception: ValueError: never seen before", "none", "other"),
+        ("Trying to backward through the graph a second time (or ...", "shared-parameter"),
+        ("Can't detach views in-place. Use detach() instead ...", "view-output"),
+        ("rebuilt parameter indices size is not same as original model parameters size.", "ddp-shape-inference"),
+        ("[gloo] Timed out waiting 6000ms for recv operation to complete", "peer-failed"),
+        ("[gloo] Connection closed by peer [127.0.0.1]:14546. This is typically ...", "peer-failed"),
+        ("never seen before", "other"),
     ],
 )
-def test_every_kind_of_failure_is_named(failure: str, wrap: str, kind: str) -> None:
-    from ppbackward._tools.harness import diagnose
-
-    record = {"failures": [failure], "wrap": wrap}
-    assert diagnose.kind_of(failure, record) == kind
-    (finding,) = diagnose.diagnose(record)
-    assert finding.kind.key == kind
-    assert finding.line == (failure.removeprefix("exception: ") if kind == "other" else f"{finding.kind.label}: {finding.kind.reason}")
+def test_an_exceptions_kind_is_set_where_it_is_caught(message: str, kind: str) -> None:
+    failure = _raised(RuntimeError(message))
+    assert (failure.check, failure.kind, failure.raised) == ("exception", kind, "RuntimeError")
+    assert failure.text == f"exception: RuntimeError: {message.splitlines()[0]}"
 
 
 def test_ddp_shape_inference_is_named_from_torchs_message_in_the_whole_traceback() -> None:
-    from ppbackward._tools.harness import diagnose
+    # the failure line loses DDP's message to the cut (Note [DDP and shape inference]); the chain has it
+    ddp = ("false INTERNAL ASSERT FAILED at reducer.cpp:1, please report a bug to PyTorch.\n" + "x" * 300 +
+           "\nrebuilt parameter indices size is not same as original model parameters size.")
+    try:
+        try:
+            raise RuntimeError(ddp)
+        except RuntimeError as inner:
+            raise RuntimeError("[Stage 1] failed to run forward") from inner
+    except RuntimeError as e:
+        failure, _ = worker._exception_failure(e)
+    assert failure.kind == "ddp-shape-inference" and "rebuilt parameter" not in failure.message
+    # only in the traceback (a message torch formatted into it, not an exception's own): still found
+    assert worker._exception_kind(RuntimeError("x"), "Traceback ...\n" + ddp) == "ddp-shape-inference"
+    assert worker._exception_kind(RuntimeError("x"), "Traceback ...\nRuntimeError: something else\n") == "other"
+    # a kind that is not in_traceback is never read from the traceback
+    assert worker._exception_kind(RuntimeError("x"), "Traceback ...\nCan't detach views in-place") == "other"
 
-    # the failure line lost DDP's message to the cut (Note [DDP and shape inference]); the traceback has it
-    failure = "exception: RuntimeError: [Stage 1] failed to run forward: ... (caused by RuntimeError: false INTERNAL ..."
-    error = (
-        "Traceback (most recent call last):\n  ...\nRuntimeError: false INTERNAL ASSERT FAILED at reducer.cpp:1, please "
-        "report a bug to PyTorch. rebuilt parameter indices size is not same as original model parameters size."
-        "Original model param size is: 4 versus rebuilt params size of: 2\n"
-    )
-    record = {"status": "error", "failures": [failure], "error": error, "wrap": "ddp"}
-    assert diagnose.kind_of(failure, record) == "ddp-shape-inference"
-    assert [f.kind.key for f in diagnose.diagnose(record)] == ["ddp-shape-inference"]
-    assert diagnose.kind_of(failure, {**record, "error": "Traceback ...\nRuntimeError: something else\n"}) == "other"
-    # a check failure is no exception, whatever traceback the record holds
-    assert diagnose.kind_of("step 1: caches: x", record) == "stage-caches"
+
+@pytest.mark.parametrize("key", [kind.key for kind in diagnose.KINDS])
+def test_every_kind_is_named_with_its_label_and_reason(key: str) -> None:
+    record = CaseRecord("S/m", status="fail", failures=[Failure("hooks", key, "a message", 0)])
+    (finding,) = diagnose.diagnose(record)
+    assert finding.kind.key == key and finding.line == f"{finding.kind.label}: {finding.kind.reason}"
+    assert finding.example == "step 0: hooks: a message"
+
+
+def test_an_other_failure_is_shown_as_recorded() -> None:
+    raised = Failure("exception", "other", "ValueError: never seen before", raised="ValueError")
+    case = Failure("case", "other", "no placement rule for ScheduleX")
+    findings = diagnose.diagnose(CaseRecord("S/m", status="error", failures=[raised, case]))
+    assert [f.line for f in findings] == ["ValueError: never seen before", "no placement rule for ScheduleX"]
+    with pytest.raises(KeyError, match="unknown failure kind 'nope'; known: shared-parameter, "):
+        diagnose.diagnose(CaseRecord("S/m", status="fail", failures=[Failure("hooks", "nope", "m", 0)]))
+
+
+def test_a_failures_kind_comes_from_the_record_not_from_its_text() -> None:
+    """The message reads like a missing grad under FSDP2 (what the prose parser of issue 30 matched);
+    the record says hooks-skipped, and that is what the finding names."""
+    fake = Failure("numerics", "hooks-skipped", "stage1.w.grad is None in the pipeline but set in the reference", 0)
+    record = CaseRecord("S/m", wrap="fsdp-titan", status="fail", failures=[fake])
+    assert [f.kind.key for f in diagnose.diagnose(record)] == ["hooks-skipped"]
 
 
 def test_order_ranks_every_kind_as_kinds_lists_them() -> None:
-    from ppbackward._tools.harness import diagnose
-
     assert list(diagnose.ORDER) == [kind.key for kind in diagnose.KINDS]
     assert sorted(diagnose.ORDER.values()) == list(range(len(diagnose.KINDS)))
 
 
 def test_findings_come_most_telling_first_and_once_per_kind() -> None:
-    from ppbackward._tools.harness import diagnose
-
-    record = {"wrap": "ddp", "failures": ["step 0: hooks: a", "step 0: numerics: x outside", "step 0: replicas: r", "step 1: hooks: b"]}
-    assert [f.kind.key for f in diagnose.diagnose(record)] == ["ddp-replicas", "grads-wrong", "hooks-skipped"]
-    assert diagnose.diagnose({"failures": []}) == []
+    failures = [Failure("hooks", "hooks-skipped", "a", 0), Failure("numerics", "grads-wrong", "x outside", 0),
+                Failure("replicas", "ddp-replicas", "r", 0), Failure("hooks", "hooks-skipped", "b", 1)]
+    findings = diagnose.diagnose(CaseRecord("S/m", wrap="ddp", status="fail", failures=failures))
+    assert [(f.kind.key, f.example) for f in findings] == [
+        ("ddp-replicas", "step 0: replicas: r"), ("grads-wrong", "step 0: numerics: x outside"),
+        ("hooks-skipped", "step 0: hooks: a"),
+    ]
+    assert diagnose.diagnose(CaseRecord("S/m")) == []
 
 
 def test_progress_reports_a_case_once_every_rank_has_it_and_says_what_runs_meanwhile(tmp_path: Path) -> None:
@@ -461,34 +509,45 @@ def test_progress_reports_a_case_once_every_rank_has_it_and_says_what_runs_meanw
     reporter = _CaseReporter(tmp_path, 2, lambda c, r: seen.append((c, r)), said.append, quiet_s=10.0,
                              clock=lambda: now[0])
 
-    def write(rank: int, *cases: tuple[str, str]) -> None:
-        records = [{"id": c, "status": s} for c, s in cases]
-        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"cases": records}))
-
+    writers = {r: EventWriter(tmp_path, r) for r in range(2)}
     now[0] = 10.0
     reporter.poll()
     assert said == ["starting: 0/2 ranks have joined the process group"]
-    write(0)
-    write(1)
-    (tmp_path / "rank0.log").write_text("[rank 0] >>> ScheduleGPipe/lora-last\n")
+    writers[0].emit("started")
+    writers[1].emit("started")
+    writers[0].emit("case_start", case="ScheduleGPipe/lora-last")
     now[0] = 15.0
     reporter.poll()
     assert len(said) == 1  # not quiet long enough yet
     now[0] = 20.0
     reporter.poll()
-    assert said[-1] == "still running ScheduleGPipe/lora-last (rank 0's log; 0 case(s) done)"
-    write(0, ("ScheduleGPipe/lora-last", "pass"))
+    assert said[-1] == "still running ScheduleGPipe/lora-last (rank 0; 0 case(s) done)"
+    writers[0].emit("case_end", case="ScheduleGPipe/lora-last", record=CaseRecord("ScheduleGPipe/lora-last"))
     reporter.poll()
     assert seen == []  # rank 1 is still on it
-    write(1, ("ScheduleGPipe/lora-last", "fail"))
+    failed = CaseRecord("ScheduleGPipe/lora-last", status="fail", failures=[Failure("hooks", "hooks-skipped", "h", 0)])
+    writers[1].emit("case_end", case="ScheduleGPipe/lora-last", record=failed)
     reporter.poll()
     reporter.poll()
-    assert [(c, {r: v["status"] for r, v in per.items()}) for c, per in seen] == [
+    assert [(c, {r: v.status for r, v in per.items()}) for c, per in seen] == [
         ("ScheduleGPipe/lora-last", {0: "pass", 1: "fail"})
     ]  # once, with every rank's record
+    assert seen[0][1][1] == failed
     now[0] = 25.0
     reporter.poll()
     assert len(said) == 2  # a finished case restarted the quiet clock
+    assert (reporter.started, reporter.events) == (2, 5)
+
+
+def test_an_event_line_is_read_once_its_newline_is_there(tmp_path: Path) -> None:
+    reader = EventReader(tmp_path, 0)
+    assert reader.poll() == []  # no stream yet
+    line = json.dumps(to_json(Event("started", 0, 1.0)))
+    path = tmp_path / "rank0.events.jsonl"
+    path.write_text(line[:10])
+    assert reader.poll() == []
+    path.write_text(line + "\n")
+    assert reader.poll() == [Event("started", 0, 1.0)] and reader.poll() == []
 
 
 def test_titan_chunked_loss_equals_the_unchunked_cross_entropy() -> None:

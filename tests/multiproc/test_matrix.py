@@ -22,16 +22,16 @@ def expected_cases(world_size: int) -> list[str]:
 
 def assert_measured(record: dict[str, Any]) -> None:
     """A passing case must have measured something on every step (no vacuous pass)."""
-    stages = record["stages"]
-    assert len(record["steps"]) == 2, record["steps"]
-    for step in record["steps"]:
+    stages = record.stages
+    assert len(record.steps) == 2, record.steps
+    for step in record.steps:
         where = f"{record['id']} stages {stages} step {step['step']}"
-        assert step["lifetime"]["saved"] > 0, f"{where}: no saved activation recorded"
-        assert step["numerics"]["params_compared"] > 0, f"{where}: no grad compared"
-        assert step["hooks"]["expected"] > 0, f"{where}: no hook expected"
-        if record["num_stages"] - 1 in stages:
-            assert step["numerics"]["losses_compared"] == record["n_microbatches"], where
-        kept = step["lifetime"]["kept_by_design"]["recv_buffer"]
+        assert step.lifetime.saved > 0, f"{where}: no saved activation recorded"
+        assert step.numerics.params_compared > 0, f"{where}: no grad compared"
+        assert step.hooks.expected > 0, f"{where}: no hook expected"
+        if record.num_stages - 1 in stages:
+            assert step.numerics.losses_compared == record.n_microbatches, where
+        kept = step.lifetime.kept_by_design.recv_buffer
         if not recv_buffers_kept_by_stage():  # torch 2.15+: a buffer per receive, handed over, none kept
             assert kept == 0, f"{where}: {kept} activations kept by receive buffers this torch does not keep"
         elif any(s != 0 for s in stages):
@@ -57,7 +57,7 @@ def test_case(name: str, case_id: str, launches) -> None:
     result = launches(name)
     status = result.case_status(case_id)
     if status == "skip":
-        pytest.skip(next(r["reason"] for r in result.case(case_id).values() if r))
+        pytest.skip(next(r.reason for r in result.case(case_id).values() if r))
     assert status == "pass", result.format_case(case_id)
     for record in result.case(case_id).values():
         assert record is not None

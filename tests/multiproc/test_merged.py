@@ -50,7 +50,7 @@ def test_every_zero_bubble_case_passes_merged(name: str, launches) -> None:
 
 def _actions(result: Any, case: str) -> dict[int, dict[str, int]]:
     """Each rank's lowered compute actions by kind (``F``, ``B`` = full backward, ``I`` = B, ``W``)."""
-    return {rank: rec["actions"]["lowered"] for rank, rec in result.case(case).items() if rec is not None}
+    return {rank: rec.actions["lowered"] for rank, rec in result.case(case).items() if rec is not None}
 
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)

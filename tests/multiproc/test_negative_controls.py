@@ -16,7 +16,7 @@ def _cases(result):
         for rank, record in result.case(case_id).items():
             assert record is not None, f"rank {rank} has no record for {case_id}"
             # leaky_backward.py leaks once per stage per microbatch
-            yield case_id, rank, record, record["n_microbatches"] * len(record["stages"])
+            yield case_id, rank, record, record.n_microbatches * len(record.stages)
 
 
 @uses_launch("leaky-cycle")
@@ -25,11 +25,11 @@ def test_reference_cycle_leak_is_reported_as_garbage_with_exact_counts(launches)
     result = launches("leaky-cycle")
     assert not result.ok
     for case_id, rank, record, leaks in _cases(result):
-        assert record["status"] == "fail", (case_id, rank)
-        for step in record["steps"]:
-            garbage = step["garbage"]
-            assert (garbage["tensors"], garbage["nodes"]) == (leaks, leaks), (case_id, rank, step["step"], garbage)
-            assert garbage["chains"], "no back-reference chain reported"
+        assert record.status == "fail", (case_id, rank)
+        for step in record.steps:
+            garbage = step.garbage
+            assert (garbage.tensors, garbage.nodes) == (leaks, leaks), (case_id, rank, step.step, garbage)
+            assert garbage.chains, "no back-reference chain reported"
         text = result.format_case(case_id)
         assert f"garbage: {leaks} tensors and {leaks} autograd nodes in reference cycles" in text
         assert "leaky_backward.py" in text  # the chain names the closure that closes the cycle
@@ -41,12 +41,12 @@ def test_live_reference_leak_is_reported_as_lifetime_with_exact_counts(launches)
     result = launches("leaky-live")
     assert not result.ok
     for case_id, rank, record, leaks in _cases(result):
-        assert record["status"] == "fail", (case_id, rank)
-        for step in record["steps"]:
-            assert step["garbage"]["ok"], "a live reference is not a cycle"
+        assert record.status == "fail", (case_id, rank)
+        for step in record.steps:
+            assert step.garbage.ok, "a live reference is not a cycle"
             # the mlp stage's first Linear saved each kept input: one saved activation per call
-            assert step["lifetime"]["held_after_gc"] == leaks, (case_id, rank, step["step"], step["lifetime"])
-            assert step["lifetime"]["freed_only_by_gc"] == 0
+            assert step.lifetime.held_after_gc == leaks, (case_id, rank, step.step, step.lifetime)
+            assert step.lifetime.freed_only_by_gc == 0
         assert f"lifetime: {leaks} saved activations" in result.format_case(case_id)
         assert "still alive after clear_runtime_states()" in result.format_case(case_id)
 
@@ -59,10 +59,10 @@ def test_a_node_held_by_a_cycle_the_gc_cannot_see_is_reported_as_lifetime_with_e
     result = launches("leaky-cxx-cycle")
     assert not result.ok
     for case_id, rank, record, leaks in _cases(result):
-        assert record["status"] == "fail", (case_id, rank)
-        for step in record["steps"]:
-            assert step["garbage"]["ok"], step["garbage"]  # no tensor, no node in gc.garbage
-            lifetime = step["lifetime"]
-            assert (lifetime["nodes_held_after_gc"], lifetime["packed_held_after_gc"]) == (leaks, leaks), lifetime
-            assert lifetime["node_examples"] == ["TanhBackward0"] * min(leaks, 5)
+        assert record.status == "fail", (case_id, rank)
+        for step in record.steps:
+            assert step.garbage.ok, step.garbage  # no tensor, no node in gc.garbage
+            lifetime = step.lifetime
+            assert (lifetime.nodes_held_after_gc, lifetime.packed_held_after_gc) == (leaks, leaks), lifetime
+            assert lifetime.node_examples == ["TanhBackward0"] * min(leaks, 5)
         assert f"lifetime: {leaks} autograd nodes and {leaks} packed saved tensors" in result.format_case(case_id)

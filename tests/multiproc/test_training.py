@@ -37,25 +37,25 @@ def expected_cases(launch: str) -> list[str]:
 
 
 def _trainable(record: dict[str, Any], stage: int) -> bool:
-    if record["model"] == "lora":
+    if record.model == "lora":
         return stage > 0
-    if record["model"] == "lora-last":
-        return stage == record["num_stages"] - 1
+    if record.model == "lora-last":
+        return stage == record.num_stages - 1
     return True
 
 
 def assert_measured(record: dict[str, Any]) -> None:
     """A passing case measured what it claims, on every step (no vacuous pass)."""
-    trains = any(_trainable(record, i) for i in record["stages"])  # else a frozen stage: nothing to save
-    for step in record["steps"]:
+    trains = any(_trainable(record, i) for i in record.stages)  # else a frozen stage: nothing to save
+    for step in record.steps:
         where = f"{record['id']} rank dp {record['dp_rank']} stages {record['stages']} step {step['step']}"
         if trains:
-            assert step["lifetime"]["saved"] > 0, f"{where}: no saved activation recorded"
-            assert step["numerics"]["params_compared"] > 0, f"{where}: no grad compared"
-            if not record["wrap"].startswith("fsdp"):
-                assert step["hooks"]["expected"] > 0, f"{where}: no hook expected"
-        if record["wrap"] == "ddp":
-            assert step["numerics"]["max_replica_diff"] == 0.0, where
+            assert step.lifetime.saved > 0, f"{where}: no saved activation recorded"
+            assert step.numerics.params_compared > 0, f"{where}: no grad compared"
+            if not record.wrap.startswith("fsdp"):
+                assert step.hooks.expected > 0, f"{where}: no hook expected"
+        if record.wrap == "ddp":
+            assert step.numerics.max_replica_diff == 0.0, where
 
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
@@ -75,18 +75,18 @@ def test_case(name: str, case: str, launches) -> None:
     result = launches(name)
     status = result.case_status(case)
     if status == "skip":
-        pytest.skip(next(r["reason"] for r in result.case(case).values() if r))
+        pytest.skip(next(r.reason for r in result.case(case).values() if r))
     assert status == "pass", result.format_case(case)
     records = list(result.case(case).values())
     for record in records:
         assert record is not None
-        assert len(record["steps"]) == 2
+        assert len(record.steps) == 2
         assert_measured(record)
     if name == "training-dp":  # every dp rank fed its own shard: the losses on the last stage differ
         losses = {
-            r["dp_rank"]: r["steps"][0]["numerics"]["losses_compared"] for r in records if r["num_stages"] - 1 in r["stages"]
+            r.dp_rank: r.steps[0].numerics.losses_compared for r in records if r.num_stages - 1 in r.stages
         }
-        assert sorted(losses) == [0, 1] and all(n == records[0]["n_microbatches"] for n in losses.values())
+        assert sorted(losses) == [0, 1] and all(n == records[0].n_microbatches for n in losses.values())
 
 
 def test_dp_batches_differ_per_dp_rank() -> None:

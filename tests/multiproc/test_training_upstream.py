@@ -97,7 +97,7 @@ def test_torch_backward_fails_exactly_the_stated_kinds(launch: str, case: str, l
     assert result.complete, result.format_launch()
     records = result.case(case)
     if result.case_status(case) == "skip":
-        pytest.skip(next(r["reason"] for r in records.values() if r))
+        pytest.skip(next(r.reason for r in records.values() if r))
     found = {finding.kind.key for record in records.values() if record for finding in diagnose(record)}
     found.discard("peer-failed")  # a rank waiting for the one that raised: a consequence
     expected = expected_kinds(case)

@@ -125,7 +125,7 @@ class Run:
         return merged
 
     def fatal(self) -> list[str]:
-        return [v["fatal"] for v in self.result.verdicts.values() if v and v.get("fatal")]
+        return [v.fatal for v in self.result.verdicts.values() if v and v.fatal]
 
     def show(self) -> str:
         return self.result.format_launch()
@@ -216,7 +216,7 @@ def _assert_refused(run: Run) -> None:
     assert run.result.returncode != 0, run.show()
     for rank in range(2):
         verdict = run.result.verdicts[rank]
-        assert verdict is not None and verdict["cases"] == [] and not verdict["complete"], run.show()
+        assert verdict is not None and verdict.cases == [] and not verdict.complete, run.show()
         log = run.result.log_path(rank).read_text()
         assert (f"ppbackward.run: not running torchtitan.train: ppbackward does not know the pipelining calling "
                 f"contract of torch {_venv_torch()}") in log, log

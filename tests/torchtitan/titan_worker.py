@@ -22,17 +22,17 @@ The CPU adaptations (none edits torchtitan's files; each is needed only because 
    concerns CUDA).
 
 What it leaves in ``DIR`` (the harness launcher's files, Note [hang clock] in ``ppbackward._tools.harness.launch``):
-``rank<r>.pid``; ``rank<r>.json``, rewritten after every optimizer step (``{"backward", "cases": [one
-record per step], "complete", "fatal"}``); ``grads-rank<r>.pt``: ``{step: {parameter fqn: grad before
-clipping, or None}}``; ``rank<r>.log``: this process's stdout and stderr, where ``faulthandler`` dumps every thread's
-stack on ``SIGUSR1`` or a fatal signal.
+``rank<r>.pid``; ``rank<r>.json``, rewritten after every optimizer step (a ``records.RankVerdict``: one
+case record per step, ``complete``, ``fatal``); ``rank<r>.events.jsonl`` (``started``, then one ``case_end``
+per step, Note [event stream] in ``ppbackward._tools.harness.records``); ``grads-rank<r>.pt``:
+``{step: {parameter fqn: grad before clipping, or None}}``; ``rank<r>.log``: this process's stdout and
+stderr, where ``faulthandler`` dumps every thread's stack on ``SIGUSR1`` or a fatal signal.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import os
 import runpy
 import signal
@@ -103,25 +103,29 @@ class _Verdict:
 
     def __init__(self, out: Path, rank: int, backward: str) -> None:
         self.out, self.rank = out, rank
-        self.record: dict[str, Any] = {"backward": backward, "rank": rank, "cases": [], "complete": False,
-                                       "fatal": None}
+        from ppbackward._tools.harness.records import EventWriter, RankVerdict
+
+        self.record = RankVerdict(rank, int(os.environ.get("WORLD_SIZE", "1")), backward)
+        self.events = EventWriter(out, rank, log=out / f"rank{rank}.log")
         self.grads: dict[int, dict[str, torch.Tensor | None]] = {}
         self.t0 = time.monotonic()
 
     def write(self) -> None:
-        path = self.out / f"rank{self.rank}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.record))
-        os.replace(tmp, path)
+        from ppbackward._tools.harness.records import write_verdict
+
+        write_verdict(self.out / f"rank{self.rank}.json", self.record)
 
     def step(self, step: int, grads: dict[str, torch.Tensor | None], loss: float | None) -> None:
         self.grads[step] = grads
         torch.save(self.grads, self.out / f"grads-rank{self.rank}.pt")
         now = time.monotonic()
-        self.record["cases"].append({"id": f"step {step}", "status": "pass", "seconds": now - self.t0,
-                                     "loss": loss})
+        from ppbackward._tools.harness.records import CaseRecord
+
+        case = CaseRecord(f"step {step}", seconds=now - self.t0)  # the loss is not recorded (no reader)
+        self.record.cases.append(case)
         self.t0 = now
         self.write()
+        self.events.emit("case_end", case=case.id, record=case)
 
 
 def _fqn(name: str) -> str:
@@ -232,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     verdict = _Verdict(args.out, rank, args.backward)
-    verdict.write()  # started (Note [hang clock])
+    verdict.write()
+    verdict.events.emit("started")  # Note [hang clock]
     try:
         adapt_to_cpu()
         init_by_name()
@@ -242,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             code = 0
         else:
-            verdict.record["fatal"] = "".join(traceback.format_exception(exc))
+            verdict.record.fatal = "".join(traceback.format_exception(exc))
             verdict.write()
             raise
-    verdict.record["complete"] = code == 0
+    verdict.record.complete = code == 0
     verdict.write()
     return code
 

@@ -20,52 +20,46 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ppbackward._tools.harness.diagnose import ORDER, diagnose, kind_of
-from ppbackward._tools.harness.records import StepMeasures
+from ppbackward._tools.harness.diagnose import ORDER, diagnose
+from ppbackward._tools.harness.records import CaseRecord, Failure, StepMeasures
 from ppbackward._tools.text_table import format_table
 
 __all__: list[str] = []  # private module
 
 COLUMNS = ("garbage", "gc-only", "held", "max|dg|", "hooks", "step", "finding")
 
-# Which failure messages (``"step N: <kind>: ..."``, see ppbackward._tools.harness.worker) each column reports.
-_KINDS = {"garbage": "garbage:", "gc-only": "lifetime:", "held": "lifetime:", "max|dg|": "numerics:", "hooks": "hooks:"}
+# Which check (``records.Failure.check``) each column reports.
+_CHECKS = {"garbage": "garbage", "gc-only": "lifetime", "held": "lifetime", "max|dg|": "numerics", "hooks": "hooks"}
 
 
-def failure_kind(failure: str) -> str:
-    """``"hooks"`` for ``"step 0: hooks: ..."``; ``"raised"`` for an exception record."""
-    if failure.startswith("exception: "):
-        return "raised"
-    text = failure.split(": ", 1)[1] if failure.startswith("step ") and ": " in failure else failure
-    return text.split(":", 1)[0]
+def _check_name(failure: Failure) -> str:
+    """What a progress line calls a failure: its check, or a case's own message."""
+    return failure.message if failure.check == "case" else failure.check
 
 
-def progress_status(record: dict[str, Any]) -> str:
+def progress_status(status: str, failures: list[Failure]) -> str:
     """``pass``, ``skip``, or ``FAIL`` with why: ``FAIL raised RuntimeError`` (the case stopped on an
-    exception) or ``FAIL hooks,numerics`` (the checks that failed, on rank 0)."""
-    status = record.get("status", "?")
+    exception) or ``FAIL hooks,numerics`` (the checks that failed)."""
     if status in ("pass", "skip"):
         return status
-    failures = record.get("failures") or []
-    if status == "error" and failures:
-        return "FAIL raised " + failures[0].removeprefix("exception: ").split(":", 1)[0]
-    kinds = dict.fromkeys(failure_kind(f) for f in failures)
-    return "FAIL " + ",".join(kinds) if kinds else "FAIL"
+    if status == "error" and failures and failures[0].raised:
+        return "FAIL raised " + failures[0].raised
+    checks = dict.fromkeys(_check_name(f) for f in failures)
+    return "FAIL " + ",".join(checks) if checks else "FAIL"
 
 
-def progress_status_of(per_rank: dict[int, dict[str, Any]]) -> str:
+def progress_status_of(per_rank: dict[int, CaseRecord]) -> str:
     """:func:`progress_status` of one case over every rank that reported it, so that the progress line
     says what the case's row will: ``pass`` only when every rank passed, ``skip`` when all skipped, else
     the first exception or the union of the failed checks over the ranks."""
     records = [r for _, r in sorted(per_rank.items()) if r]
-    statuses = {r.get("status") for r in records}
+    statuses = {r.status for r in records}
     if statuses in ({"pass"}, {"skip"}):
-        return statuses.pop() or "?"
-    raised = next((r for r in records if r.get("status") == "error" and r.get("failures")), None)
+        return statuses.pop()
+    raised = next((r for r in records if r.status == "error" and r.failures), None)
     if raised is not None:
-        return progress_status(raised)
-    failures = [f for r in records for f in r.get("failures") or []]
-    return progress_status({"status": "fail", "failures": failures})
+        return progress_status(raised.status, raised.failures)
+    return progress_status("fail", [f for r in records for f in r.failures])
 
 
 def _step_metrics(step: StepMeasures) -> dict[str, Any]:
@@ -81,7 +75,7 @@ def _step_metrics(step: StepMeasures) -> dict[str, Any]:
     }
 
 
-def _findings(records: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+def _findings(records: dict[int, CaseRecord]) -> list[dict[str, str]]:
     """The kinds of failure over every rank, most telling first, each with one example ``rank r, ...``."""
     found: dict[str, dict[str, str]] = {}
     for rank, record in records.items():
@@ -99,7 +93,23 @@ def _findings(records: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
     return sorted(found.values(), key=lambda f: ORDER.get(f["kind"], len(ORDER)))
 
 
-def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
+def _grads_why(records: dict[int, CaseRecord]) -> str | None:
+    """Why ``max|dg|`` fails where no difference was measured: ``grad None`` (a grad the reference has is
+    None in the pipeline), ``grad set`` (the reverse), ``loss``, ``losses`` (their count) or ``replicas``,
+    from the numerics records of the ranks with a numerics or replicas failure; ``None`` for none."""
+    steps = [s.numerics for r in records.values() if any(f.check in ("numerics", "replicas") for f in r.failures)
+             for s in r.steps]
+    for why, found in (("grad None", any(n.grads_none for n in steps)),
+                       ("grad set", any(n.grads_unexpected for n in steps)),
+                       ("loss", any(n.losses_wrong for n in steps)),
+                       ("losses", any(n.losses_miscounted for n in steps)),
+                       ("replicas", any(n.replicas_diverged for n in steps))):
+        if found:
+            return why
+    return None
+
+
+def cell_values(per_rank: dict[int, CaseRecord | None]) -> dict[str, Any]:
     """Aggregate one case's per-rank records into the table's metrics.
 
     Note [worst cell]: every column shows the worst rank and step for that column (the largest value;
@@ -109,14 +119,16 @@ def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
     parameter (a frozen stage: 0 hook calls expected) is the ``hooks`` cell only when every rank is one.
     """
     records = {rank: r for rank, r in per_rank.items() if r}
-    failures = [f"rank {rank}, {f}" for rank, r in records.items() for f in r.get("failures", [])]
-    status = {r.get("status") for r in records.values()}
-    steps = [(rank, StepMeasures.from_record(s)) for rank, r in records.items() for s in r.get("steps", [])]
+    failures = [f"rank {rank}, {f.text}" for rank, r in records.items() for f in r.failures]
+    # what each failure is, in the order of ``failures``: [rank, step or None, check, kind]
+    failed = [[rank, f.step, f.check, f.kind] for rank, r in records.items() for f in r.failures]
+    status = {r.status for r in records.values()}
+    steps = [(rank, StepMeasures.from_record(s)) for rank, r in records.items() for s in r.steps]
     findings = _findings(records)
     if not steps:
         if status == {"skip"}:
-            return {"status": "skip", "failures": sorted({r.get("reason", "") for r in records.values()})}
-        return {"status": "fail", "failures": failures or ["no verdict"], "findings": findings}
+            return {"status": "skip", "failures": sorted({r.reason or "" for r in records.values()})}
+        return {"status": "fail", "failures": failures or ["no verdict"], "failed": failed, "findings": findings}
     worst: dict[str, tuple[int, int]] = {}
     best: dict[str, Any] = {}
     for rank, step in steps:
@@ -138,20 +150,22 @@ def cell_values(per_rank: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
         "hooks_expected": hooks.hooks_expected,
         "step_seconds": max(sum(s) / len(s) for s in seconds.values()),
         "worst": {column: list(where) for column, where in worst.items()},
-        "wrap": next((r.get("wrap", "none") for r in records.values()), "none"),
+        "wrap": next((r.wrap for r in records.values()), "none"),
         "actions": _summed_actions(records),
         "failures": failures,
+        "failed": failed,
+        "grads_why": _grads_why(records),
         "findings": findings,
     }
 
 
-def _summed_actions(records: dict[int, dict[str, Any]]) -> dict[str, dict[str, int]]:
+def _summed_actions(records: dict[int, CaseRecord]) -> dict[str, dict[str, int]]:
     """The ranks' compute actions for one step (``{"lowered": {kind: n}, "planned": {kind: n}}``, kinds
     ``F``, ``B`` = full backward, ``I`` = B, ``W``; see the worker's ``action_counts``), summed over ranks;
     ``{}`` where no rank recorded them (a schedule without a lowered list)."""
     total: dict[str, dict[str, int]] = {}
     for record in records.values():
-        for which, counts in (record.get("actions") or {}).items():
+        for which, counts in record.actions.items():
             into = total.setdefault(which, {})
             for kind, n in counts.items():
                 into[kind] = into.get(kind, 0) + n
@@ -159,39 +173,24 @@ def _summed_actions(records: dict[int, dict[str, Any]]) -> dict[str, dict[str, i
 
 
 def cell_ok(values: dict[str, Any]) -> dict[str, bool]:
-    kinds = {failure_kind(f.split(", ", 1)[-1]) for f in values["failures"]}
+    """Whether each column of a measured row passes (``step`` is not judged)."""
+    checks = {check for _, _, check, _ in values["failed"]}
     return {
         "garbage": values["garbage"] == 0,
         "gc-only": values["bytes_freed_only_by_gc"] == 0,
         "held": values["bytes_held_after_step"] == 0,
-        "max|dg|": "numerics" not in kinds and "replicas" not in kinds,
+        "max|dg|": "numerics" not in checks and "replicas" not in checks,
         "hooks": values["hooks_fired"] == values["hooks_expected"],
         "step": True,
         "finding": values["status"] == "pass",
     }
 
 
-def _grads_why(values: dict[str, Any]) -> str | None:
-    """Why ``max|dg|`` fails where no difference was measured: ``grad None`` (a grad the reference has is
-    None in the pipeline), ``grad set`` (the reverse), ``loss``; ``None`` when a difference was measured."""
-    if values["max_abs_grad_err"] > 0:
-        return None
-    numerics = [f for f in values["failures"] if ": numerics: " in f or ": replicas: " in f]
-    for needle, why in (("is None in the pipeline", "grad None"), ("is set in the pipeline", "grad set"),
-                        (": loss of microbatch", "loss"), (" losses, reference has", "losses"),
-                        (": replicas: ", "replicas")):
-        if any(needle in f for f in numerics):
-            return why
-    return None
-
-
 def format_cell(column: str, values: dict[str, Any], ok: bool) -> str:
     """One cell's text: the value and ``ok``/``FAIL`` (``step`` is not judged). A failing ``max|dg|`` with
-    nothing measured says why instead of a misleading ``0.0e+00`` (:func:`_grads_why`)."""
-    if column == "max|dg|" and not ok:
-        why = _grads_why(values)
-        if why is not None:
-            return f"{why} FAIL"
+    nothing measured says why instead of a misleading ``0.0e+00`` (``grads_why``, :func:`_grads_why`)."""
+    if column == "max|dg|" and not ok and values["max_abs_grad_err"] == 0 and values.get("grads_why"):
+        return f"{values['grads_why']} FAIL"
     if column == "finding":
         findings = values.get("findings") or []
         return "-" if values["status"] == "pass" or not findings else findings[0]["label"]
@@ -206,23 +205,32 @@ def format_cell(column: str, values: dict[str, Any], ok: bool) -> str:
     return text if column == "step" else f"{text} {'ok' if ok else 'FAIL'}"
 
 
-def reason(values: dict[str, Any] | None) -> str:
-    """The failure behind the first failing cell of a case (Note [worst cell]), one line:
-    ``rank 1, step 0: hooks: ...``; the first failure when no cell fails (an exception, caches)."""
-    if values is None:
-        return "no verdict"
-    failures = values.get("failures") or ["no measurement"]
+def _behind(values: dict[str, Any]) -> int | None:
+    """The index in ``values["failures"]`` of the failure behind the first failing cell (Note [worst
+    cell]): the failure of that column's check at the cell's rank and step; the first failure when no
+    cell fails (an exception, caches); ``None`` for a row without failures."""
+    failed = values.get("failed") or []
     if "garbage" in values:
         oks = cell_ok(values)
-        for column, kind in _KINDS.items():
+        for column, check in _CHECKS.items():
             if oks[column]:
                 continue
             rank, step = values["worst"][column]
-            prefix = f"rank {rank}, step {step}: {kind}"
-            match = next((f for f in failures if f.startswith(prefix)), None)
+            match = next((i for i, f in enumerate(failed) if f[:3] == [rank, step, check]), None)
             if match is not None:
-                return match.splitlines()[0]
-    return failures[0].replace("exception: ", "", 1).splitlines()[0]
+                return match
+    return 0 if values.get("failures") else None
+
+
+def reason(values: dict[str, Any] | None) -> str:
+    """The failure behind the first failing cell of a case (:func:`_behind`), one line:
+    ``rank 1, step 0: hooks: ...``."""
+    if values is None:
+        return "no verdict"
+    index = _behind(values)
+    if index is None:
+        return "no measurement"
+    return values["failures"][index].replace("exception: ", "", 1).splitlines()[0]
 
 
 def by_kind(failing: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -233,14 +241,16 @@ def by_kind(failing: list[tuple[str, dict[str, Any]]]) -> list[str]:
     blocks: dict[str, dict[str, Any]] = {}
     for name, values in failing:
         findings = values.get("findings") or [{"kind": "other", "label": "", "line": reason(values), "example": ""}]
-        behind = reason(values)
+        behind, index, failed = reason(values), _behind(values), values.get("failed") or []
         for finding in findings:
             key = finding["kind"] if finding["kind"] != "other" else finding["line"]
             block = blocks.setdefault(key, {"line": finding["line"], "rows": [], "example": ""})
             block["rows"].append(name)
             if not block["example"]:
-                body = re.sub(r"^rank \d+, ", "", behind)
-                same = kind_of(body, {"wrap": values.get("wrap", "none")}) == finding["kind"]
+                # the failure behind the first failing cell, as :func:`reason` shows it, where it is a
+                # check's of this kind; an exception is quoted as recorded (``exception: ...``)
+                same = (index is not None and index < len(failed) and failed[index][3] == finding["kind"]
+                        and failed[index][2] != "exception")
                 block["example"] = (behind if same else finding["example"]).splitlines()[0]
     lines: list[str] = []
     for _kind, block in sorted(blocks.items(), key=lambda item: ORDER.get(item[0], len(ORDER))):

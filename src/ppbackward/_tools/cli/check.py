@@ -33,6 +33,7 @@ import torch
 from ppbackward._compat import torch_release
 from ppbackward._tools.cli import cells
 from ppbackward._tools.cli.paths import output_file_problem
+from ppbackward._tools.harness.records import CaseRecord
 
 __all__ = ["main"]
 
@@ -338,7 +339,7 @@ class _Progress:
     def elapsed(self) -> str:
         return f"elapsed {time.perf_counter() - self.t0:5.1f} s"
 
-    def case(self, case_id: str, per_rank: dict[int, dict[str, Any]]) -> None:
+    def case(self, case_id: str, per_rank: dict[int, CaseRecord]) -> None:
         self.statuses[case_id] = cells.progress_status_of(per_rank)
         if self.live:
             line = f"{self.label}: {len(self.statuses)} case(s) done, last {case_id} {self.statuses[case_id]}"

@@ -4,12 +4,14 @@
 ppbackward._tools.harness.worker ...`` through ``ppbackward._tools.torchrun`` (the one module that starts torchrun
 processes: the current interpreter, a session of its own, ``OMP_NUM_THREADS=1``). torchrun's own output goes to
 ``<out>/torchrun.log``; every worker writes ``<out>/rank<r>.log``, ``<out>/rank<r>.json`` (its verdict,
-rewritten after every case) and ``<out>/rank<r>.pid``.
+rewritten after every case), ``<out>/rank<r>.events.jsonl`` (its events, Note [event stream] in
+:mod:`ppbackward._tools.harness.records`) and ``<out>/rank<r>.pid``.
 
 Note [hang clock]: a launch is judged hung by events, never by how long the machine takes to start
-processes. Every worker writes ``rank<r>.json`` once its process group is up and again after every case.
-The hang clock starts when every rank has written it (all started) and restarts whenever any rank's file
-changes; ``timeout`` seconds without such progress is a hang. Until every rank has started, only the
+processes nor by a fixed time scaled by its speed. Every worker appends a ``started`` event to its event
+stream once its process group is up, then an event as each case starts, each measured step ends and each
+case ends. The hang clock starts when every rank has written ``started`` and restarts whenever any rank
+writes a new event; ``timeout`` seconds without one is a hang. Until every rank has started, only the
 generous ``startup_timeout`` applies (a backstop for a rendezvous that never completes).
 
 A hung launch is stopped by ``ppbackward._tools.torchrun.stop`` (Note [killing a hung launch] there): every
@@ -23,14 +25,13 @@ or one block for the whole launch (timeout, crash, missing verdicts) with every 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
+from ppbackward._tools.harness.records import CaseRecord, EventReader, RankVerdict, read_verdict
 from ppbackward._tools.torchrun import alive, dump_stacks, start, stop, tail, torchrun_command
 
 __all__ = ["LaunchResult", "alive", "launch"]
@@ -61,7 +62,7 @@ class LaunchResult:
     returncode: int | None
     timeout: float
     seconds: float
-    verdicts: dict[int, dict[str, Any] | None]
+    verdicts: dict[int, RankVerdict | None]
     progress: list[str] = dataclasses.field(default_factory=list)  # case ids passed to ``on_case``, in order
     hang: str | None = None  # "startup" or "progress" when timed out (Note [hang clock])
     startup_timeout: float = 0.0
@@ -82,15 +83,15 @@ class LaunchResult:
         """Case ids in run order, as reported by any rank."""
         seen: dict[str, None] = {}
         for verdict in self.verdicts.values():
-            for record in (verdict or {}).get("cases", []):
-                seen.setdefault(record["id"], None)
+            for record in verdict.cases if verdict else []:
+                seen.setdefault(record.id, None)
         return list(seen)
 
-    def case(self, case_id: str) -> dict[int, dict[str, Any] | None]:
+    def case(self, case_id: str) -> dict[int, CaseRecord | None]:
         """``{rank: record or None}`` for one case (``None``: that rank has no record for it)."""
-        found: dict[int, dict[str, Any] | None] = {}
+        found: dict[int, CaseRecord | None] = {}
         for rank, verdict in sorted(self.verdicts.items()):
-            found[rank] = next((r for r in (verdict or {}).get("cases", []) if r["id"] == case_id), None)
+            found[rank] = next((r for r in (verdict.cases if verdict else []) if r.id == case_id), None)
         return found
 
     def case_status(self, case_id: str) -> str:
@@ -98,7 +99,7 @@ class LaunchResult:
         records = self.case(case_id).values()
         if any(r is None for r in records):
             return "fail"
-        statuses = {r["status"] for r in records if r is not None}
+        statuses = {r.status for r in records if r is not None}
         if statuses == {"skip"}:
             return "skip"
         return "pass" if statuses <= {"pass"} else "fail"
@@ -125,16 +126,15 @@ class LaunchResult:
             verdict = self.verdicts.get(rank)
             if verdict is None:
                 problems.append(f"rank {rank} wrote no verdict ({self.out_dir / f'rank{rank}.json'})")
-            elif verdict.get("fatal"):
-                problems.append(f"rank {rank} stopped on an exception:\n{_indent(verdict['fatal'].rstrip())}")
-            elif not verdict.get("complete"):
+            elif verdict.fatal:
+                problems.append(f"rank {rank} stopped on an exception:\n{_indent(verdict.fatal.rstrip())}")
+            elif not verdict.complete:
                 problems.append(f"rank {rank} did not finish its cases (last: {self._last_case(verdict)})")
         return problems
 
     @staticmethod
-    def _last_case(verdict: dict[str, Any]) -> str:
-        cases = verdict.get("cases") or []
-        return cases[-1]["id"] if cases else "none started"
+    def _last_case(verdict: RankVerdict) -> str:
+        return verdict.cases[-1].id if verdict.cases else "none started"
 
     @property
     def complete(self) -> bool:
@@ -146,7 +146,7 @@ class LaunchResult:
 
     # -- formatting ------------------------------------------------------------------------------
     def _header(self) -> str:
-        backward = next((v.get("backward") for v in self.verdicts.values() if v), "?")
+        backward = next((v.backward for v in self.verdicts.values() if v), "?")
         return f"world size {self.world_size}, backward={backward}"
 
     def format_launch(self) -> str:
@@ -166,16 +166,21 @@ class LaunchResult:
         return "\n".join(lines)
 
     def _case_log(self, rank: int, case_id: str) -> str:
-        """The lines rank ``rank`` logged while running ``case_id`` (bounded)."""
+        """The lines rank ``rank`` logged while running ``case_id`` (bounded): the log's bytes between the
+        case's ``case_start`` event and the next event after its last (Note [event stream]); the log's tail
+        where the events do not say."""
         try:
-            text = self.log_path(rank).read_text(errors="replace").splitlines()
+            data = self.log_path(rank).read_bytes()
         except OSError:
             return "<no log>"
-        start = next((i for i, line in enumerate(text) if line.endswith(f">>> {case_id}")), None)
-        if start is None:
-            return "\n".join(text[-_TAIL:])
-        end = next((i for i in range(start + 1, len(text)) if ">>> " in text[i]), len(text))
-        section = text[start:end]
+        reader = EventReader(self.out_dir, rank)
+        events = reader.poll()
+        start = next((i for i, e in enumerate(events) if e.event == "case_start" and e.case == case_id), None)
+        begin = None if start is None else events[start].log_offset
+        if start is None or begin is None:
+            return "\n".join(data.decode(errors="replace").splitlines()[-_TAIL:])
+        end = next((e.log_offset for e in events[start + 1 :] if e.event == "case_start"), None)
+        section = data[begin:end].decode(errors="replace").splitlines()
         return "\n".join(section if len(section) <= _CASE_LOG else ["...", *section[-_CASE_LOG:]])
 
     def format_case(self, case_id: str) -> str:
@@ -187,20 +192,20 @@ class LaunchResult:
                 lines.append(f"rank {rank}: no record for this case")
                 lines.append(_indent(self.log_tail(rank)))
                 continue
-            where = f"rank {rank} [stages {','.join(map(str, record.get('stages', [])))}]"
-            lines.append(f"{where}: {record['status']}")
-            if record["status"] in ("pass", "skip"):
-                if record.get("reason"):
-                    lines.append(f"    {record['reason']}")
+            where = f"rank {rank} [stages {','.join(map(str, record.stages))}]"
+            lines.append(f"{where}: {record.status}")
+            if record.status in ("pass", "skip"):
+                if record.reason:
+                    lines.append(f"    {record.reason}")
                 continue
-            lines.extend(f"    {f}" for f in record.get("failures", []))
-            for step in record.get("steps", []):
-                for chain in step.get("garbage", {}).get("chains", [])[:1]:
-                    lines.append(f"    step {step['step']} first back-reference chain:")
+            lines.extend(f"    {f.text}" for f in record.failures)
+            for step in record.steps:
+                for chain in step.garbage.chains[:1]:
+                    lines.append(f"    step {step.step} first back-reference chain:")
                     lines.append(_indent(chain, "      "))
-            if record.get("error"):
+            if record.error:
                 lines.append("    traceback:")
-                lines.append(_indent(record["error"].rstrip(), "      "))
+                lines.append(_indent(record.error.rstrip(), "      "))
             lines.append(f"    log ({self.log_path(rank)}):")
             lines.append(_indent(self._case_log(rank, case_id), "      "))
         return "\n".join(lines)
@@ -217,7 +222,7 @@ class LaunchResult:
         """One line per case: status and time per rank."""
         lines = []
         for case_id in self.case_ids():
-            times = [f"{(r or {}).get('seconds', 0):.2f}" for r in self.case(case_id).values()]
+            times = [f"{r.seconds if r else 0:.2f}" for r in self.case(case_id).values()]
             lines.append(f"{self.case_status(case_id):4}  {case_id}  ({'/'.join(times)} s per rank)")
         return "\n".join(lines)
 
@@ -226,24 +231,20 @@ class LaunchResult:
 # launching
 
 
-def _read_verdict(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 #: ``on_case(case_id, {rank: record})``: a case every rank has reported, with every rank's record.
-OnCase = Callable[[str, dict[int, dict[str, Any]]], None]
+OnCase = Callable[[str, dict[int, CaseRecord]], None]
 QUIET_S = 10.0  # seconds without a finished case before ``on_wait`` says what is running
 
 
 class _CaseReporter:
-    """Progress of a launch, for a command line (Note [progress says what runs]).
+    """Progress of a launch from the ranks' event streams (Note [event stream], Note [progress says what
+    runs]), for a command line and for the hang clock.
 
-    Calls ``on_case`` once per case, in rank 0's order, as soon as every rank has written its record of
-    that case (so that the status is the case's over all ranks, as its table row will be), and
-    ``on_wait`` with what is running whenever ``quiet_s`` seconds (of ``clock``) pass without one.
+    Calls ``on_case`` once per case, in rank 0's order, as soon as every rank has written the
+    ``case_end`` event of that case (so that the status is the case's over all ranks, as its table row will
+    be), with every rank's record from those events, and ``on_wait`` with what is running whenever
+    ``quiet_s`` seconds (of ``clock``) pass without one. :attr:`started` and :attr:`events` feed the hang
+    clock (Note [hang clock]).
     """
 
     def __init__(
@@ -255,72 +256,64 @@ class _CaseReporter:
         quiet_s: float = QUIET_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.out_dir, self.nproc = out_dir, nproc
+        self.nproc = nproc
         self.on_case, self.on_wait = on_case, on_wait
         self.quiet_s, self.clock = quiet_s, clock
+        self.readers = [EventReader(out_dir, r) for r in range(nproc)]
         self.reported = 0
         self.quiet_since = clock()
 
+    @property
+    def started(self) -> int:
+        """Ranks that have written their ``started`` event."""
+        return sum(any(e.event == "started" for e in r.events) for r in self.readers)
+
+    @property
+    def events(self) -> int:
+        """Events read so far, over every rank: the hang clock's progress (Note [hang clock])."""
+        return sum(len(r.events) for r in self.readers)
+
     def poll(self) -> None:
+        """Read the ranks' new events; report what finished, or, after ``quiet_s``, what runs."""
+        for reader in self.readers:
+            reader.poll()
         if self.on_case is not None:
             self._report_cases(self.on_case)
         if self.on_wait is not None and self.clock() - self.quiet_since >= self.quiet_s:
             self.on_wait(self.running())
             self.quiet_since = self.clock()
 
+    def _ended(self, rank: int) -> dict[str, CaseRecord]:
+        return {e.case: e.record for e in self.readers[rank].events if e.event == "case_end" and e.case and e.record}
+
     def _report_cases(self, on_case: OnCase) -> None:
-        verdicts = {r: _read_verdict(self.out_dir / f"rank{r}.json") or {} for r in range(self.nproc)}
-        by_rank = {r: {c["id"]: c for c in v.get("cases", [])} for r, v in verdicts.items()}
-        order = [c["id"] for c in verdicts[0].get("cases", [])]
+        by_rank = [self._ended(r) for r in range(self.nproc)]
+        order = list(by_rank[0])
         for case_id in order[self.reported :]:
-            if not all(case_id in cases for cases in by_rank.values()):
+            if not all(case_id in cases for cases in by_rank):
                 break  # a rank is still on it: report in order, once every rank has
-            on_case(case_id, {r: cases[case_id] for r, cases in by_rank.items()})
+            on_case(case_id, {r: cases[case_id] for r, cases in enumerate(by_rank)})
             self.reported += 1
             self.quiet_since = self.clock()
 
     def running(self) -> str:
-        """``running ScheduleGPipe/mlp (rank 0's log), 2/2 ranks started`` or ``starting: ...``."""
-        started = sum((self.out_dir / f"rank{r}.json").exists() for r in range(self.nproc))
-        if started < self.nproc:
-            return f"starting: {started}/{self.nproc} ranks have joined the process group"
-        current = _current_case(self.out_dir / "rank0.log")
+        """``still running ScheduleGPipe/mlp (rank 0; 1 case(s) done)`` or ``starting: ...``."""
+        if self.started < self.nproc:
+            return f"starting: {self.started}/{self.nproc} ranks have joined the process group"
+        current = next((e.case for e in reversed(self.readers[0].events) if e.event == "case_start"), None)
         if current is None:
             return f"all {self.nproc} ranks started; building the first case"
-        return f"still running {current} (rank 0's log; {self.reported} case(s) done)"
+        return f"still running {current} (rank 0; {self.reported} case(s) done)"
 
 
 # Note [progress says what runs]: a launch prints nothing between two finished cases, and starting torchrun
 # on a busy machine or one slow case (a compiled model, a long schedule) can take tens of seconds. The
 # reporter therefore says, every QUIET_S seconds without a finished case, what the launch is doing: ranks
-# still joining, or the case rank 0's log names last (each worker logs ``>>> <case id>`` as a case starts).
-
-
-def _current_case(log: Path) -> str | None:
-    """The case id of the last ``>>> <case id>`` line of a worker's log, ``None`` before the first."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    return next((line.split(">>> ", 1)[1] for line in reversed(lines) if ">>> " in line), None)
-
-
-def _progress_marks(out_dir: Path, nproc: int) -> tuple[tuple[int, int] | None, ...]:
-    """``(mtime_ns, size)`` of every rank's verdict file, ``None`` where it does not exist yet."""
-    marks: list[tuple[int, int] | None] = []
-    for rank in range(nproc):
-        try:
-            st = (out_dir / f"rank{rank}.json").stat()
-        except OSError:
-            marks.append(None)
-            continue
-        marks.append((st.st_mtime_ns, st.st_size))
-    return tuple(marks)
+# still joining (``started`` events), or the case rank 0 started last (its last ``case_start`` event).
 
 
 def _wait(
     proc: subprocess.Popen[bytes],
-    out_dir: Path,
     nproc: int,
     timeout: float,
     startup_timeout: float,
@@ -329,7 +322,7 @@ def _wait(
     """Wait for ``proc`` to exit, reporting cases as they finish; on a hang return its kind,
     ``"startup"`` or ``"progress"`` (Note [hang clock]); ``None`` once ``proc`` exited."""
     t0 = time.monotonic()
-    last: tuple[tuple[int, int] | None, ...] = ()
+    last = -1
     changed_at = t0
     while True:
         try:
@@ -340,15 +333,35 @@ def _wait(
         if proc.returncode is not None:
             return None
         now = time.monotonic()
-        marks = _progress_marks(out_dir, nproc)
-        if None in marks:  # not every rank has started
+        if reporter.started < nproc:  # not every rank has started
             if now - t0 >= startup_timeout:
                 return "startup"
             continue
-        if marks != last:
-            last, changed_at = marks, now
+        if reporter.events != last:
+            last, changed_at = reporter.events, now
         elif now - changed_at >= timeout:
             return "progress"
+
+
+def _prepare(
+    nproc: int, worker_args: Sequence[str], out_dir: str | os.PathLike[str], env: dict[str, str] | None,
+    module: str, python: str | None,
+) -> tuple[Path, list[str], dict[str, str]]:
+    """The output folder (created, emptied of an earlier launch's files), the torchrun command and its
+    environment."""
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("rank*.*"), out / "torchrun.log"]:
+        old.unlink(missing_ok=True)
+    command = torchrun_command(
+        nproc, module, ["--out", str(out), "--launched-at", f"{time.time():.3f}", *worker_args], python=python
+    )
+    full_env = {
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (_src_root(), os.environ.get("PYTHONPATH", "")) if p),
+        **(env or {}),
+    }
+    return out, command, full_env
 
 
 def launch(
@@ -369,52 +382,45 @@ def launch(
         nproc: processes (ranks) to start, all on this machine.
         worker_args: arguments of ``python -m ppbackward._tools.harness.worker`` besides ``--out`` and
             ``--launched-at`` (e.g. ``["--backward", "ppbackward", "--schedules", "Schedule1F1B"]``).
-        out_dir: folder for logs and verdicts; created, and emptied of earlier verdicts and logs.
-        timeout: seconds without progress (no rank finishing a case) once every rank has started, before
-            every rank's stack is dumped and every process of the launch killed (Note [killing a hung
-            launch]). It does not count the time the machine takes to start the ranks.
+        out_dir: folder for logs, verdicts and events; created, and emptied of an earlier launch's files.
+        timeout: seconds without a new event once every rank has started, before every rank's stack is
+            dumped and every process of the launch killed (Note [killing a hung launch]). It does not count
+            the time the machine takes to start the ranks.
         env: extra environment variables for torchrun and the workers.
         on_case: called in this process as ``on_case(case_id, {rank: record})`` for each case, in rank
-            0's order, as soon as every rank has finished it (polled from the verdict files twice a
+            0's order, as soon as every rank has finished it (its ``case_end`` events, polled twice a
             second): progress for a command line.
-        startup_timeout: seconds for every rank to start (write its first verdict) before the launch is
-            killed; default ``max(300, timeout)``: a backstop, never reached on a healthy machine.
+        startup_timeout: seconds for every rank to start (write its ``started`` event) before the launch
+            is killed; default ``max(300, timeout)``: a backstop, never reached on a healthy machine.
         on_wait: called with one line saying what is running whenever ``QUIET_S`` seconds pass without
             a finished case (Note [progress says what runs]).
         module: the worker module torchrun starts (default the harness worker). Another module must keep
             the harness worker's protocol: take ``--out DIR --launched-at T`` first, write
-            ``rank<r>.pid``, ``rank<r>.json`` (``{"cases": [...], "complete", "fatal"}``) once started and
-            after every case, and dump its stacks on ``SIGUSR1`` (the torchtitan test's worker does).
+            ``rank<r>.pid``, the events of Note [event stream] (``records.EventWriter``) and
+            ``rank<r>.json`` (a ``records.RankVerdict``), and dump its stacks on ``SIGUSR1`` (the
+            torchtitan test's worker does).
         python: the interpreter that runs torchrun and the workers (default: this one); ppbackward comes
             from this checkout through ``PYTHONPATH`` either way.
 
     Returns:
         A :class:`LaunchResult`; it raises nothing for a failed, crashed or hung launch.
+
+    Raises:
+        SchemaError: a rank wrote a verdict or an event of another schema version (Note [record schema]).
     """
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("rank*.*"), out / "torchrun.log"]:
-        old.unlink(missing_ok=True)
+    out, command, full_env = _prepare(nproc, worker_args, out_dir, env, module, python)
     startup = max(300.0, timeout) if startup_timeout is None else startup_timeout
-    command = torchrun_command(
-        nproc, module, ["--out", str(out), "--launched-at", f"{time.time():.3f}", *worker_args], python=python
-    )
-    full_env = {
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (_src_root(), os.environ.get("PYTHONPATH", "")) if p),
-        **(env or {}),
-    }
     t0 = time.monotonic()
     progress: list[str] = []
 
-    def seen(case_id: str, per_rank: dict[int, dict[str, Any]]) -> None:
+    def seen(case_id: str, per_rank: dict[int, CaseRecord]) -> None:
         progress.append(case_id)
         on_case(case_id, per_rank)  # type: ignore[misc]
 
     reporter = _CaseReporter(out, nproc, None if on_case is None else seen, on_wait)
     proc = start(command, out / "torchrun.log", full_env)
     try:
-        hang = _wait(proc, out, nproc, timeout, startup, reporter)
+        hang = _wait(proc, nproc, timeout, startup, reporter)
         if hang is not None:
             dump_stacks(out, module)
             stop(proc, out, module)
@@ -423,14 +429,7 @@ def launch(
         stop(proc, out, module)
         raise
     return LaunchResult(
-        command=command,
-        out_dir=out,
-        world_size=nproc,
-        returncode=proc.returncode,
-        timeout=timeout,
-        seconds=time.monotonic() - t0,
-        verdicts={r: _read_verdict(out / f"rank{r}.json") for r in range(nproc)},
-        progress=progress,
-        hang=hang,
-        startup_timeout=startup,
+        command=command, out_dir=out, world_size=nproc, returncode=proc.returncode, timeout=timeout,
+        seconds=time.monotonic() - t0, verdicts={r: read_verdict(out / f"rank{r}.json") for r in range(nproc)},
+        progress=progress, hang=hang, startup_timeout=startup,
     )

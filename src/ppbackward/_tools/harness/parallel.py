@@ -175,7 +175,8 @@ def full_grads(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.T
 
 
 def replica_failures(named: list[tuple[str, nn.Parameter]], dp_group: Any) -> tuple[float, list[str]]:
-    """The largest difference between this rank's gradients and the other dp replicas', and failures.
+    """The largest difference between this rank's gradients and the other dp replicas', and failure messages
+    (each one line, without the check's name: ``replicas`` failures of the worker).
 
     One ``all_gather`` over the dp group of every gradient flattened (a missing one as zeros, so every
     rank sends the same size); DDP replicas must be bitwise identical after the step.
@@ -198,7 +199,7 @@ def replica_failures(named: list[tuple[str, nn.Parameter]], dp_group: Any) -> tu
             offset += size
     if worst > 0:
         return worst, [
-            f"replicas: the dp replicas' gradients differ (max |difference| {worst:.3e}, e.g. {worst_name}): "
+            f"the dp replicas' gradients differ (max |difference| {worst:.3e}, e.g. {worst_name}): "
             "DDP did not all-reduce them"
         ]
     return 0.0, []

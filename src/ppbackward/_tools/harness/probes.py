@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from ppbackward._tools.harness.records import CacheCount, GarbageRecord, KeptByDesign, LifetimeRecord
 from ppbackward.leaks import check_tensor_leaks, track_activations
 
 __all__ = [
@@ -97,8 +98,12 @@ class GarbageResult:
     def ok(self) -> bool:
         return self.tensors == 0 and self.nodes == 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "ok": self.ok}
+    def to_record(self) -> GarbageRecord:
+        """The step's garbage record (``rank<r>.json``)."""
+        return GarbageRecord(
+            self.tensors, self.nodes, self.tensor_bytes, self.garbage_objects, dict(self.garbage_types),
+            list(self.chains),
+        )
 
 
 @contextlib.contextmanager
@@ -173,28 +178,28 @@ class ActivationProbe:
     def after_gc(self) -> None:
         self.final = self._tracker.report(collect=True)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_record(self) -> LifetimeRecord:
+        """The step's lifetime record (``rank<r>.json``), once :meth:`after_gc` ran."""
         final = self.final
         clear, release = self.alive_after_clear, self.alive_after_release
-        kept = len(clear.alive) - len(release.alive)
-        return {
-            "saved": len(final.saved),
-            "bytes_saved": sum(a.nbytes for a in final.saved),
-            "alive_after_clear": len(clear.alive),
-            "kept_by_design": {"recv_buffer": kept, "bytes_recv_buffer": clear.bytes_alive - release.bytes_alive},
-            "alive_without_gc": len(release.alive),
-            "freed_only_by_gc": len(final.freed_only_by_gc),
-            "bytes_freed_only_by_gc": final.bytes_freed_only_by_gc,
-            "held_after_gc": len(final.held_after_gc),
-            "bytes_held_after_gc": final.bytes_held_after_gc,
+        return LifetimeRecord(
+            saved=len(final.saved),
+            bytes_saved=sum(a.nbytes for a in final.saved),
+            alive_after_clear=len(clear.alive),
+            kept_by_design=KeptByDesign(len(clear.alive) - len(release.alive), clear.bytes_alive - release.bytes_alive),
+            alive_without_gc=len(release.alive),
+            freed_only_by_gc=len(final.freed_only_by_gc),
+            bytes_freed_only_by_gc=final.bytes_freed_only_by_gc,
+            held_after_gc=len(final.held_after_gc),
+            bytes_held_after_gc=final.bytes_held_after_gc,
             # Note [leaks the gc cannot see] (ppbackward.leaks): nodes and packed tensors of the step
-            "nodes": final.nodes,
-            "nodes_held_after_gc": len(final.nodes_held_after_gc),
-            "node_examples": final.nodes_held_after_gc[:5],
-            "packed_held_after_gc": len(final.packed_held_after_gc),
-            "bytes_packed_held_after_gc": final.bytes_packed_held_after_gc,
-            "examples": [a.describe() for a in (final.held_after_gc + final.freed_only_by_gc)[:5]],
-        }
+            nodes=final.nodes,
+            nodes_held_after_gc=len(final.nodes_held_after_gc),
+            node_examples=list(final.nodes_held_after_gc[:5]),
+            packed_held_after_gc=len(final.packed_held_after_gc),
+            bytes_packed_held_after_gc=final.bytes_packed_held_after_gc,
+            examples=[a.describe() for a in (final.held_after_gc + final.freed_only_by_gc)[:5]],
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -258,7 +263,7 @@ _FORWARD_CACHES = ("fwd_cache", "_forward_chunk_states")
 _CACHES = (*_FORWARD_CACHES, "bwd_cache", "backward_state", "dw_runner", "output_chunks")
 
 
-def stage_caches(stage: Any, n_microbatches: int) -> tuple[dict[str, Any], list[str]]:
+def stage_caches(stage: Any, n_microbatches: int) -> tuple[dict[str, CacheCount], list[str]]:
     """Entries and tensors in the stage's per-microbatch caches after a step, and the failures.
 
     Expected (Note [kept caches]): ``fwd_cache`` (``_forward_chunk_states``) and ``backward_state``
@@ -266,49 +271,49 @@ def stage_caches(stage: Any, n_microbatches: int) -> tuple[dict[str, Any], list[
     tensor-free placeholders; ``output_chunks`` ``n_microbatches`` entries on the last stage, none
     elsewhere.
     """
-    found: dict[str, Any] = {}
+    found: dict[str, CacheCount] = {}
     failures: list[str] = []
     where = f"stage {stage.stage_index}"
     for name in _CACHES:
         cache = getattr(stage, name, None)
         if cache is None:
             continue
-        found[name] = {"entries": len(cache), "tensors": count_tensors(cache)}
+        found[name] = CacheCount(len(cache), count_tensors(cache))
     for name in (*_FORWARD_CACHES, "backward_state"):
-        if found.get(name, {}).get("entries"):
-            failures.append(f"{where}: {name} holds {found[name]['entries']} entries after the step")
+        if name in found and found[name].entries:
+            failures.append(f"{where}: {name} holds {found[name].entries} entries after the step")
     bwd = found.get("bwd_cache")
-    if bwd is not None and bwd["entries"]:
+    if bwd is not None and bwd.entries:
         if not stage.is_first:
-            failures.append(f"{where}: bwd_cache holds {bwd['entries']} entries after the step")
-        elif bwd["tensors"]:
-            failures.append(f"{where}: stage-0 bwd_cache holds {bwd['tensors']} tensors")
+            failures.append(f"{where}: bwd_cache holds {bwd.entries} entries after the step")
+        elif bwd.tensors:
+            failures.append(f"{where}: stage-0 bwd_cache holds {bwd.tensors} tensors")
     dw = found.get("dw_runner")
-    if dw is not None and dw["entries"]:
-        if dw["tensors"]:
-            failures.append(f"{where}: dw_runner placeholders hold {dw['tensors']} tensors")
+    if dw is not None and dw.entries:
+        if dw.tensors:
+            failures.append(f"{where}: dw_runner placeholders hold {dw.tensors} tensors")
         if any(getattr(fn, "__closure__", None) for fn in stage.dw_runner.values()):
             failures.append(f"{where}: dw_runner holds closures (not the no-op placeholders)")
     out = found.get("output_chunks")
     if out is not None:
         expected = n_microbatches if stage.is_last or outputs_kept_on_every_stage() else 0
-        if out["entries"] != expected:
-            failures.append(f"{where}: output_chunks holds {out['entries']} entries, expected {expected}")
+        if out.entries != expected:
+            failures.append(f"{where}: output_chunks holds {out.entries} entries, expected {expected}")
     return found, failures
 
 
 _SCHEDULE_CACHES = ("_internal_losses", "fwd_recv_ops", "bwd_recv_ops")
 
 
-def schedule_caches(schedule: Any) -> tuple[dict[str, Any], list[str]]:
+def schedule_caches(schedule: Any) -> tuple[dict[str, CacheCount], list[str]]:
     """The schedule's own per-step state after a step: losses and pending receive ops, all empty."""
-    found: dict[str, Any] = {}
+    found: dict[str, CacheCount] = {}
     failures: list[str] = []
     for name in _SCHEDULE_CACHES:
         cache = getattr(schedule, name, None)
         if cache is None:
             continue
-        found[name] = {"entries": len(cache), "tensors": count_tensors(cache)}
+        found[name] = CacheCount(len(cache), count_tensors(cache))
         if len(cache):
             failures.append(f"schedule: {name} holds {len(cache)} entries after the step")
     return found, failures
