@@ -368,9 +368,15 @@ class ParamGroups:
     def _check_unchanged(self, weights: list[torch.Tensor]) -> None:
         """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
         are checked at W]); ``weights`` (W's) name the parameters."""
-        read = [
-            self._versions[id(g)] for group in self._groups for g in group.kept_gradients() if id(g) in self._versions
-        ]
+        if all(group.written is None for group in self._groups):  # what B captured, all of it read
+            read = list(self._versions.values())
+        else:  # what the written gradients left of B's
+            read = [
+                self._versions[id(g)]
+                for group in self._groups
+                for g in group.kept_gradients()
+                if id(g) in self._versions
+            ]
         written = [(g, v) for group in self._groups for g, v in group._written_versions]
         for grad, version in [*read, *written]:
             if grad._version != version:

@@ -214,7 +214,7 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
         del outs
     if contributions:
         contributions.sort(key=_by_seq, reverse=True)
-        roots = [GradientEdge(c.edge.node, c.edge.output_nr) for c in contributions]
+        roots = [c.edge for c in contributions]
         grads = [c.grad for c in contributions]
         del contributions
         accumulate(roots, grads, work.params, retain_graph)

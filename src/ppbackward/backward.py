@@ -215,7 +215,7 @@ def stage_backward_input(
     flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads, consumed=_DETACHED)
     weight_list = _weights_list(weights)
     wanted = _grad_inputs(input_values)
-    weight_ids = WeightSet(frozenset(map(id, weight_list)), len(weight_list), any(map(_is_dtensor, weight_list)))
+    weight_ids = WeightSet(frozenset(map(id, weight_list)), len(weight_list), _any_dtensor(weight_list))
     if not flat.tensors:
         return tuple(None for _ in input_values), ParamGroups([], weight_ids)
     # Note [B claims its outputs]; Note [no collection inside B and W] in ppbackward._gc_pause
@@ -645,11 +645,14 @@ def _weights_list(weights: Any) -> list[torch.Tensor]:
     return out
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (without importing ``torch.distributed.tensor``: if nothing imported it,
-    no tensor can be one)."""
+def _any_dtensor(tensors: list[torch.Tensor]) -> bool:
+    """Whether any of ``tensors`` is a DTensor (without importing ``torch.distributed.tensor``: if nothing
+    imported it, no tensor can be one)."""
     module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
+    if module is None:
+        return False
+    dtensor = module.DTensor
+    return any(isinstance(t, dtensor) for t in tensors)
 
 
 def _check_same_weights(weights: list[torch.Tensor], expected: WeightSet) -> None:
@@ -661,7 +664,7 @@ def _check_same_weights(weights: list[torch.Tensor], expected: WeightSet) -> Non
     weights is checked. W accumulates through the ``AccumulateGrad`` nodes B found in the graph (the
     unsharded parameters FSDP2's backward reads), whatever form W is given.
     """
-    if expected.sharded or any(map(_is_dtensor, weights)):
+    if expected.sharded or _any_dtensor(weights):
         if len(weights) != expected.n_weights:
             raise BadValue(
                 f"weights: {len(weights)} parameter(s) given to stage_backward_weight, "

@@ -5,12 +5,11 @@ One torchrun launch per configuration; one test per case reads every rank's verd
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from ppbackward._tools.harness import models, schedules
 from ppbackward._tools.harness.probes import recv_buffers_kept_by_stage
+from ppbackward._tools.harness.records import CaseRecord
 from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, LAUNCHES, slow_params
 
 MATRIX = ("ws2", "ws4", "ws2-static")
@@ -20,12 +19,12 @@ def expected_cases(world_size: int) -> list[str]:
     return [f"{case.name}/{model}" for case in schedules.matrix(world_size) for model in models.CORE_MODELS]
 
 
-def assert_measured(record: dict[str, Any]) -> None:
+def assert_measured(record: CaseRecord) -> None:
     """A passing case must have measured something on every step (no vacuous pass)."""
     stages = record.stages
     assert len(record.steps) == 2, record.steps
     for step in record.steps:
-        where = f"{record['id']} stages {stages} step {step['step']}"
+        where = f"{record.id} stages {stages} step {step.step}"
         assert step.lifetime.saved > 0, f"{where}: no saved activation recorded"
         assert step.numerics.params_compared > 0, f"{where}: no grad compared"
         assert step.hooks.expected > 0, f"{where}: no hook expected"

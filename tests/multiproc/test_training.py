@@ -15,11 +15,10 @@ plain and sharded as torchtitan shards it (``fsdp-titan``: Note [torchtitan's fi
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from ppbackward._tools.harness import models, parallel, schedules
+from ppbackward._tools.harness.records import CaseRecord
 from ppbackward._tools.harness.worker import case_id
 from tests.multiproc.multiproc_specs import LAUNCH_TEST_TIMEOUT, slow_params
 
@@ -36,7 +35,7 @@ def expected_cases(launch: str) -> list[str]:
     return [case_id(c.name, m, w) for c in schedules.matrix(2) for m in ("mlp", "lora") for w in WRAPS]
 
 
-def _trainable(record: dict[str, Any], stage: int) -> bool:
+def _trainable(record: CaseRecord, stage: int) -> bool:
     if record.model == "lora":
         return stage > 0
     if record.model == "lora-last":
@@ -44,11 +43,11 @@ def _trainable(record: dict[str, Any], stage: int) -> bool:
     return True
 
 
-def assert_measured(record: dict[str, Any]) -> None:
+def assert_measured(record: CaseRecord) -> None:
     """A passing case measured what it claims, on every step (no vacuous pass)."""
     trains = any(_trainable(record, i) for i in record.stages)  # else a frozen stage: nothing to save
     for step in record.steps:
-        where = f"{record['id']} rank dp {record['dp_rank']} stages {record['stages']} step {step['step']}"
+        where = f"{record.id} rank dp {record.dp_rank} stages {record.stages} step {step.step}"
         if trains:
             assert step.lifetime.saved > 0, f"{where}: no saved activation recorded"
             assert step.numerics.params_compared > 0, f"{where}: no grad compared"
