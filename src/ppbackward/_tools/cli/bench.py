@@ -181,6 +181,7 @@ def _meta(argv: list[str]) -> dict[str, Any]:
     import torch
 
     import ppbackward
+    from ppbackward._tools.bench.timing import loadavg as _loadavg
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -208,14 +209,6 @@ def _allocator() -> str:
     preload = os.environ.get("LD_PRELOAD", "")
     settings += [f"LD_PRELOAD {name}" for name in ("jemalloc", "tcmalloc") if name in preload]
     return ", ".join(settings) or "glibc defaults"
-
-
-def _loadavg() -> float | None:
-    """1-minute load average (other processes share the cores: a high value means noisy timings)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
 
 
 def _log(msg: str) -> None:
@@ -281,6 +274,7 @@ def _measure(args: argparse.Namespace, request: _Request, argv: list[str]) -> tu
     """Every measurement the options ask for; returns the report and whether a run failed."""
     from ppbackward._tools.bench import report as _report
     from ppbackward._tools.bench import scaling as _scaling
+    from ppbackward._tools.bench.timing import loadavg as _loadavg
 
     report: dict[str, Any] = {"meta": _meta(argv), "configs": []}
     for cfg in request.configs:
