@@ -29,9 +29,9 @@ import torch
 
 import ppbackward
 import ppbackward.backward as bk
-from ppbackward._tools.bench.models import build, parse_configs
-from ppbackward._tools.bench.split import CONFIGS
 from ppbackward._graph import analyze, gradient_edge
+from ppbackward._tools.bench.split import CONFIGS
+from ppbackward._tools.harness.models import build, parse_configs
 
 
 class _Engine:

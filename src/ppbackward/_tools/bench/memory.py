@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ppbackward._tools.bench.impls import run_b, run_w
-from ppbackward._tools.bench.models import Stage, reset_grads
+from ppbackward._tools.harness.models import Stage, reset_grads
 from ppbackward._tools.memory import alive_bytes, saved_storages
 
 __all__: list[str] = []  # private module

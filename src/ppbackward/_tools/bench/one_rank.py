@@ -43,9 +43,9 @@ from torch.distributed.pipelining import schedules as _schedules
 import ppbackward
 from ppbackward._install import merge_bw_enabled
 from ppbackward._merge import count_compute
-from ppbackward._tools.bench.models import build_stack
 from ppbackward._tools.bench.schedule_worker import build_stages, grads_close, mse_loss, param_grads, variant_name
 from ppbackward._tools.bench.timing import device_clock, gc_paused, rotations
+from ppbackward._tools.harness.models import build_stack
 
 __all__: list[str] = []  # private module
 

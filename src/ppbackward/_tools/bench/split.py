@@ -25,7 +25,6 @@ import torch
 
 import ppbackward.backward as _ours
 from ppbackward._tools.bench.impls import UPSTREAM_B, UPSTREAM_W
-from ppbackward._tools.bench.models import Config, Stage, build, reset_grads
 from ppbackward._tools.bench.timing import (
     REGIMES,
     device_clock,
@@ -35,6 +34,7 @@ from ppbackward._tools.bench.timing import (
     prepare_regime,
     rotations,
 )
+from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 
 __all__: list[str] = []  # private module
 
@@ -319,8 +319,8 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     failed or its grads differ."""
     import json
 
-    from ppbackward._tools.bench import models as _models
     from ppbackward._tools.bench import report as _report
+    from ppbackward._tools.harness import models as _models
 
     configs = list(CONFIGS) if args.configs == "all" else _models.parse_configs(args.configs)
     if args.quick:

@@ -32,7 +32,7 @@ from typing import TypeVar
 import torch
 
 from ppbackward._tools.bench.impls import VARIANTS, run_variant
-from ppbackward._tools.bench.models import Config, Stage, build, reset_grads
+from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 
 __all__: list[str] = []  # private module
 
