@@ -15,7 +15,7 @@ import time
 import torch
 
 import ppbackward.backward as bw
-from ppbackward._tools.bench.models import build, parse_configs
+from ppbackward._tools.harness.models import build, parse_configs
 
 torch.set_num_threads(1)
 PAUSED = bw.automatic_gc_paused

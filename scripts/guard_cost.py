@@ -16,7 +16,7 @@ import torch
 import ppbackward._param_groups as pgm
 import ppbackward.backward as bw
 from ppbackward._tools.bench.impls import run_b, run_w
-from ppbackward._tools.bench.models import Config, build, reset_grads
+from ppbackward._tools.harness.models import Config, build, reset_grads
 
 torch.set_num_threads(1)
 AA = bool(os.environ.get("AA"))

@@ -30,8 +30,8 @@ import torch
 import ppbackward
 import ppbackward._weight_edges as we
 from ppbackward._graph import analyze, gradient_edge
-from ppbackward._tools.bench.models import build, parse_configs
 from ppbackward._tools.bench.split import CONFIGS
+from ppbackward._tools.harness.models import build, parse_configs
 
 
 class _Engine:

@@ -114,6 +114,65 @@ def _saved_items(node: Node) -> Iterator[Any]:
         yield from saved if isinstance(saved, (list, tuple)) else (saved,)
 
 
+# Note [reading saved tensors]: a node's saved tensors can be read two ways, and which one a reader
+# needs depends on what it does with them. Each ``_raw_saved_<name>`` attribute is a ``SavedTensor``
+# (or a list of them, or ``None``); ``_saved_<name>`` is the same value *unpacked*.
+#
+# * ``unpack=False`` reads ``SavedTensor.data``: the tensor as stored, or, where saved-tensor hooks were
+#   active at save time, the object the pack hook returned (counted when it is a tensor or a tuple/list
+#   of tensors). No hook runs, nothing is allocated, the graph is not touched. For readers that must not
+#   change what they look at: the leak checker and its back-reference chains (``ppbackward.leaks``) on a
+#   user's graph, whatever hooks it carries. Before torch 2.13 (no ``SavedTensor.data``) it reads
+#   nothing.
+# * ``unpack=True`` reads ``_saved_<name>``, which runs the unpack hook of a hooked tensor: a
+#   non-reentrant checkpoint recomputes its region (and allocates it again), ``save_on_cpu`` copies back
+#   to the device, a user's hook runs its own code; a tensor ppbackward released after B
+#   (Note [release unread saved tensors]) raises and is skipped; one it pinned (Note [outputs detached
+#   after B]) gives the alias it holds, whose storage is the one the graph keeps alive. For a reader
+#   that wants the tensors as the backward would see them on graphs with no hooks but ppbackward's own:
+#   ``ppbackward._tools.memory`` (bytes held between B and W), for which a pin's holder read as stored
+#   would hide the storage it keeps. Any error of the read (a freed buffer, a hook that raises, a node
+#   type without ``_saved_<name>``: a custom ``autograd.Function``'s node) skips that attribute.
+#
+# Attribute names come from the per-type cache (``_saved_attrs``), as B's own reads do.
+
+
+def saved_tensors(node: Node, *, unpack: bool) -> list[torch.Tensor]:
+    """The tensors ``node`` saved for backward, read as stored or unpacked (Note [reading saved tensors]).
+
+    Args:
+        node: an autograd node (``tensor.grad_fn``, or one of its ``next_functions``).
+        unpack: ``False``: read ``SavedTensor.data`` (no hook runs; a hooked tensor gives what its pack
+            hook returned, tensors in a tuple/list of it included). ``True``: read ``_saved_<name>``, which
+            runs each hooked tensor's unpack hook (a checkpoint recomputes its region).
+
+    Returns:
+        The tensors, in attribute order, lists flattened; attributes already freed, values that are not
+        tensors, and reads that raise are left out. Never raises for a node that saves nothing.
+    """
+    if not unpack:
+        found: list[torch.Tensor] = []
+        for item in _saved_items(node):
+            try:
+                data = item.data
+            except (AttributeError, RuntimeError):  # None, freed, or a torch without SavedTensor.data
+                continue
+            if isinstance(data, torch.Tensor):
+                found.append(data)
+            elif isinstance(data, (tuple, list)):
+                found.extend(t for t in data if isinstance(t, torch.Tensor))
+        return found
+    found = []
+    for attr in _saved_attrs(node):
+        try:
+            value = getattr(node, "_saved_" + attr[len("_raw_saved_") :])
+        except Exception:  # freed (by the engine or ppbackward's release), a hook raised, or no such name
+            continue
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        found.extend(t for t in values if isinstance(t, torch.Tensor))
+    return found
+
+
 def _saved_values(node: Node) -> Iterator[Any]:
     """The raw value of each of ``node``'s ``_raw_saved_*`` attributes (a ``SavedTensor``, a list of
     them, or ``None``); nothing from an attribute already freed. The attribute names are read once per

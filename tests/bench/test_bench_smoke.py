@@ -23,12 +23,12 @@ import pytest
 import torch
 
 from ppbackward._tools.bench import loop as _loop
-from ppbackward._tools.bench import main
-from ppbackward._tools.bench import models as _models
 from ppbackward._tools.bench import report as _report
 from ppbackward._tools.bench import schedule as _schedule
 from ppbackward._tools.bench import timing as _timing
 from ppbackward._tools.bench.schedule import ScheduleBenchError, run_schedule
+from ppbackward._tools.cli.bench import main
+from ppbackward._tools.harness import models as _models
 from ppbackward._tools.harness.launch import alive
 
 

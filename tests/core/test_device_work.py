@@ -20,8 +20,8 @@ import ppbackward as pb
 from ppbackward import _graph
 from ppbackward._tools.bench import memory as _memory
 from ppbackward._tools.bench.device_work import REGIMES, count, stage_work
-from ppbackward._tools.bench.models import Config
-from ppbackward._tools.bench.models import build as build_bench
+from ppbackward._tools.harness.models import Config
+from ppbackward._tools.harness.models import build as build_bench
 from tests.core.stages import ZOO, build
 
 

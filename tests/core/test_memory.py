@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import _backward as upstream
+from torch.utils.checkpoint import checkpoint
 
 import ppbackward as pb
 from ppbackward import _saved
@@ -76,3 +77,40 @@ def test_released_saved_tensor_fails_clearly_if_run_again():
         gelu_node(torch.ones(2, 4))
     pb.stage_backward_weight(lin.parameters(), groups)
     assert _saved._refuse is not None
+
+
+def test_the_saved_tensor_reader_runs_unpack_hooks_only_when_asked():
+    """Note [reading saved tensors]: ``unpack=False`` reads what is stored (a checkpoint's holder: no
+    tensor, no recomputation); ``unpack=True`` runs the unpack hook, which recomputes the region."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    calls = [0]
+
+    def region(x):
+        calls[0] += 1
+        return lin(x).tanh()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    out = checkpoint(region, x, use_reentrant=False)
+    assert calls == [1]
+    assert _saved.saved_tensors(out.grad_fn, unpack=False) == []
+    assert calls == [1]
+    (unpacked,) = _saved.saved_tensors(out.grad_fn, unpack=True)
+    assert calls == [2]  # the region ran again
+    assert torch.equal(unpacked, out) and unpacked.shape == (2, 4)
+
+
+def test_the_saved_tensor_reader_agrees_without_hooks_and_skips_released_tensors():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x * 2
+    g = torch.nn.functional.gelu(h)  # GeluBackward saves h; B-only, so B releases it
+    out = lin(g)
+    (stored,) = _saved.saved_tensors(g.grad_fn, unpack=False)
+    (unpacked,) = _saved.saved_tensors(g.grad_fn, unpack=True)
+    assert stored.data_ptr() == unpacked.data_ptr() == h.data_ptr()
+    _, groups = pb.stage_backward_input(out, torch.ones(2, 4), [x], lin.parameters())
+    assert _saved.saved_tensors(g.grad_fn, unpack=False) == []  # the release's pack hook kept an int
+    assert _saved.saved_tensors(g.grad_fn, unpack=True) == []  # its unpack hook raises: skipped
+    pb.stage_backward_weight(lin.parameters(), groups)

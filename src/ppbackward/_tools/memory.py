@@ -1,10 +1,13 @@
 """Measure the bytes of saved activations an autograd graph holds, without touching it.
 
-Private module, shared by the memory tests and the benchmark (issue 6). It reads saved tensors
-through ``grad_fn._saved_*`` (no saved-tensor hooks are added, so ppbackward's release of unread
-saved tensors still happens, see ``ppbackward._saved``) and keeps only weak references to their
-storages: a storage's Python object lives exactly as long as the storage itself, so a dead weak
-reference means the memory was freed. Parameters' storages are excluded.
+Private module, shared by the memory tests and the benchmark (issue 6). It reads saved tensors as the
+backward would see them (``ppbackward._saved.saved_tensors(node, unpack=True)``, Note [reading saved
+tensors]: a tensor ppbackward pinned after B counts through the alias that keeps its storage alive; one
+it released is skipped; no saved-tensor hooks are added, so ppbackward's release of unread saved
+tensors still happens) and counts them with the library's storage accountant
+(``ppbackward.leaks._storage``: unique storages, keyed by storage identity). Only weak references to the
+storages are kept: a storage's Python object lives exactly as long as the storage itself, so a dead weak
+reference means the memory was freed. Excluded storages (parameters) and empty ones are not counted.
 """
 
 from __future__ import annotations
@@ -15,24 +18,12 @@ from collections.abc import Iterable
 import torch
 from torch.autograd.graph import Node
 
-__all__: list[str] = []  # private module
+from ppbackward._saved import saved_tensors
+from ppbackward.leaks._storage import _storage_nbytes, _unique_storages
 
-SavedStorages = dict  # data_ptr -> (weakref to UntypedStorage, nbytes)
+__all__ = ["SavedStorages", "alive_bytes", "saved_storages", "w_floor_bytes"]
 
-
-def _saved_tensors_of(node: Node) -> list[torch.Tensor]:
-    found = []
-    for attr in dir(node):
-        if not attr.startswith("_raw_saved_"):
-            continue
-        try:
-            value = getattr(node, "_saved_" + attr[len("_raw_saved_") :])
-        except Exception:  # released (ppbackward or the engine), or not readable
-            continue
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, torch.Tensor):
-                found.append(t)
-    return found
+SavedStorages = dict  # storage key (``_storage_key``) -> (weakref to the UntypedStorage, nbytes)
 
 
 def saved_storages(
@@ -40,15 +31,18 @@ def saved_storages(
 ) -> SavedStorages:
     """Storages saved by every node reachable from ``roots`` (not below ``stop`` nodes).
 
+    Reading runs unpack hooks (Note [reading saved tensors] in ``ppbackward._saved``): meant for graphs
+    whose only hooks are ppbackward's own.
+
     Args:
         roots: nodes to start from (``None`` entries ignored).
         exclude: tensors whose storages are not counted (e.g. the module's parameters).
         stop: nodes whose subgraphs are not walked (e.g. the W-only boundary).
 
     Returns:
-        ``{data_ptr: (weakref to the storage, nbytes)}``.
+        ``{storage key: (weakref to the storage, nbytes)}``, nonempty storages only.
     """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    skip = set(_unique_storages(exclude))
     stop_set = set(stop)
     out: SavedStorages = {}
     seen: set[Node] = set()
@@ -58,11 +52,10 @@ def saved_storages(
         if node in seen:
             continue
         seen.add(node)
-        for t in _saved_tensors_of(node):
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in skip and storage.nbytes():
-                out[ptr] = (weakref.ref(storage), storage.nbytes())
+        for key, storage in _unique_storages(saved_tensors(node, unpack=True)).items():
+            nbytes = _storage_nbytes(storage)
+            if key not in skip and nbytes:
+                out[key] = (weakref.ref(storage), nbytes)
         if node not in stop_set:
             todo.extend(k for k, _ in node.next_functions if k is not None)
     return out

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ppbackward.leaks._storage import _node_saved_tensors, _unique_storage_bytes
+from ppbackward._saved import saved_tensors
+from ppbackward.leaks._storage import _unique_storage_bytes
 
 __all__: list[str] = []  # private module
 
@@ -50,7 +51,7 @@ def _describe(obj: Any) -> str:
                     text += f", grad_fn={obj.grad_fn.name()}"
             return text
         if _is_node(obj):
-            _, nbytes = _unique_storage_bytes(_node_saved_tensors(obj))
+            _, nbytes = _unique_storage_bytes(saved_tensors(obj, unpack=False))
             return f"autograd node {obj.name()} (saved for backward: {nbytes} bytes)"
         if isinstance(obj, types.FunctionType):
             return f"function {obj.__qualname__} ({_where(obj.__code__)})"

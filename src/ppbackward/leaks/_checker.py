@@ -21,10 +21,11 @@ from typing import Any, Callable
 import torch
 
 from ppbackward._gc_pause import collector_enabled
+from ppbackward._saved import saved_tensors
 from ppbackward.leaks._chains import _find_chain, _format_chain, _referrer_index, _write_graph
 from ppbackward.leaks._gc_phase import full_collect
 from ppbackward.leaks._report import LeakReport, TensorLeakError
-from ppbackward.leaks._storage import _node_saved_tensors, _unique_storage_bytes
+from ppbackward.leaks._storage import _unique_storage_bytes
 
 __all__ = ["check_tensor_leaks"]
 
@@ -188,7 +189,7 @@ class _TensorLeakCheck:
         report.garbage_types = types_count
         report.num_tensors = len(tensors)
         report.num_nodes = len(nodes)
-        saved_by_nodes = [t for n in nodes for t in _node_saved_tensors(n)]
+        saved_by_nodes = [t for n in nodes for t in saved_tensors(n, unpack=False)]
         report.num_storages, report.tensor_bytes = _unique_storage_bytes(tensors + saved_by_nodes)
         del saved_by_nodes
         # chains for the tensors that hold a graph first (what keeps activations alive), in gc order

@@ -1,13 +1,14 @@
-"""Which storages a tensor (or an autograd node's saved tensors) keeps alive, and how big they are.
+"""Which storages tensors keep alive, and how big they are.
 
-Private module; nothing here is public. Both the leak checker and the activation tracker count memory
-as **bytes of unique storages**: two views of one buffer count once, and a view counts its whole
-storage (that is what it keeps alive).
+Private module; nothing here is public. The one storage accountant of the project: the leak checker,
+the activation tracker and the tooling's measurements (``ppbackward._tools.memory``, the bench) count
+memory as **bytes of unique storages**, keyed by :func:`_storage_key`: two views of one buffer count
+once, and a view counts its whole storage (that is what it keeps alive).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -54,49 +55,20 @@ def _storage_nbytes(storage: Any) -> int:
     return int(storage.nbytes())
 
 
-def _unique_storage_bytes(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> tuple[int, int]:
-    """``(number of unique storages, their total size in bytes)`` over ``tensors``."""
-    seen: dict[int, int] = {}
+def _unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, Any]:
+    """``{storage key: storage}`` for the unique storages holding ``tensors``' data, in first-seen order
+    (keys: :func:`_storage_key`; a view brings its whole storage, wrapper subclasses their inner ones)."""
+    seen: dict[int, Any] = {}
     for t in tensors:
         for s in _tensor_storages(t):
-            seen.setdefault(_storage_key(s), _storage_nbytes(s))
-    return len(seen), sum(seen.values())
+            seen.setdefault(_storage_key(s), s)
+    return seen
 
 
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors in ``obj`` if it is a tensor or a (shallow) tuple/list of tensors."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            if isinstance(item, torch.Tensor):
-                yield item
-
-
-def _node_saved_tensors(node: Any) -> list[torch.Tensor]:
-    """The tensors an autograd node saved for backward, read without running any unpack hook.
-
-    Reads each ``_raw_saved_*`` attribute's ``.data``: the saved tensor itself, or, when saved-tensor
-    hooks were active at save time, the object the pack hook returned (tensors in it are counted
-    when it is a tensor or a tuple/list of tensors). Unpacking through ``_saved_*`` is avoided on
-    purpose: an unpack hook may run arbitrary code (activation checkpointing recomputes the forward).
-    Buffers already freed by a backward are skipped.
-    """
-    found: list[torch.Tensor] = []
-    for name in dir(node):
-        if not name.startswith("_raw_saved_"):
-            continue
-        try:
-            raw = getattr(node, name)
-        except RuntimeError:  # freed by a backward without retain_graph
-            continue
-        for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
-            try:
-                data = saved.data
-            except (AttributeError, RuntimeError):  # freed, or a torch without SavedTensor.data
-                continue
-            found.extend(_tensors_in(data))
-    return found
+def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """``(number of unique storages, their total size in bytes)`` over ``tensors``."""
+    storages = _unique_storages(tensors)
+    return len(storages), sum(_storage_nbytes(s) for s in storages.values())
 
 
 def _format_bytes(n: int) -> str:

@@ -1,25 +1,27 @@
-"""``ppbackward bench``: the stage-backward benchmark of issue 6 (time and memory, upstream vs ours).
+"""``ppbackward bench``'s measurements: the stage-backward benchmark of issue 6 (time and memory,
+upstream vs ours).
 
-Private package of measurements; the command (options, validation, the run) is ``ppbackward._tools.cli.bench``,
-whose :func:`main` this package re-exports (``ppbackward bench``, ``python -m ppbackward._tools.bench`` and
-``benchmarks/bench_backward.py`` all call it). Modules:
-``models`` (configurations), ``impls`` (the variants timed), ``timing`` (interleaved min-of-N),
-``memory`` (saved activations held between B and W against what W reads), ``loop`` (one stage
+Private package. The command (options, validation, the run) is ``ppbackward._tools.cli.bench``, which
+``ppbackward bench``, ``python -m ppbackward._tools.bench`` and ``benchmarks/bench_backward.py`` all call.
+Modules: ``impls`` (the variants timed), ``timing`` (interleaved min-of-N, the device clock, the load
+average), ``memory`` (saved activations held between B and W against what W reads), ``loop`` (one stage
 pair's microbatch loop in a zero-bubble schedule's order), ``alloc`` (the allocator's work),
 ``scaling`` (graph analysis time against graph size), ``profile`` (where the time of B and W goes),
-``schedule`` and ``schedule_worker`` (schedule steps under torchrun), ``split`` and ``replay`` (the
-split's cost per microbatch-stage, and a schedule step replayed from it: ``--split``), ``report`` (targets, tables,
-JSON). Method and results: ``docs/performance.md``.
+``device_work`` (the device work counted), ``schedule`` and ``schedule_worker`` (schedule steps under
+torchrun), ``split`` and ``replay`` (the split's cost per microbatch-stage, and a schedule step replayed
+from it: ``--split``), ``one_rank`` (the one-rank step), ``trace`` and ``plots`` (Chrome traces, PNGs),
+``report`` (targets, tables, JSON). The configurations and their models are entries of the tooling's
+one model zoo, ``ppbackward._tools.harness.models`` (Note [bench configurations] there). Method and
+results: ``docs/performance.md``.
+
+Note [tooling layers]: the library (``ppbackward``: the stage backward, ``leaks``, the pytest plugin)
+is at the bottom and never imports ``ppbackward._tools``; only ``ppbackward/__main__.py``, the console
+script, does. Inside ``_tools`` the command line (``cli``) sits on top of the measurements (this
+package) and of the harness, which never import it, not even inside a function: this package's one
+exception is ``__main__`` (``python -m ppbackward._tools.bench``), a program's entry that nothing
+imports. This package's modules import one another without a circle (what two of them share lives in
+a lower one: ``timing``'s clock and load average). ``tests/bench/test_import_structure.py`` reads every
+import with ``ast`` and holds these rules.
 """
 
-from __future__ import annotations
-
-__all__ = ["main"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``ppbackward bench``: see :func:`ppbackward._tools.cli.bench.main`."""
-    from ppbackward._tools.cli.bench import main as bench_main
-
-    return bench_main(argv)
-
+__all__: list[str] = []

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from ppbackward._tools.bench.impls import RUNNERS, VARIANTS, run_variant
-from ppbackward._tools.bench.models import Stage, reset_grads
 from ppbackward._tools.bench.timing import REGIMES, prepare_regime
+from ppbackward._tools.harness.models import Stage, reset_grads
 
 __all__: list[str] = []  # private module
 

@@ -179,7 +179,7 @@ def stage_work(
 
 
 def bench_work(stage: Any) -> dict[str, Any]:
-    """The bench's device-work figures for one configuration (``ppbackward._tools.bench.models.Stage``).
+    """The bench's device-work figures for one configuration (``ppbackward._tools.harness.models.Stage``).
 
     Returns:
         ``{"regimes": {regime: {impl: {"kernels", "flops", "allocated_bytes"}}}, "held_bytes",

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.pipelining import _backward as _upstream
 
 import ppbackward.backward as _ours
-from ppbackward._tools.bench.models import Stage
+from ppbackward._tools.harness.models import Stage
 
 __all__: list[str] = []  # private module
 
@@ -97,7 +97,7 @@ def run_variant(name: str, stage: Stage, clock: Callable[[], float] = time.perf_
 
 def grads_match(stage: Stage) -> dict[str, bool]:
     """Run each variant once and compare its parameter and input grads with plain autograd's."""
-    from ppbackward._tools.bench.models import reset_grads
+    from ppbackward._tools.harness.models import reset_grads
 
     def snapshot() -> list[torch.Tensor]:
         return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in stage.params]

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ppbackward._tools.bench.impls import SPLIT
-from ppbackward._tools.bench.models import Config, build
 from ppbackward._tools.bench.timing import fit_repeats, gc_paused, rotations
+from ppbackward._tools.harness.models import Config, build
 
 __all__: list[str] = []  # private module
 

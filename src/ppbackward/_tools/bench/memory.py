@@ -3,8 +3,9 @@
 Private module. Two forwards of the same stage, with the same shapes and therefore the same bytes:
 
 * **held** (no hooks): after the forward, weak references to the storages of every tensor saved
-  by the graph (``ppbackward._tools.memory.saved_storages``, which reads ``grad_fn._saved_*``); after B
-  returns, the bytes of those still allocated. The stage output is kept alive until W, as torch's
+  by the graph (``ppbackward._tools.memory.saved_storages``, which reads them unpacked: Note [reading
+  saved tensors] in ``ppbackward._saved``); after B returns, the bytes of those still allocated. The
+  stage output is kept alive until W, as torch's
   ``PipelineStage`` keeps it in ``backward_state``; its storage, the parameters' and the stage
   input's are not counted (the caller owns them). No saved-tensor hook is installed here, on
   purpose: ppbackward's B releases the saved tensors W never reads through the public
@@ -25,8 +26,9 @@ With a user's hooks (``measure_hooked``: a pack that keeps a copy, as offloading
 figures are read from the hooks themselves: the bytes of the copies alive after B, and of those W
 unpacks.
 
-Both runs count unique storages (``untyped_storage().data_ptr()``, ``nbytes()``): several saved
-tensors may be views of one buffer (attention's q, k and v are chunks of one projection). Both
+Both runs count unique storages, keyed and sized by the library's accountant
+(``ppbackward.leaks._storage``): several saved tensors may be views of one buffer (attention's q, k
+and v are chunks of one projection). Both
 count the same set at the end of the forward (``saved_bytes`` and ``saved_bytes_hooked`` agree);
 ``held >= floor`` unless W read something B had freed (W would then have failed). The recorder and
 the storage map hold only weak references and integers; the hooks that autograd nodes keep
@@ -42,8 +44,9 @@ from typing import Any
 import torch
 
 from ppbackward._tools.bench.impls import run_b, run_w
-from ppbackward._tools.bench.models import Stage, reset_grads
+from ppbackward._tools.harness.models import Stage, reset_grads
 from ppbackward._tools.memory import alive_bytes, saved_storages
+from ppbackward.leaks._storage import _storage_key, _storage_nbytes, _unique_storages
 
 __all__: list[str] = []  # private module
 
@@ -52,7 +55,7 @@ _Key = tuple[int, int]
 
 def _key(t: torch.Tensor) -> _Key:
     st = t.untyped_storage()
-    return (st.data_ptr(), st.nbytes())
+    return (_storage_key(st), _storage_nbytes(st))
 
 
 class SavedRecorder:
@@ -64,7 +67,7 @@ class SavedRecorder:
         self.refs: list[tuple[weakref.ref, _Key]] = []
         self.unpacked: dict[str, set[_Key]] = {}
         self.phase = "forward"
-        self.skip = skip  # storage data_ptrs not counted (parameters, stage input, output)
+        self.skip = skip  # storage keys not counted (parameters, stage input, output)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.requires_grad and t.grad_fn is None:  # a parameter or the stage input
@@ -85,7 +88,7 @@ class SavedRecorder:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def bytes(self, keys: Any) -> int:
-        return sum(nbytes for ptr, nbytes in set(keys) if ptr not in self.skip and nbytes)
+        return sum(nbytes for key, nbytes in set(keys) if key not in self.skip and nbytes)
 
 
 def _floor(impl: str, stage: Stage) -> tuple[int, int]:
@@ -94,7 +97,7 @@ def _floor(impl: str, stage: Stage) -> tuple[int, int]:
     rec = SavedRecorder()
     with rec.hooks():
         out = stage.model(stage.x)
-    rec.skip = frozenset(t.untyped_storage().data_ptr() for t in (*stage.params, stage.x, out))
+    rec.skip = frozenset(_unique_storages([*stage.params, stage.x, out]))
     saved = rec.bytes(key for ref, key in rec.refs if ref() is not None)
     rec.phase = "B"
     groups = run_b(impl, stage, out)

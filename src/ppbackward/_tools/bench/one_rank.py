@@ -23,7 +23,7 @@ backward, is recorded as skipped with the message; a first step that raises unde
 (``ppbackward`` or ``merged``) is an error, as is any failure of the reference. Then every repeat
 steps every variant once, in an order rotated by one per repeat (Note [interleaved repeats] in
 ``timing``), the gc off within a repeat; the figure is the minimum over repeats, timed with a clock
-that waits for the device (``_split.device_clock``). On CUDA, each step's peak is
+that waits for the device (``timing.device_clock``). On CUDA, each step's peak is
 ``torch.cuda.max_memory_allocated`` (reset before the step); ``None`` on CPU. The installed state of
 ppbackward found at the start is put back at the end.
 """
@@ -43,10 +43,9 @@ from torch.distributed.pipelining import schedules as _schedules
 import ppbackward
 from ppbackward._install import merge_bw_enabled
 from ppbackward._merge import count_compute
-from ppbackward._tools.bench.models import build_stack
 from ppbackward._tools.bench.schedule_worker import build_stages, grads_close, mse_loss, param_grads, variant_name
-from ppbackward._tools.bench.split import device_clock
-from ppbackward._tools.bench.timing import gc_paused, rotations
+from ppbackward._tools.bench.timing import device_clock, gc_paused, rotations
+from ppbackward._tools.harness.models import build_stack
 
 __all__: list[str] = []  # private module
 

@@ -28,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ppbackward._tools.bench.impls import run_b, run_w
-from ppbackward._tools.bench.models import Config, Stage, build, reset_grads
+from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 
 __all__: list[str] = []  # private module
 

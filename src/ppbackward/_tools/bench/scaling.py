@@ -18,7 +18,7 @@ from typing import Any
 from torch.distributed.pipelining import _backward as _upstream
 
 from ppbackward._graph import analyze, gradient_edge
-from ppbackward._tools.bench.models import Config, build
+from ppbackward._tools.harness.models import Config, build
 
 __all__: list[str] = []  # private module
 

@@ -61,8 +61,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _schedules
 
 import ppbackward
-from ppbackward._tools.bench.models import build_stack
 from ppbackward._tools.bench.timing import rotations
+from ppbackward._tools.harness.models import build_stack
 from ppbackward._tools.memory import alive_bytes, saved_storages
 
 __all__: list[str] = []  # private module

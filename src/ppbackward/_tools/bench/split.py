@@ -25,8 +25,16 @@ import torch
 
 import ppbackward.backward as _ours
 from ppbackward._tools.bench.impls import UPSTREAM_B, UPSTREAM_W
-from ppbackward._tools.bench.models import Config, Stage, build, reset_grads
-from ppbackward._tools.bench.timing import REGIMES, fit_repeats, gc_paused, prepare_regime, rotations
+from ppbackward._tools.bench.timing import (
+    REGIMES,
+    device_clock,
+    fit_repeats,
+    gc_paused,
+    loadavg,
+    prepare_regime,
+    rotations,
+)
+from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 
 __all__: list[str] = []  # private module
 
@@ -41,18 +49,6 @@ LIMITS = {
 }
 
 Split = tuple[Callable[..., Any], Callable[..., Any]]
-
-
-def device_clock(device: torch.device) -> Callable[[], float]:
-    """``time.perf_counter``, after waiting for the device's queued work (CUDA runs asynchronously)."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    def clock() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return clock
 
 
 def _time_full(stage: Stage) -> dict[str, float]:
@@ -323,8 +319,8 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     failed or its grads differ."""
     import json
 
-    from ppbackward._tools.bench import models as _models
     from ppbackward._tools.bench import report as _report
+    from ppbackward._tools.harness import models as _models
 
     configs = list(CONFIGS) if args.configs == "all" else _models.parse_configs(args.configs)
     if args.quick:
@@ -359,7 +355,7 @@ def run(args: Any, meta: dict[str, Any]) -> int:
         report["one_rank_step"] = _one_rank_step(args, device)
         failed = failed or not report["one_rank_step"].get("grads_match", False)
     report["targets"] = targets(report["split"], report.get("schedule"))
-    report["meta"]["loadavg_end"] = _loadavg()
+    report["meta"]["loadavg_end"] = loadavg()
     print(format_run(report, _report))
     if args.json:
         with open(args.json, "w") as f:
@@ -391,15 +387,6 @@ def _one_rank_step(args: Any, device: torch.device) -> dict[str, Any]:
         return _one_rank.measure(cfg, device)
     except RuntimeError as e:
         return {"error": str(e)}
-
-
-def _loadavg() -> float | None:
-    import os
-
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
 
 
 def replayed_steps(split: dict[str, Any], sched: dict[str, Any]) -> dict[str, float]:

@@ -7,7 +7,9 @@ run least disturbed by the machine. Ratios are taken between minima of the same 
 is re-run before every timed backward and is not timed; the gc is run before each repeat and
 disabled during it (a ``gc.collect()`` costs tens of ms in a process that imported torch). The
 helpers :func:`fit_repeats`, :func:`rotations` and :func:`gc_paused` are shared with the
-microbatch loop (``loop``).
+microbatch loop (``loop``), the split's cost (``split``) and the one-rank step (``one_rank``), as are
+:func:`device_clock` (a clock that waits for the device) and :func:`loadavg` (the machine's load, in the
+report's ``meta``).
 
 Note [regimes]: a stage's first microbatch of a step finds every parameter's ``.grad`` ``None``; the
 others accumulate into existing grads, which is a different path in ``AccumulateGrad`` (an add into
@@ -21,13 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+import torch
+
 from ppbackward._tools.bench.impls import VARIANTS, run_variant
-from ppbackward._tools.bench.models import Config, Stage, build, reset_grads
+from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 
 __all__: list[str] = []  # private module
 
@@ -55,6 +60,27 @@ def rotations(items: tuple[_T, ...], repeats: int) -> Iterator[tuple[_T, ...]]:
     for r in range(repeats):
         k = r % len(items)
         yield items[k:] + items[:k]
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """``time.perf_counter``, after waiting for the device's queued work (CUDA runs asynchronously)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
+
+
+def loadavg() -> float | None:
+    """The 1-minute load average, rounded to 0.01; ``None`` where the platform has none. Other processes
+    share the cores: a high value means noisy timings (Note [interleaved repeats])."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 @contextlib.contextmanager

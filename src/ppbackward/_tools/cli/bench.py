@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
 class _Request(NamedTuple):
     """What the options ask for, validated."""
 
-    configs: list[Any]  # ppbackward._tools.bench.models.Config
+    configs: list[Any]  # ppbackward._tools.harness.models.Config
     profile_config: Any
     repeats: int
     budget: float | None  # None: --quick (no time budget, the repeat count alone)
@@ -147,7 +147,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
             parser.error(f"{flag} {folder}: {problem}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot: needs matplotlib, which is not installed: pip install 'ppbackward[plot]'")
-    from ppbackward._tools.bench import models as _models  # torch.nn only: the parse itself needs no measurement module
+    from ppbackward._tools.harness import models as _models  # the zoo: the parse needs no measurement module
 
     try:
         if args.split:  # --split reads its own configurations (ppbackward._tools.bench.split.CONFIGS for 'all')
@@ -181,6 +181,7 @@ def _meta(argv: list[str]) -> dict[str, Any]:
     import torch
 
     import ppbackward
+    from ppbackward._tools.bench.timing import loadavg as _loadavg
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -210,14 +211,6 @@ def _allocator() -> str:
     return ", ".join(settings) or "glibc defaults"
 
 
-def _loadavg() -> float | None:
-    """1-minute load average (other processes share the cores: a high value means noisy timings)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
-
-
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -229,8 +222,8 @@ def _measure_config(cfg: Any, request: _Request) -> dict[str, Any]:
     from ppbackward._tools.bench import impls as _impls
     from ppbackward._tools.bench import loop as _loop
     from ppbackward._tools.bench import memory as _memory
-    from ppbackward._tools.bench import models as _models
     from ppbackward._tools.bench import timing as _timing
+    from ppbackward._tools.harness import models as _models
 
     _log(f"bench: {cfg.name} ...")
     stage = _models.build(cfg)
@@ -281,6 +274,7 @@ def _measure(args: argparse.Namespace, request: _Request, argv: list[str]) -> tu
     """Every measurement the options ask for; returns the report and whether a run failed."""
     from ppbackward._tools.bench import report as _report
     from ppbackward._tools.bench import scaling as _scaling
+    from ppbackward._tools.bench.timing import loadavg as _loadavg
 
     report: dict[str, Any] = {"meta": _meta(argv), "configs": []}
     for cfg in request.configs:

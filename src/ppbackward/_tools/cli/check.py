@@ -388,7 +388,7 @@ def _row_label(case_id: str, scenario: Any) -> str:
 def _memory() -> dict[str, Any]:
     """Bytes of saved activations held between B and W and bytes W reads, both backwards, in process."""
     from ppbackward._tools.bench.memory import measure_split
-    from ppbackward._tools.bench.models import build, parse_configs
+    from ppbackward._tools.harness.models import build, parse_configs
 
     (config,) = parse_configs(_MEMORY_CONFIG)
     stage = build(config)

@@ -45,6 +45,11 @@ torchtitan's shape (:data:`TITAN_MODELS`; issue 20, Note [torchtitan's final nor
 
 The loss is sum-reduced (:func:`sum_squared_error`, scaled for ``bf16``; titan's cross-entropy) and schedules run with
 ``scale_grads=False``, so the reference's grads are the plain sum of the microbatches' grads.
+
+The bench's configurations (``ppbackward bench``; Note [bench configurations], at the end): stacks of
+``nn.TransformerEncoderLayer`` named ``LAYERSxDMODELxSEQ`` (:class:`Config`, :func:`parse_configs`,
+:func:`build`, :func:`build_stack`). This module is the tooling's one model zoo: the harness, ``check``
+and the bench all read it.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,19 +68,27 @@ from torch.utils.checkpoint import checkpoint
 __all__ = [
     "CORE_MODELS",
     "MODELS",
+    "QUICK",
     "TITAN_MODELS",
     "TRAINING_MODELS",
     "AttentionMask",
     "Batch",
+    "Config",
     "ModelSpec",
     "ReferenceResult",
+    "Stage",
+    "all_configs",
+    "build",
+    "build_stack",
     "build_stages",
     "get_model",
     "make_batch",
     "mean_reference",
     "model_names",
     "param_names",
+    "parse_configs",
     "reference_step",
+    "reset_grads",
     "stage_examples",
     "sum_squared_error",
 ]
@@ -769,3 +782,107 @@ def stage_examples(
             )
             values = outs
     return examples
+
+
+# ----------------------------------------------------------------------------------------------------
+# the bench's configurations
+
+# Note [bench configurations]: a bench configuration is a stack of ``layers`` ``nn.TransformerEncoderLayer``
+# (batch-first, dropout 0, ``nhead`` 4, ``dim_feedforward`` 4*d) in training mode, fed a ``(batch, seq,
+# d_model)`` input that requires grad, as a pipeline stage's input does, with a ``(batch, seq, d_model)``
+# gradient arriving at its output. Named ``LAYERSxDMODELxSEQ`` (``4x64x16``); ``all`` is the grid of
+# :data:`BENCH_LAYERS` x :data:`BENCH_D_MODELS` x :data:`BENCH_SEQS`. Weights come from
+# ``torch.manual_seed(seed)`` (the global generator, as the bench's published figures were measured), the
+# input and the gradient from a generator seeded ``seed + 1``: the same configuration and seed always build
+# the same stage. The schedule benchmarks build stage ``i`` of a pipeline with :func:`build_stack` from seed
+# ``100 + i``.
+
+BENCH_LAYERS = (4, 16)
+BENCH_D_MODELS = (64, 256)
+BENCH_SEQS = (16, 128)
+QUICK = "4x64x16"  # ``ppbackward bench --quick``
+
+
+class Config(NamedTuple):
+    """One bench configuration: ``layers`` x ``d_model`` x ``seq`` (written ``4x64x16``), ``batch`` samples,
+    ``nhead`` attention heads (Note [bench configurations])."""
+
+    layers: int
+    d_model: int
+    seq: int
+    batch: int = 2
+    nhead: int = 4
+
+    @property
+    def name(self) -> str:
+        return f"{self.layers}x{self.d_model}x{self.seq}"
+
+    @property
+    def label(self) -> str:
+        return f"L{self.layers} d{self.d_model} s{self.seq}"
+
+
+def all_configs() -> list[Config]:
+    """The issue's grid, small to large (``--configs all``)."""
+    return [Config(layer, d, s) for layer in BENCH_LAYERS for d in BENCH_D_MODELS for s in BENCH_SEQS]
+
+
+def parse_configs(text: str) -> list[Config]:
+    """Parse ``"all"`` or a comma-separated list of ``LAYERSxDMODELxSEQ`` (e.g. ``4x64x16,16x256x128``).
+
+    Raises:
+        ValueError: an item is not three positive integers joined by ``x``, or ``d_model`` is not a
+            multiple of ``nhead`` (4); or the list is empty.
+    """
+    if text.strip() == "all":
+        return all_configs()
+    out = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--configs: {item!r} is not LAYERSxDMODELxSEQ, e.g. 16x64x16")
+        cfg = Config(*map(int, parts))
+        if cfg.d_model % cfg.nhead:
+            raise ValueError(f"--configs: {item!r}: d_model must be a multiple of {cfg.nhead}")
+        out.append(cfg)
+    if not out:
+        raise ValueError("--configs: no configuration given")
+    return out
+
+
+def build_stack(layers: int, d_model: int, nhead: int = 4, seed: int = 0) -> nn.Sequential:
+    """A training-mode stack of ``layers`` encoder layers, weights from ``torch.manual_seed(seed)`` (the
+    global generator: Note [bench configurations])."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *[
+            nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        ]
+    ).train()
+
+
+class Stage(NamedTuple):
+    """A bench configuration built: the model, its parameters, its input ``x`` (``(batch, seq, d_model)``,
+    requires grad) and the gradient ``grad`` arriving at its output (same shape)."""
+
+    model: nn.Sequential
+    params: list[nn.Parameter]
+    x: torch.Tensor
+    grad: torch.Tensor
+
+
+def build(cfg: Config, seed: int = 0) -> Stage:
+    """Build ``cfg``'s model, input and output gradient (deterministic: Note [bench configurations])."""
+    model = build_stack(cfg.layers, cfg.d_model, cfg.nhead, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=gen).requires_grad_()
+    grad = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=gen)
+    return Stage(model, list(model.parameters()), x, grad)
+
+
+def reset_grads(stage: Stage) -> None:
+    """Forget accumulated gradients so every run accumulates into empty ``.grad`` alike."""
+    for p in stage.params:
+        p.grad = None
+    stage.x.grad = None
