@@ -95,9 +95,9 @@ def _add_split_options(p: argparse.ArgumentParser) -> None:
     stage width of both schedule steps."""
     p.add_argument(
         "--split", action="store_true",
-        help="only the split's cost (issue 22): B, W, B+W against one full backward per microbatch-stage on "
-        "--configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and with "
-        "--schedule the real torchrun step; targets and verdicts",
+        help="only the cost of splitting the backward: B, W, B+W against one full backward per microbatch-stage "
+        "on --configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and "
+        "with --schedule the real torchrun step; targets and verdicts",
     )
     p.add_argument(
         "--one-rank-step", action="store_true",
