@@ -9,8 +9,10 @@ kept in ``golden/targets.json`` and the printed text (``report.format_text``, th
 ``golden/<variant>.txt``; ``golden/step-parts.txt`` keeps ``report.step_parts_table``'s text with and
 without the replayed steps (as ``ppbackward bench --split`` prints it).
 
-The expected files were written by the code before the renderers were split (issue 30), so a
-refactor that changes a byte fails here. To change the output on purpose, rewrite them with
+The expected files were written by ``report.py`` as it was before its renderers were split (commit
+a6cd899, ``format_text`` one function: ``git archive a6cd899 src | tar -x -C /tmp/orig``, then this
+module run with ``PYTHONPATH=/tmp/orig/src ... --write``), so a refactor that changes a byte fails
+here. To change the output on purpose, rewrite them with
 ``PYTHONPATH=src python tests/bench/test_report_golden.py --write`` and review the diff.
 """
 

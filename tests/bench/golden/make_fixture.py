@@ -2,7 +2,7 @@
 
 Run from the repository root: ``PYTHONPATH=src python tests/bench/golden/make_fixture.py`` (about a
 minute on 2 cores). The configurations, the allocator counts, the device work, the memory figures, the
-scaling sweep and the profile are measured (``ppbackward bench`` with one or two repeats; timings are
+scaling sweep and the profile are measured (``ppbackward bench``, one or two repeats; timings are
 noise, which does not matter here: the test checks the text made from fixed numbers, not the numbers);
 the schedule step is made up, in the worker's format (``ppbackward._tools.bench.schedule_worker``), as
 a torchrun launch would cost minutes. No targets: the test evaluates them (its expected records are
@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _bench(args: list[str]) -> dict[str, Any]:
-    from ppbackward._tools.bench import main
+    from ppbackward._tools.cli.bench import main
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "report.json"
@@ -72,17 +72,14 @@ def _schedule() -> dict[str, Any]:
 
 
 def main() -> int:
-    from ppbackward._tools.bench import models as _models
-    from ppbackward._tools.bench.profile import where_time_goes
-
     quick = _bench(["--quick", "--repeats", "2"])
     big = _bench(["--configs", "16x64x16,16x256x16", "--repeats", "1", "--budget", "1", "--no-scaling",
-                  "--no-profile"])
+                  "--profile-config", "1x64x16"])
     report = {
         "meta": quick["meta"],
         "configs": quick["configs"] + big["configs"],
         "analysis_scaling": quick["analysis_scaling"],
-        "profile": where_time_goes(_models.Config(1, 64, 16), reps=1),
+        "profile": big["profile"],
         "schedule": _schedule(),
     }
     (HERE / "report.json").write_text(json.dumps(report, indent=1) + "\n")
