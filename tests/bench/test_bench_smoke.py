@@ -104,7 +104,8 @@ def test_ppbackward_frees_every_saved_activation_after_w(quick_report):
 
 def test_tables_printed(quick_report):
     _, report, out = quick_report
-    for heading in ("Time:", "Microbatch loop:", "Allocator:", "Memory:", "Memory with a user's saved-tensor hooks", "Graph analysis", "Targets (docs/performance.md)"):
+    for heading in ("Time:", "Microbatch loop:", "Allocator:", "Memory:", "Memory with a user's saved-tensor hooks",
+                    "Graph analysis", "Targets (docs/performance.md)"):
         assert heading in out
     assert out.count("PASS") + out.count("MISS") >= len(report["targets"])
 

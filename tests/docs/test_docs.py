@@ -13,6 +13,9 @@ checked without touching this file):
   opening fence (the blocks are started side by side, a few at a time). A block right after a
   ``<!-- torchrun: ARGS | ARGS ... -->`` line is a torchrun script instead: it runs once per ``ARGS``
   as ``torchrun --standalone ARGS-before-"--" block.py ARGS-after-"--"``, in its own process group;
+* no page names a feature by ppbackward's issue number ("issue 22", "#20"): a reader gets what the
+  feature is; PyTorch's own reports (``pytorch/pytorch#N``, or a bare ``#N`` of five digits or more)
+  stay, as does inline code (output quoted as printed);
 * ``docs/make_figures.py`` (the command that drew ``docs/images``) still works, and the committed
   pictures are small.
 
@@ -144,6 +147,22 @@ def _link_problem(page: Path, target: str) -> str | None:
     return None
 
 
+# "issue 22", "issues 6 and 13", "#20": ppbackward's tracker; PyTorch's numbers have five digits or more
+_TRACKER = re.compile(r"\bissues? #?\d+|(?<![\w/#])#\d{1,4}\b", re.IGNORECASE)
+
+
+def _tracker_mentions(page: Path) -> list[str]:
+    """``file:line: text`` of every mention of a ppbackward issue number outside inline code, also one
+    that a line break splits ("issue" ending a line, its number opening the next)."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    text = [_INLINE_CODE.sub("code", line) for line in lines] + [""]
+    return [
+        f"{page.relative_to(ROOT)}:{number}: {line.strip()}"
+        for number, line in enumerate(lines, 1)
+        if any(m.start() < len(text[number - 1]) for m in _TRACKER.finditer(f"{text[number - 1]} {text[number]}"))
+    ]
+
+
 def _python_blocks() -> list[Block]:
     return [b for page in PAGES for b in _scan(page)[0] if b.lang in ("python", "py", "python3")]
 
@@ -184,6 +203,20 @@ def test_link_checker_catches_missing_files_and_anchors(tmp_path, monkeypatch):
     assert [t for _, t in _links(page)] == ["ref.md"]
 
 
+def test_tracker_mentions_are_found_and_upstream_reports_are_not(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    flagged = ["the split's cost (issue 22)", "## Targets (issues 6 and 13)", "Reported in #20.",
+               "```bash\nppbackward bench --split   # Issue 22: the split\n```", "measured after issue\n22's change"]
+    kept = ["(pytorch/pytorch#170277)", "output 0 (#170277)", "e.g. `#3 AddmmBackward0 saved`", "issue tracker",
+            "[x](a.md#b2)", "6 issues"]
+    page.write_text("\n".join(flagged + kept) + "\n")
+    assert [m.split(": ", 1)[1] for m in _tracker_mentions(page)] == [
+        "the split's cost (issue 22)", "## Targets (issues 6 and 13)", "Reported in #20.",
+        "ppbackward bench --split   # Issue 22: the split", "measured after issue",
+    ]
+
+
 # -- the docs themselves ---------------------------------------------------------------------------
 
 
@@ -198,6 +231,12 @@ def test_relative_links_resolve(page):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_pages_name_features_not_issue_numbers(page):
+    mentions = _tracker_mentions(page)
+    assert not mentions, "say what the feature is, not its issue number:\n" + "\n".join(mentions)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_fence_says_its_language(page):
     untagged = [b.id for b in _scan(page)[0] if not b.lang]
     assert not untagged, f"fenced blocks without a language (use python, text or bash): {untagged}"
@@ -209,7 +248,8 @@ def _torchrun(script: Path, launch: str, folder: Path, env: dict[str, str]) -> s
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *torchrun_args.split(),
                str(script), *script_args.split()]
     proc = subprocess.Popen(
-        command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )
     try:
         out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)

@@ -439,5 +439,5 @@ def format_run(report: dict[str, Any], rep: Any) -> str:
         from ppbackward._tools.bench.one_rank import format_one_rank
 
         parts.append(format_one_rank(report["one_rank_step"]))
-    parts.append(rep.targets_table(report["targets"], "issue 22; docs/performance.md"))
+    parts.append(rep.targets_table(report["targets"], 'docs/performance.md, "Zero bubble that pays"'))
     return "\n".join(parts)

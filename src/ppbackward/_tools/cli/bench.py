@@ -29,6 +29,7 @@ _EXIT_CODES = """exit codes:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The options of ``ppbackward bench``, feature by feature (in the order ``--help`` lists them)."""
     p = argparse.ArgumentParser(
         prog="ppbackward bench",
         description=(
@@ -41,6 +42,14 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    for add in (_add_run_options, _add_schedule_options, _add_split_options, _add_output_options,
+                _add_section_options):
+        add(p)
+    return p
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """What is measured and for how long: ``--configs``, ``--repeats``, ``--budget``, ``--json``, ``--quick``."""
     p.add_argument(
         "--configs",
         default="all",
@@ -61,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
         help="only 4x64x16, few repeats, small scaling sweep, no profile (smoke test, CI); overrides --configs, "
         "and the schedule steps run 2 repeats whatever --schedule-repeats says",
     )
+
+
+def _add_schedule_options(p: argparse.ArgumentParser) -> None:
+    """The schedule step under torchrun: ``--schedule``, ``--schedule-repeats``, ``--schedule-timeout``."""
     p.add_argument(
         "--schedule", action="store_true",
         help="also time the schedule step under torchrun (2 ranks, gloo): Interleaved1F1B, InterleavedZeroBubble "
@@ -75,11 +88,16 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule-timeout", type=float, default=300.0,
         help="seconds before the torchrun process group is killed (default 300)",
     )
+
+
+def _add_split_options(p: argparse.ArgumentParser) -> None:
+    """The split's cost: ``--split``, ``--one-rank-step``, ``--device``; and ``--schedule-d-model``, the
+    stage width of both schedule steps."""
     p.add_argument(
         "--split", action="store_true",
-        help="only the split's cost (issue 22): B, W, B+W against one full backward per microbatch-stage on "
-        "--configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and with "
-        "--schedule the real torchrun step; targets and verdicts",
+        help="only the cost of splitting the backward: B, W, B+W against one full backward per microbatch-stage "
+        "on --configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and "
+        "with --schedule the real torchrun step; targets and verdicts",
     )
     p.add_argument(
         "--one-rank-step", action="store_true",
@@ -93,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule-d-model", type=int, default=128,
         help="d_model of the --schedule and --one-rank-step stages (default 128)"
     )
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """Pictures of the run: ``--trace`` (Chrome traces of the real step), ``--plot`` (PNGs of the split)."""
     p.add_argument(
         "--trace", metavar="DIR",
         help="with --schedule: write one Chrome trace per schedule variant to DIR (open in Perfetto or "
@@ -104,10 +126,13 @@ def _parser() -> argparse.ArgumentParser:
         help="with --split: write PNGs to DIR: the split's cost against the stage's size, and each replayed "
         "schedule step per rank (needs matplotlib: pip install 'ppbackward[plot]')",
     )
+
+
+def _add_section_options(p: argparse.ArgumentParser) -> None:
+    """The report's optional sections: ``--no-scaling``, ``--no-profile``, ``--profile-config``."""
     p.add_argument("--no-scaling", action="store_true", help="skip the graph-analysis scaling sweep")
     p.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes profile")
     p.add_argument("--profile-config", default="16x64x16", help="configuration profiled (default 16x64x16)")
-    return p
 
 
 class _Request(NamedTuple):
