@@ -39,7 +39,10 @@ def _held_between_b_and_w(impl, module, make_inputs):
     return total, held, floor
 
 
-CASES = {"transformer": _transformer, **{n: (lambda n=n: build(n)) for n in ["mlp", "shared_late", "multi_output_nodes"]}}
+CASES = {
+    "transformer": _transformer,
+    **{n: (lambda n=n: build(n)) for n in ["mlp", "shared_late", "multi_output_nodes"]},
+}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

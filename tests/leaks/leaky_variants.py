@@ -142,8 +142,8 @@ def break_metadata_cycles() -> int:
     """Clear the cycles :func:`metadata_cycle_leak` made (found by a heap scan); returns how many."""
     broken = 0
     for obj in gc.get_objects():
-        if type(obj).__name__ == "SinBackward0" and isinstance(obj, torch.autograd.graph.Node):
-            if _METADATA_KEY in obj.metadata:
-                obj.metadata.clear()
-                broken += 1
+        is_sin = type(obj).__name__ == "SinBackward0" and isinstance(obj, torch.autograd.graph.Node)
+        if is_sin and _METADATA_KEY in obj.metadata:
+            obj.metadata.clear()
+            broken += 1
     return broken

@@ -255,7 +255,7 @@ def test_full_collect_from_a_finaliser_of_its_own_collection_is_refused_at_once(
 def test_no_collection_at_exit_is_an_error_and_never_masks_the_body_s_exception(monkeypatch):
     debug, enabled = gc.get_debug(), gc.isenabled()
     with ExitStack() as other_thread:
-        with pytest.raises(RuntimeError, match="check_tensor_leaks: no report: full_collect: gc.collect"):
+        with pytest.raises(RuntimeError, match=r"check_tensor_leaks: no report: full_collect: gc\.collect"):
             with check_tensor_leaks(max_chains=0) as report:
                 other_thread.enter_context(another_thread_collecting())
                 monkeypatch.setattr(_gc_phase, "_FULL_COLLECT_TIMEOUT_S", 0.0)
@@ -340,7 +340,8 @@ def test_output_dir_and_max_chains(tmp_path):
         two_leaks()
     assert report.num_tensors == 2 and len(report.chains) == 1
     assert report.output_dir == str(tmp_path / "graphs")
-    assert sorted(os.listdir(tmp_path / "graphs")) == sorted(os.path.basename(p) for p in report.dot_paths + report.png_paths)
+    written = sorted(os.path.basename(p) for p in report.dot_paths + report.png_paths)
+    assert sorted(os.listdir(tmp_path / "graphs")) == written
 
 
 def test_bad_arguments_and_reuse_are_refused():

@@ -77,7 +77,16 @@ def test_a_saved_output_is_not_kept_alive_by_the_tracker():
     ("include_parameters", "include_leaves", "expected"),
     [
         (False, False, [("TanhBackward0", (2, 16)), ("AddmmBackward0", (2, 16))]),
-        (True, False, [("AddmmBackward0", (8, 16)), ("TanhBackward0", (2, 16)), ("AddmmBackward0", (2, 16)), ("AddmmBackward0", (16, 8))]),
+        (
+            True,
+            False,
+            [
+                ("AddmmBackward0", (8, 16)),
+                ("TanhBackward0", (2, 16)),
+                ("AddmmBackward0", (2, 16)),
+                ("AddmmBackward0", (16, 8)),
+            ],
+        ),
         (False, True, [("AddmmBackward0", (2, 8)), ("TanhBackward0", (2, 16)), ("AddmmBackward0", (2, 16))]),
     ],
 )
@@ -307,7 +316,8 @@ def test_a_node_holding_itself_through_a_pack_hook_is_caught_where_the_gc_sees_n
         assert rep.nodes_held_after_gc == ["MulBackward0", "TanhBackward0"]
         assert rep.packed_held_after_gc == ["float32[4]"] and rep.bytes_packed_held_after_gc == 16
         text = rep.format()
-        assert "autograd nodes created in the block: 2; freed only by the cycle collector: 0; still alive after gc: 2" in text
+        nodes = "autograd nodes created in the block: 2; freed only by the cycle collector: 0; still alive after gc: 2"
+        assert nodes in text
         assert "tensors returned by saved-tensor pack hooks: 1" in text
     else:
         assert rep.nodes_held_after_gc == [] and rep.packed_held_after_gc == []
@@ -368,7 +378,7 @@ def test_storages_of_a_dtensor_are_its_local_tensors_not_its_mesh() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
-    from ppbackward.leaks._storage import _tensor_storages
+    from ppbackward.leaks._storage import tensor_storages
 
     owned = not dist.is_initialized()
     if owned:
@@ -376,7 +386,7 @@ def test_storages_of_a_dtensor_are_its_local_tensors_not_its_mesh() -> None:
     try:
         local = torch.randn(4)
         dt = DTensor.from_local(local, init_device_mesh("cpu", (1,)), [Replicate()])
-        keys = [s.data_ptr() for s in _tensor_storages(dt)]
+        keys = [s.data_ptr() for s in tensor_storages(dt)]
         assert keys == [local.untyped_storage().data_ptr()]
     finally:
         if owned:

@@ -19,11 +19,11 @@ import torch
 from torch.autograd.graph import Node
 
 from ppbackward._saved import saved_tensors
-from ppbackward.leaks._storage import _storage_nbytes, _unique_storages
+from ppbackward.leaks._storage import storage_nbytes, unique_storages
 
 __all__ = ["SavedStorages", "alive_bytes", "saved_storages", "w_floor_bytes"]
 
-SavedStorages = dict  # storage key (``_storage_key``) -> (weakref to the UntypedStorage, nbytes)
+SavedStorages = dict  # storage key (``storage_key``) -> (weakref to the UntypedStorage, nbytes)
 
 
 def saved_storages(
@@ -42,7 +42,7 @@ def saved_storages(
     Returns:
         ``{storage key: (weakref to the storage, nbytes)}``, nonempty storages only.
     """
-    skip = set(_unique_storages(exclude))
+    skip = set(unique_storages(exclude))
     stop_set = set(stop)
     out: SavedStorages = {}
     seen: set[Node] = set()
@@ -52,8 +52,8 @@ def saved_storages(
         if node in seen:
             continue
         seen.add(node)
-        for key, storage in _unique_storages(saved_tensors(node, unpack=True)).items():
-            nbytes = _storage_nbytes(storage)
+        for key, storage in unique_storages(saved_tensors(node, unpack=True)).items():
+            nbytes = storage_nbytes(storage)
             if key not in skip and nbytes:
                 out[key] = (weakref.ref(storage), nbytes)
         if node not in stop_set:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ppbackward.leaks._storage import _format_bytes
+from ppbackward.leaks._storage import format_bytes
 
 __all__ = ["ActivationReport", "SavedActivation"]
 
@@ -137,9 +137,9 @@ class ActivationReport:
             + ("" if self.collected else " (no gc.collect() run: 'held after gc' means 'alive now')"),
             f"  freed by reference counting: {len(self.freed_by_refcount)}",
             f"  freed only by the cycle collector (held by a reference cycle): {len(self.freed_only_by_gc)}, "
-            f"{_format_bytes(self.bytes_freed_only_by_gc)}",
+            f"{format_bytes(self.bytes_freed_only_by_gc)}",
             f"  still alive after gc (held by a live reference, or a cycle inside C++): {len(self.held_after_gc)}, "
-            f"{_format_bytes(self.bytes_held_after_gc)}",
+            f"{format_bytes(self.bytes_held_after_gc)}",
         ]
         if self.nodes:
             lines.append(
@@ -151,7 +151,7 @@ class ActivationReport:
             lines.append(
                 f"  tensors returned by saved-tensor pack hooks: {self.packed}; freed only by the cycle "
                 f"collector: {self.packed_freed_only_by_gc}; still alive after gc: "
-                f"{len(self.packed_held_after_gc)}, {_format_bytes(self.bytes_packed_held_after_gc)}"
+                f"{len(self.packed_held_after_gc)}, {format_bytes(self.bytes_packed_held_after_gc)}"
             )
         if self.held_by:
             lines.append("what holds the block's live outputs (and through them their graph and saved tensors):")

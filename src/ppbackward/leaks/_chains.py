@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ppbackward._saved import saved_tensors
-from ppbackward.leaks._storage import _unique_storage_bytes
+from ppbackward.leaks._storage import unique_storage_bytes
 
 __all__: list[str] = []  # private module
 
@@ -44,14 +44,14 @@ def _describe(obj: Any) -> str:
     try:
         if isinstance(obj, torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
-                _, nbytes = _unique_storage_bytes([obj])
+                _, nbytes = unique_storage_bytes([obj])
                 dtype = str(obj.dtype).replace("torch.", "")
                 text = f"{type(obj).__name__} {dtype}{list(obj.shape)} on {obj.device}, {nbytes} bytes"
                 if obj.grad_fn is not None:
                     text += f", grad_fn={obj.grad_fn.name()}"
             return text
         if _is_node(obj):
-            _, nbytes = _unique_storage_bytes(saved_tensors(obj, unpack=False))
+            _, nbytes = unique_storage_bytes(saved_tensors(obj, unpack=False))
             return f"autograd node {obj.name()} (saved for backward: {nbytes} bytes)"
         if isinstance(obj, types.FunctionType):
             return f"function {obj.__qualname__} ({_where(obj.__code__)})"
@@ -143,7 +143,7 @@ def _instance_attribute(src: Any, dst: Any) -> str:
     return ""
 
 
-def _referrer_index(garbage: Sequence[Any]) -> dict[int, list[Any]]:
+def referrer_index(garbage: Sequence[Any]) -> dict[int, list[Any]]:
     """``{id(obj): [objects of the garbage that refer to obj]}`` over the garbage only."""
     index: dict[int, list[Any]] = {id(o): [] for o in garbage}
     for src in garbage:
@@ -154,7 +154,7 @@ def _referrer_index(garbage: Sequence[Any]) -> dict[int, list[Any]]:
     return index
 
 
-def _find_chain(obj: Any, index: dict[int, list[Any]], max_depth: int) -> tuple[list[Any], int | None]:
+def find_chain(obj: Any, index: dict[int, list[Any]], max_depth: int) -> tuple[list[Any], int | None]:
     """Shortest back-reference path from ``obj`` until a reference cycle closes.
 
     Returns:
@@ -192,7 +192,7 @@ def _path(end: Any, parent: dict[int, Any]) -> list[Any]:
     return path
 
 
-def _format_chain(chain: list[Any], back_to: int | None) -> str:
+def format_chain(chain: list[Any], back_to: int | None) -> str:
     """The chain as text: ``[0]`` the leaked object, then one ``<- [i] referrer via edge`` line per step.
 
     ``via`` says how the referrer holds the object on the line above (``['key']``, ``[index]``,
@@ -213,7 +213,7 @@ def _format_chain(chain: list[Any], back_to: int | None) -> str:
     return "\n".join(lines)
 
 
-def _write_graph(chain: list[Any], path: str) -> str | None:
+def write_graph(chain: list[Any], path: str) -> str | None:
     """Write the chain as a GraphViz file with objgraph; render a PNG next to it if ``dot`` exists.
 
     Returns:

@@ -22,10 +22,10 @@ import torch
 
 from ppbackward._gc_pause import collector_enabled
 from ppbackward._saved import saved_tensors
-from ppbackward.leaks._chains import _find_chain, _format_chain, _referrer_index, _write_graph
+from ppbackward.leaks._chains import find_chain, format_chain, referrer_index, write_graph
 from ppbackward.leaks._gc_phase import full_collect
 from ppbackward.leaks._report import LeakReport, TensorLeakError
-from ppbackward.leaks._storage import _unique_storage_bytes
+from ppbackward.leaks._storage import unique_storage_bytes
 
 __all__ = ["check_tensor_leaks"]
 
@@ -190,22 +190,22 @@ class _TensorLeakCheck:
         report.num_tensors = len(tensors)
         report.num_nodes = len(nodes)
         saved_by_nodes = [t for n in nodes for t in saved_tensors(n, unpack=False)]
-        report.num_storages, report.tensor_bytes = _unique_storage_bytes(tensors + saved_by_nodes)
+        report.num_storages, report.tensor_bytes = unique_storage_bytes(tensors + saved_by_nodes)
         del saved_by_nodes
         # chains for the tensors that hold a graph first (what keeps activations alive), in gc order
         tensors.sort(key=lambda t: t.grad_fn is None)
         leaked = (tensors + nodes)[: self._max_chains]
         if not leaked:
             return
-        index = _referrer_index(caught)
+        index = referrer_index(caught)
         folder = self._output_dir or tempfile.mkdtemp(prefix="ppbackward-leaks-")
         os.makedirs(folder, exist_ok=True)
         report.output_dir = folder
         for i, obj in enumerate(leaked, 1):
-            chain, back_to = _find_chain(obj, index, self._max_depth)
-            report.chains.append(_format_chain(chain, back_to))
+            chain, back_to = find_chain(obj, index, self._max_depth)
+            report.chains.append(format_chain(chain, back_to))
             dot_path = os.path.join(folder, f"leak-{i}.dot")
-            png = _write_graph(chain, dot_path)
+            png = write_graph(chain, dot_path)
             report.dot_paths.append(dot_path)
             if png is not None:
                 report.png_paths.append(png)

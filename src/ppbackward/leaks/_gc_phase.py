@@ -9,7 +9,7 @@ Note [freed by gc vs refcount]
 A weak-reference callback that fires while *its own thread* is inside a collection means the object
 died because that collection broke a reference cycle (a collection frees its garbage, and so runs the
 callbacks, in the thread that collects); one that fires anywhere else means it died by reference
-counting. So the watcher records which thread is collecting, and :func:`_collecting` answers for the
+counting. So the watcher records which thread is collecting, and :func:`collecting` answers for the
 calling thread only: a tensor freed by reference counting in one thread while another thread is
 inside a collection (any Python code a collection runs, a finaliser or a callback, may let other
 threads run) is counted as freed by reference counting, as it was.
@@ -52,7 +52,7 @@ def _on_gc(phase: str, info: dict[str, Any]) -> None:
 gc.callbacks.append(_on_gc)  # once, at first import
 
 
-def _collecting() -> bool:
+def collecting() -> bool:
     """``True`` while the calling thread is inside a ``gc`` collection (automatic or ``gc.collect()``);
     Note [freed by gc vs refcount]."""
     return _collector == threading.get_ident()
@@ -80,7 +80,7 @@ def full_collect() -> int:
             weak-reference callback: no collection can start there); or when another thread's
             collection kept any from starting for ``_FULL_COLLECT_TIMEOUT_S`` seconds (60).
     """
-    if _collecting():
+    if collecting():
         raise RuntimeError("full_collect: called from inside this thread's own gc collection (a finaliser or callback)")
     ensure_watcher()
     deadline = time.monotonic() + _FULL_COLLECT_TIMEOUT_S

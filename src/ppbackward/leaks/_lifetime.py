@@ -45,10 +45,10 @@ from ppbackward.leaks._activations import (
     SavedActivation,
 )
 from ppbackward.leaks._chains import format_holders, holder_chain
-from ppbackward.leaks._node_watches import _LifeWatches
-from ppbackward.leaks._saved_hooks import _hooks_enabled, _OpMode, _peek_sequence_nr, _top_hooks, _unpack
-from ppbackward.leaks._storage import _storage_key, _tensor_storages
-from ppbackward.leaks._watch import _Watch, _WatchMap
+from ppbackward.leaks._node_watches import LifeWatches
+from ppbackward.leaks._saved_hooks import OpMode, hooks_enabled, peek_sequence_nr, top_hooks, unpack
+from ppbackward.leaks._storage import storage_key, tensor_storages
+from ppbackward.leaks._watch import Watch, WatchMap
 
 __all__ = ["ActivationTracker", "track_activations"]
 
@@ -69,7 +69,7 @@ class _Record:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    watches: tuple[_Watch, ...]
+    watches: tuple[Watch, ...]
     is_leaf: bool
 
 
@@ -100,15 +100,15 @@ class ActivationTracker:
         self.include_parameters = include_parameters
         self.include_leaves = include_leaves
         self._records: list[_Record] = []
-        self._watches = _WatchMap()
-        self._produced = _WatchMap()  # storages of non-differentiable op outputs made in the block
+        self._watches = WatchMap()
+        self._produced = WatchMap()  # storages of non-differentiable op outputs made in the block
         self._names: dict[int, str] = {}
         self._pending: dict[int, list[_Record]] = {}
         self._frames: list[list[tuple[_Record, list[Any]]]] = []  # pending leaves per running op
         # Note [leaks the gc cannot see] in _node_watches.py: the nodes created in the block, and what user pack
         # hooks returned
-        self._nodes = _LifeWatches(f"ppbackward.leaks.track_activations:{id(self)}")
-        self._packed = _LifeWatches("")
+        self._nodes = LifeWatches(f"ppbackward.leaks.track_activations:{id(self)}")
+        self._packed = LifeWatches("")
         self._seq_start: int | None = None
         self._stack: contextlib.ExitStack | None = None
         self._thread: int | None = None
@@ -118,21 +118,21 @@ class ActivationTracker:
     def __enter__(self) -> ActivationTracker:
         if self._stack is not None:
             raise RuntimeError("track_activations: this tracker is already active (nested re-entry)")
-        if not _hooks_enabled():
+        if not hooks_enabled():
             raise RuntimeError(
                 "track_activations: saved-tensor hooks are disabled here "
                 "(torch.autograd.graph.disable_saved_tensors_hooks is active), so the tracker cannot "
                 "see what autograd saves. Enter track_activations outside that region."
             )
-        outer = _top_hooks(False) if _top_hooks is not None else None
+        outer = top_hooks(False) if top_hooks is not None else None
         pack, unpack = self._compose(outer)
         if self._seq_start is None:  # first entry: nodes older than this are never named
-            self._seq_start = _peek_sequence_nr() if _peek_sequence_nr is not None else 0
+            self._seq_start = peek_sequence_nr() if peek_sequence_nr is not None else 0
         self._thread = threading.get_ident()
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
-            stack.enter_context(_OpMode(self))
+            stack.enter_context(OpMode(self))
         except BaseException:
             stack.close()
             raise
@@ -159,7 +159,7 @@ class ActivationTracker:
                 return (t.detach(), t._version)  # Note [tracker pack hook detaches]
 
             pack._ppbackward_trackers = frozenset({id(self)})  # type: ignore[attr-defined]
-            return pack, _unpack
+            return pack, unpack
         user_pack, user_unpack = user
 
         def composed_pack(t: torch.Tensor) -> Any:
@@ -174,8 +174,8 @@ class ActivationTracker:
     @contextlib.contextmanager
     def _inner_hooks_composed(self) -> Any:
         """For one op: if the user entered saved-tensor hooks inside the block, wrap them too."""
-        top = _top_hooks(False) if _top_hooks is not None else None
-        if top is None or id(self) in _trackers_of(top[0]) or not _hooks_enabled():
+        top = top_hooks(False) if top_hooks is not None else None
+        if top is None or id(self) in _trackers_of(top[0]) or not hooks_enabled():
             yield
             return
         with torch.autograd.graph.saved_tensors_hooks(*self._compose(top)):
@@ -192,7 +192,7 @@ class ActivationTracker:
             if is_param and not self.include_parameters:
                 return
             is_leaf = base.grad_fn is None
-            storages = _tensor_storages(t)
+            storages = tensor_storages(t)
             pending = False
             if is_leaf and not is_param and not self.include_leaves:
                 if base.requires_grad:
@@ -201,7 +201,7 @@ class ActivationTracker:
                     if not self._frames:
                         return  # a leaf from outside the block (input, buffer, plain weight)
                     pending = True  # decided when the running op returns, see _after_op
-            saver = _peek_sequence_nr() - 1 if _peek_sequence_nr is not None else None
+            saver = peek_sequence_nr() - 1 if peek_sequence_nr is not None else None
             if t.grad_fn is not None:
                 self._name_graph(t.grad_fn)
             record = _Record(
@@ -240,18 +240,18 @@ class ActivationTracker:
                 if o.grad_fn is not None:
                     self._name_graph(o.grad_fn)
                 else:  # a non-differentiable output (mask, indices): an activation if saved later
-                    for s in _tensor_storages(o):
+                    for s in tensor_storages(o):
                         self._produced.watch(s)
             if not frame:
                 return
             from_args = {
-                _storage_key(s)
+                storage_key(s)
                 for a in tree_leaves((args, kwargs))
                 if isinstance(a, torch.Tensor)
-                for s in _tensor_storages(a)
+                for s in tensor_storages(a)
             }
         for record, storages in frame:
-            if not any(_storage_key(s) in from_args for s in storages):
+            if not any(storage_key(s) in from_args for s in storages):
                 self._add(record)
 
     def _name_graph(self, root: Any) -> None:

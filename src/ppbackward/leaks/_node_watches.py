@@ -27,8 +27,8 @@ from typing import Any, cast
 
 import torch
 
-from ppbackward.leaks._storage import _unique_storage_bytes
-from ppbackward.leaks._watch import _on_freed, _Watch, _WatchRef
+from ppbackward.leaks._storage import unique_storage_bytes
+from ppbackward.leaks._watch import Watch, WatchRef, on_freed
 
 __all__: list[str] = []  # private module
 
@@ -39,8 +39,8 @@ class _Sentinel:
     __slots__ = ("__weakref__",)
 
 
-class _LifeWatch(_Watch):
-    """A :class:`_Watch` with a label for reports: the node's name, or the packed tensor's dtype and shape."""
+class _LifeWatch(Watch):
+    """A :class:`Watch` with a label for reports: the node's name, or the packed tensor's dtype and shape."""
 
     __slots__ = ("label",)
 
@@ -60,12 +60,12 @@ def _tensors_in(packed: Any) -> list[torch.Tensor]:
     return []
 
 
-class _LifeWatches:
+class LifeWatches:
     """Weak watches over nodes (by a sentinel in their metadata) or packed tensors (by the tensor)."""
 
     def __init__(self, key: str) -> None:
         self._key = key  # the metadata key of this tracker's sentinels
-        self._refs: list[_WatchRef] = []
+        self._refs: list[WatchRef] = []
 
     def watch_node(self, node: Any, name: str) -> None:
         sentinel = _Sentinel()
@@ -78,12 +78,12 @@ class _LifeWatches:
     def watch_packed(self, packed: Any) -> None:
         for t in _tensors_in(packed):
             with torch._C.DisableTorchFunction():
-                nbytes = _unique_storage_bytes([t])[1]
+                nbytes = unique_storage_bytes([t])[1]
                 label = f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
             self._add(t, label, nbytes)
 
     def _add(self, obj: Any, label: str, nbytes: int) -> None:
-        ref = _WatchRef(obj, _on_freed)
+        ref = WatchRef(obj, on_freed)
         ref.watch = _LifeWatch(label, nbytes)
         self._refs.append(ref)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ppbackward.leaks._storage import _format_bytes
+from ppbackward.leaks._storage import format_bytes
 
 __all__ = ["LeakReport", "TensorLeakError"]
 
@@ -76,7 +76,7 @@ class LeakReport:
         lines = [
             f"ppbackward.leaks: {self.num_tensors} tensor(s) and {self.num_nodes} autograd node(s) "
             "leaked into reference cycles (freed only by the cycle collector, if ever)",
-            f"  memory pinned: {_format_bytes(self.tensor_bytes)} in {self.num_storages} unique "
+            f"  memory pinned: {format_bytes(self.tensor_bytes)} in {self.num_storages} unique "
             "storage(s)",
             f"  garbage objects: {self.num_garbage} ({types})",
         ]

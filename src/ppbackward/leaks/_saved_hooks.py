@@ -15,7 +15,7 @@ Note [tracker composes with saved-tensor hooks]
 Only the innermost ``saved_tensors_hooks`` pair is applied by autograd, so a naive tracker would
 either hide the user's hooks (activation checkpointing, offloading) or be hidden by them. Instead:
 hooks active when the tracker is entered are wrapped (record, then call the user's pack; unpack is
-the user's); hooks entered *inside* the block are seen per op by :class:`_OpMode` (a
+the user's); hooks entered *inside* the block are seen per op by :class:`OpMode` (a
 ``TorchFunctionMode``), which wraps them the same way for the duration of that op. The tracker
 records the tensor autograd asked to save, before the user's pack hook transforms it. It refuses
 (``RuntimeError``) to start where saved-tensor hooks are disabled
@@ -36,18 +36,18 @@ if TYPE_CHECKING:
 __all__: list[str] = []  # private module
 
 #: Current autograd sequence number of this thread (the next node gets it); None on a torch without it.
-_peek_sequence_nr: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
+peek_sequence_nr: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
 #: The innermost (pack, unpack) pair in force, or None.
-_top_hooks: Callable[[bool], Any] | None = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+top_hooks: Callable[[bool], Any] | None = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def _hooks_enabled() -> bool:
+def hooks_enabled() -> bool:
     """Whether saved-tensor hooks may be pushed here (not under ``disable_saved_tensors_hooks``)."""
     check = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
     return True if check is None else bool(check())
 
 
-def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     """The tracker's unpack hook: autograd's in-place check, then the saved alias.
 
     Note [tracker pack hook detaches]
@@ -68,10 +68,10 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 # ppbackward._saved), so that tracking does not change which work B and W do. One thing it does change:
 # a saved tensor takes one pair of hooks, so B cannot release the unread ones early under the tracker
 # (docs/leak-hunting.md, the tracker's limits).
-_unpack._ppbackward_transparent = True  # type: ignore[attr-defined]
+unpack._ppbackward_transparent = True  # type: ignore[attr-defined]
 
 
-class _OpMode(TorchFunctionMode):
+class OpMode(TorchFunctionMode):
     """Sees every torch call in the block: names the nodes it creates, decides the leaves it saved, and
     wraps saved-tensor hooks the user entered inside the block (Note [tracker composes with
     saved-tensor hooks])."""

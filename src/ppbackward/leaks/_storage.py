@@ -2,7 +2,7 @@
 
 Private module; nothing here is public. The one storage accountant of the project: the leak checker,
 the activation tracker and the tooling's measurements (``ppbackward._tools.memory``, the bench) count
-memory as **bytes of unique storages**, keyed by :func:`_storage_key`: two views of one buffer count
+memory as **bytes of unique storages**, keyed by :func:`storage_key`: two views of one buffer count
 once, and a view counts its whole storage (that is what it keeps alive).
 """
 
@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - very old torch
         return False
 
 
-def _tensor_storages(t: torch.Tensor) -> list[Any]:
+def tensor_storages(t: torch.Tensor) -> list[Any]:
     """The untyped storages that hold ``t``'s data.
 
     Traceable wrapper subclasses (DTensor, ...) are opened through ``__tensor_flatten__`` so their
@@ -37,7 +37,7 @@ def _tensor_storages(t: torch.Tensor) -> list[Any]:
         for name in names:
             inner = getattr(t, name)
             if isinstance(inner, torch.Tensor):  # DTensor lists its device_mesh too (torch >= 2.13)
-                found.extend(_tensor_storages(inner))
+                found.extend(tensor_storages(inner))
         return found
     try:
         return [t.untyped_storage()]
@@ -45,33 +45,33 @@ def _tensor_storages(t: torch.Tensor) -> list[Any]:
         return []
 
 
-def _storage_key(storage: Any) -> int:
+def storage_key(storage: Any) -> int:
     """Identity of a live storage (its C++ ``StorageImpl`` address)."""
     return int(getattr(storage, "_cdata", id(storage)))
 
 
-def _storage_nbytes(storage: Any) -> int:
+def storage_nbytes(storage: Any) -> int:
     """Size of ``storage`` in bytes."""
     return int(storage.nbytes())
 
 
-def _unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, Any]:
+def unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, Any]:
     """``{storage key: storage}`` for the unique storages holding ``tensors``' data, in first-seen order
-    (keys: :func:`_storage_key`; a view brings its whole storage, wrapper subclasses their inner ones)."""
+    (keys: :func:`storage_key`; a view brings its whole storage, wrapper subclasses their inner ones)."""
     seen: dict[int, Any] = {}
     for t in tensors:
-        for s in _tensor_storages(t):
-            seen.setdefault(_storage_key(s), s)
+        for s in tensor_storages(t):
+            seen.setdefault(storage_key(s), s)
     return seen
 
 
-def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
+def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
     """``(number of unique storages, their total size in bytes)`` over ``tensors``."""
-    storages = _unique_storages(tensors)
-    return len(storages), sum(_storage_nbytes(s) for s in storages.values())
+    storages = unique_storages(tensors)
+    return len(storages), sum(storage_nbytes(s) for s in storages.values())
 
 
-def _format_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
     """``n`` bytes in a human unit, exact count kept: ``'4000 bytes (3.9 KiB)'``."""
     if n < 1024:
         return f"{n} bytes"

@@ -46,7 +46,7 @@ import torch
 from ppbackward._tools.bench.impls import run_b, run_w
 from ppbackward._tools.harness.models import Stage, reset_grads
 from ppbackward._tools.memory import alive_bytes, saved_storages
-from ppbackward.leaks._storage import _storage_key, _storage_nbytes, _unique_storages
+from ppbackward.leaks._storage import storage_key, storage_nbytes, unique_storages
 
 __all__: list[str] = []  # private module
 
@@ -55,7 +55,7 @@ _Key = tuple[int, int]
 
 def _key(t: torch.Tensor) -> _Key:
     st = t.untyped_storage()
-    return (_storage_key(st), _storage_nbytes(st))
+    return (storage_key(st), storage_nbytes(st))
 
 
 class SavedRecorder:
@@ -97,7 +97,7 @@ def _floor(impl: str, stage: Stage) -> tuple[int, int]:
     rec = SavedRecorder()
     with rec.hooks():
         out = stage.model(stage.x)
-    rec.skip = frozenset(_unique_storages([*stage.params, stage.x, out]))
+    rec.skip = frozenset(unique_storages([*stage.params, stage.x, out]))
     saved = rec.bytes(key for ref, key in rec.refs if ref() is not None)
     rec.phase = "B"
     groups = run_b(impl, stage, out)

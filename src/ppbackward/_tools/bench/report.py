@@ -25,7 +25,7 @@ Report = dict[str, Any]
 Target = dict[str, Any]
 
 
-def _target(name: str, where: str, value: float, limit: float, median: float | None = None) -> Target:
+def target_row(name: str, where: str, value: float, limit: float, median: float | None = None) -> Target:
     """One target row; ``value`` (ratio of minima) decides, ``median`` (paired) is shown beside it."""
     return {
         "target": name,
@@ -47,12 +47,12 @@ def _plain_targets(report: Report) -> Iterator[Target]:
             r, pm = c["ratio_to_plain"][regime], c["paired_ratio_median"][regime]
             where = f"{c['label']}, {regime}"
             if c["layers"] == 16 and c["d_model"] == 256:
-                yield _target(
+                yield target_row(
                     "ppbackward B+W <= 1.15x plain (16 layers, d 256)", where, r["ppbackward_bw"], 1.15,
                     pm["ppbackward_bw/plain"],
                 )
             if c["layers"] == 16 and c["d_model"] == 64:
-                yield _target(
+                yield target_row(
                     "ppbackward B+W <= 2.0x plain (16 layers, d 64)", where, r["ppbackward_bw"], 2.0,
                     pm["ppbackward_bw/plain"],
                 )
@@ -63,7 +63,7 @@ def _upstream_targets(report: Report) -> Iterator[Target]:
     for regime in REGIMES:
         for c in report["configs"]:
             t, pm = c["time_ms"][regime], c["paired_ratio_median"][regime]
-            yield _target(
+            yield target_row(
                 "ppbackward B+W never slower than upstream B+W", f"{c['label']}, {regime}",
                 t["ppbackward_bw"] / t["upstream_bw"], 1.0, pm["ppbackward_bw/upstream_bw"],
             )
@@ -73,7 +73,7 @@ def _loop_targets(report: Report) -> Iterator[Target]:
     """The microbatch loop with ppbackward never slower than with torch's split."""
     for c in report["configs"]:
         t = c["loop"]["time_ms"]
-        yield _target(
+        yield target_row(
             "ppbackward microbatch loop never slower than upstream's", c["label"], t["ppbackward"] / t["upstream"], 1.0
         )
 
@@ -89,12 +89,12 @@ def _schedule_targets(report: Report) -> Iterator[Target]:
         where = f"{zb}, torchrun {sched['ranks']} ranks"
         for backward in ("ppbackward", "merged"):
             if f"{zb}/{backward}" in ms:
-                yield _target(
+                yield target_row(
                     f"zero-bubble step ({backward}) <= 1.0x Interleaved1F1B step (torch)", where,
                     sched["ratio_to_1f1b"][f"{zb}/{backward}"], 1.0,
                 )
-        yield _target("zero-bubble step: ppbackward <= 0.9x torch's", where, ms[pp] / ms[up], 0.9)
-        yield _target(
+        yield target_row("zero-bubble step: ppbackward <= 0.9x torch's", where, ms[pp] / ms[up], 0.9)
+        yield target_row(
             "zero-bubble peak live saved bytes: ppbackward <= torch's", where,
             mem[pp]["saved_peak_bytes"] / mem[up]["saved_peak_bytes"], 1.0,
         )
@@ -104,7 +104,7 @@ def _full_targets(report: Report) -> Iterator[Target]:
     """ppbackward's full stage backward against plain autograd, per configuration and regime."""
     for regime in REGIMES:
         for c in report["configs"]:
-            yield _target(
+            yield target_row(
                 "full stage_backward within 5% of plain", f"{c['label']}, {regime}",
                 c["ratio_to_plain"][regime]["full"], 1.05, c["paired_ratio_median"][regime]["full/plain"],
             )
@@ -118,15 +118,15 @@ def _device_work_targets(report: Report) -> Iterator[Target]:
         if not dw:
             continue
         for regime, work in dw["regimes"].items():
-            yield _target(
+            yield target_row(
                 "device work: B+W kernels = full backward's (count of differing kernels <= 0)",
                 f"{c['label']}, {regime}", sum(map(abs, _kernel_diff(work, "ppbackward").values())), 0,
             )
-            yield _target(
+            yield target_row(
                 "device work: B+W FLOPs <= 1.000x full backward's", f"{c['label']}, {regime}",
                 work["ppbackward"]["flops"] / max(work["full"]["flops"], 1), 1.0,
             )
-        yield _target(
+        yield target_row(
             "held between B and W <= 0.80x with norm/bias gradients deferred to W", c["label"],
             dw["held_bytes"] / max(dw["held_deferred_bytes"], 1), 0.80,
         )
@@ -135,12 +135,12 @@ def _device_work_targets(report: Report) -> Iterator[Target]:
 def _memory_targets(report: Report) -> Iterator[Target]:
     """The bytes held between B and W equal to what W reads: without hooks, then with saved-tensor hooks."""
     for c in report["configs"]:
-        yield _target(
+        yield target_row(
             "bytes held between B and W = bytes W reads (1.00x)", c["label"],
             c["memory"]["ppbackward"]["held_over_floor"], 1.0,
         )
     for c in report["configs"]:
-        yield _target(
+        yield target_row(
             "with saved-tensor hooks too: held = what W unpacks (1.00x)", c["label"],
             c["memory"]["ppbackward"]["hooked"]["held_over_floor"], 1.0,
         )
@@ -151,7 +151,7 @@ def _scaling_targets(report: Report) -> Iterator[Target]:
     fit = (report.get("analysis_scaling") or {}).get("fit") or {}
     if "per_unit_growth" in fit:
         sweep = "1..32 layers" if len(report["analysis_scaling"]["points"]) > 3 else "quick"
-        yield _target(
+        yield target_row(
             "[bench check] analysis linear: us/(node+edge) largest/smallest <= 1.5", sweep,
             fit["per_unit_growth"], 1.5,
         )
@@ -165,7 +165,7 @@ TARGETS: tuple[Callable[[Report], Iterator[Target]], ...] = (
 
 def targets(report: Report) -> list[Target]:
     """The benchmark's targets (docs/performance.md, "Targets") evaluated on ``report``: the records of
-    :func:`_target` of every generator of :data:`TARGETS`, in its order."""
+    :func:`target_row` of every generator of :data:`TARGETS`, in its order."""
     return [row for evaluate in TARGETS for row in evaluate(report)]
 
 
@@ -504,7 +504,7 @@ def step_parts_table(sched: dict[str, Any], replayed: dict[str, float] | None = 
 
 
 def targets_table(targets: list[dict[str, Any]], source: str) -> str:
-    """The targets of a report (records of :func:`_target`) as a table with a verdict per row, then one
+    """The targets of a report (records of :func:`target_row`) as a table with a verdict per row, then one
     ``N PASS, M MISS`` line; ``source`` names where the targets are set (e.g. ``docs/performance.md``)."""
     rows = [
         [t["status"], t["target"], t["where"], f"{t['value']:.2f}",

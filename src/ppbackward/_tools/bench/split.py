@@ -225,7 +225,7 @@ def targets(result: dict[str, Any], schedule: dict[str, Any] | None = None) -> l
     backward per configuration and regime, B alone <= the full backward; with the real torchrun step
     (``schedule``, from ``_schedule.run_schedule``), ZBVZeroBubble <= 1.00x and InterleavedZeroBubble <=
     1.05x the Interleaved1F1B step."""
-    from ppbackward._tools.bench.report import _target
+    from ppbackward._tools.bench.report import target_row
 
     rows = []
     for c in result["configs"]:
@@ -235,22 +235,21 @@ def targets(result: dict[str, Any], schedule: dict[str, Any] | None = None) -> l
             if c["limit_bw"] is not None:
                 bw = r["pp_bw"]
                 name = f"split: B+W <= {c['limit_bw']:.2f}x full backward"
-                rows.append(_target(name, where, bw["min_ratio"], c["limit_bw"], bw["median"]))
+                rows.append(target_row(name, where, bw["min_ratio"], c["limit_bw"], bw["median"]))
             b = r["pp_b"]
-            rows.append(_target("split: B alone <= 1.00x full backward", where, b["min_ratio"], 1.0, b["median"]))
+            rows.append(target_row("split: B alone <= 1.00x full backward", where, b["min_ratio"], 1.0, b["median"]))
     if schedule and "ratio_to_1f1b" in schedule:
         where = f"torchrun {schedule['ranks']} ranks, d {schedule['d_model']}, {schedule['microbatches']} microbatches"
         plain = schedule["ratio_to_1f1b"].get("Interleaved1F1B/ppbackward")
         if plain is not None:  # a user who installs ppbackward for correctness must not pay in a plain schedule
-            rows.append(
-                _target("real step: Interleaved1F1B, ppbackward's full backward <= 1.01x torch's", where, plain, 1.01)
-            )
+            name = "real step: Interleaved1F1B, ppbackward's full backward <= 1.01x torch's"
+            rows.append(target_row(name, where, plain, 1.01))
         for zb, limit in (("ZBVZeroBubble", 1.0), ("InterleavedZeroBubble", 1.05)):
             for backward in ("ppbackward", "merged"):
                 value = schedule["ratio_to_1f1b"].get(f"{zb}/{backward}")
                 if value is not None:
                     name = f"real step: {zb} ({backward}) <= {limit:.2f}x Interleaved1F1B"
-                    rows.append(_target(name, where, value, limit))
+                    rows.append(target_row(name, where, value, limit))
     return rows
 
 
