@@ -40,7 +40,23 @@ from ppbackward import backward as _ours
 from ppbackward._node_owner import custom_nodes_need_owner
 from ppbackward._tree import flatten_outputs_and_grads
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "ALLOW_UNTESTED_ENV",
+    "SUPPORTED_TORCH",
+    "Adapter",
+    "UnsupportedTorchError",
+    "UntestedTorchWarning",
+    "allow_untested_from_env",
+    "check_supported",
+    "contract_for",
+    "is_newer_than_known",
+    "legacy_stage_backward",
+    "legacy_stage_backward_input",
+    "legacy_stage_backward_weight",
+    "probe_stage_shape",
+    "select_adapter",
+    "torch_release",
+]
 
 # Keep in sync with the ``torch`` requirement in pyproject.toml and docs/compatibility.md.
 SUPPORTED_TORCH = ">=2.5,<2.16"

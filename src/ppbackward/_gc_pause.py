@@ -33,7 +33,7 @@ import os
 import threading
 from collections.abc import Iterator
 
-__all__: list[str] = []  # private module
+__all__ = ["automatic_gc_paused", "collector_enabled"]  # private module: what other modules use
 
 PAUSE = os.environ.get("PPBACKWARD_PAUSE_GC", "1").strip() != "0"  # the opt-out, read once
 

@@ -32,7 +32,18 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "NO_CHEAP_WORK",
+    "CheapLeaf",
+    "EagerWork",
+    "FrontierSlot",
+    "Intermediate",
+    "analyze",
+    "cheap_gradients_deferred",
+    "eager_work",
+    "gradient_edge",
+    "is_accumulate_grad",
+]
 
 
 def _accumulate_grad_type() -> type:

@@ -42,7 +42,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__: list[str] = []  # private module; the switch is ppbackward.install(merge_bw=True)
+# private module (the switch is ppbackward.install(merge_bw=True)): what other modules use
+__all__ = ["compute_kind", "count_compute", "lowering", "merge_actions"]
 
 
 def _schedules() -> Any:

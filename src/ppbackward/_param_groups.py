@@ -42,7 +42,8 @@ from ppbackward._graph import Intermediate
 from ppbackward._saved import release_pinned
 from ppbackward._tree import check_like
 
-__all__ = ["ParamGroups"]
+# ParamGroups is re-exported by ppbackward (for type hints); the rest is what B and W use
+__all__ = ["CONSUMED", "Contribution", "NodeCall", "ParamGroup", "ParamGroups", "WeightSet", "WeightWork"]
 
 
 class WeightSet(NamedTuple):

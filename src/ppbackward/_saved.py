@@ -24,7 +24,14 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import Node
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "HOOKS_VISIBLE",
+    "hook_kinds",
+    "pin_saved_inputs",
+    "release_pinned",
+    "release_saved_tensors",
+    "saved_tensors",
+]
 
 # Note [hooked saved tensors run once]: a saved tensor with hooks (activation checkpointing, a
 # ``saved_tensors_hooks`` pair such as ``save_on_cpu``, offloading, a user's own) is unpacked by its

@@ -21,7 +21,7 @@ from torch.autograd.graph import GradientEdge
 
 from ppbackward._errors import BadAssertion, BadType, BadValue, StageBackwardError
 
-__all__: list[str] = []  # private module
+__all__ = ["FlatOutputs", "check_like", "flatten_outputs_and_grads"]  # private module: what other modules use
 
 
 class FlatOutputs(NamedTuple):

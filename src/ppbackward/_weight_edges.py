@@ -16,7 +16,7 @@ from torch.autograd.graph import GradientEdge
 from ppbackward._param_groups import Contribution, NodeCall, WeightWork
 from ppbackward._saved import release_saved_tensors
 
-__all__: list[str] = []  # private module
+__all__ = ["accumulate", "run_weight_work", "weight_edge_grads"]  # private module: what other modules use
 
 # The engine entry point torch.autograd.backward ends in (torch >= 2.3); see accumulate.
 _ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)

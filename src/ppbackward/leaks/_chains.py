@@ -26,7 +26,14 @@ import torch
 from ppbackward._saved import saved_tensors
 from ppbackward.leaks._storage import unique_storage_bytes
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "find_chain",
+    "format_chain",
+    "format_holders",
+    "holder_chain",
+    "referrer_index",
+    "write_graph",
+]
 
 _MAX_KEYS_SHOWN = 4
 

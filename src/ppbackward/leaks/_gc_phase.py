@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-__all__: list[str] = []  # private module
+__all__ = ["collecting", "ensure_watcher", "full_collect"]  # private module: what other modules use
 
 _FULL_COLLECT_TIMEOUT_S = 60.0  # a hang guard only: a collection takes milliseconds to a few seconds
 

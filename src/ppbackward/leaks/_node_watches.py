@@ -30,7 +30,7 @@ import torch
 from ppbackward.leaks._storage import unique_storage_bytes
 from ppbackward.leaks._watch import Watch, WatchRef, on_freed
 
-__all__: list[str] = []  # private module
+__all__ = ["LifeWatches"]  # private module: what other modules use
 
 
 class _Sentinel:

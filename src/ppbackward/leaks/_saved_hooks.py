@@ -33,7 +33,13 @@ from torch.overrides import TorchFunctionMode
 if TYPE_CHECKING:
     from ppbackward.leaks._lifetime import ActivationTracker
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "OpMode",
+    "hooks_enabled",
+    "peek_sequence_nr",
+    "top_hooks",
+    "unpack",
+]
 
 #: Current autograd sequence number of this thread (the next node gets it); None on a torch without it.
 peek_sequence_nr: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)

@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "format_bytes",
+    "storage_key",
+    "storage_nbytes",
+    "tensor_storages",
+    "unique_storage_bytes",
+    "unique_storages",
+]
 
 try:  # torch >= 2.1; wrapper subclasses (DTensor, Float8Tensor, ...) hold their data in inner tensors
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper_subclass

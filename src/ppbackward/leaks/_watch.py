@@ -22,7 +22,7 @@ from ppbackward.leaks._activations import ALIVE, FREED_BY_GC, FREED_BY_REFCOUNT
 from ppbackward.leaks._gc_phase import collecting
 from ppbackward.leaks._storage import storage_key, storage_nbytes
 
-__all__: list[str] = []  # private module
+__all__ = ["Watch", "WatchMap", "WatchRef", "on_freed"]  # private module: what other modules use
 
 
 class Watch:

@@ -17,7 +17,7 @@ from ppbackward._tools.bench.impls import RUNNERS, VARIANTS, run_variant
 from ppbackward._tools.bench.timing import REGIMES, prepare_regime
 from ppbackward._tools.harness.models import Stage, reset_grads
 
-__all__: list[str] = []  # private module
+__all__ = ["measure"]  # private module: what other modules use
 
 
 def _count(stage: Stage, variant: str) -> tuple[int, int]:

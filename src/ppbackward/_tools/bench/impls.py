@@ -24,7 +24,18 @@ from torch.distributed.pipelining import _backward as _upstream
 import ppbackward.backward as _ours
 from ppbackward._tools.harness.models import Stage
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "RUNNERS",
+    "SPLIT",
+    "UPSTREAM_B",
+    "UPSTREAM_W",
+    "VARIANTS",
+    "UpstreamSplit",
+    "grads_match",
+    "run_b",
+    "run_variant",
+    "run_w",
+]
 
 # torch's functions as imported, whatever ppbackward.install() does later in this process.
 UPSTREAM_B = _upstream.stage_backward_input

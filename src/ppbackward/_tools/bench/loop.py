@@ -23,7 +23,7 @@ from ppbackward._tools.bench.impls import SPLIT
 from ppbackward._tools.bench.timing import fit_repeats, gc_paused, rotations
 from ppbackward._tools.harness.models import Config, build
 
-__all__: list[str] = []  # private module
+__all__ = ["MICROBATCHES", "VARIANTS", "plan", "time_loop"]  # private module: what other modules use
 
 MICROBATCHES = 8
 VARIANTS = ("plain", "upstream", "ppbackward")

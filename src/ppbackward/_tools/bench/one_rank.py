@@ -47,7 +47,14 @@ from ppbackward._tools.bench.schedule_worker import build_stages, grads_close, m
 from ppbackward._tools.bench.timing import device_clock, gc_paused, rotations
 from ppbackward._tools.harness.models import build_stack
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "QUICK",
+    "STAGES",
+    "VARIANTS",
+    "OneRankConfig",
+    "format_one_rank",
+    "measure",
+]
 
 STAGES = 2  # ZBVZeroBubble's V placement: exactly two stages per rank
 REFERENCE = ("ScheduleInterleaved1F1B", "upstream")

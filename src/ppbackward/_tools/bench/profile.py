@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from ppbackward._tools.bench.impls import run_b, run_w
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 
-__all__: list[str] = []  # private module
+__all__ = ["where_time_goes"]  # private module: what other modules use
 
 _ANALYSIS = {
     "upstream": ("construct_reverse_graph", "get_param_groups"),

@@ -26,7 +26,15 @@ from typing import Any, NamedTuple
 
 from ppbackward._merge import compute_kind, merge_actions
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "SCHEDULES",
+    "Action",
+    "action_lists",
+    "costings_of",
+    "replay",
+    "simulate",
+    "timeline",
+]
 
 SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
 

@@ -15,7 +15,13 @@ from typing import Any
 
 from ppbackward._tools.text_table import format_table
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "format_text",
+    "step_parts_table",
+    "summary_line",
+    "target_row",
+    "targets",
+]
 
 MiB = float(2**20)
 REGIMES = ("first", "accumulating")  # _timing.REGIMES, without importing torch

@@ -36,7 +36,7 @@ from ppbackward._tools.bench.timing import (
 )
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 
-__all__: list[str] = []  # private module
+__all__ = ["CONFIGS", "replayed_steps", "run"]  # private module: what other modules use
 
 # The configurations, from host-bound (4x16x4: the host's per-node cost is everything) to compute-bound
 # (4x512x64), and the limits on B+W over the full backward (docs/performance.md, Targets).

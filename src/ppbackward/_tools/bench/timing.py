@@ -34,7 +34,18 @@ import torch
 from ppbackward._tools.bench.impls import VARIANTS, run_variant
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "KEYS",
+    "PAIRS",
+    "REGIMES",
+    "device_clock",
+    "fit_repeats",
+    "gc_paused",
+    "loadavg",
+    "prepare_regime",
+    "rotations",
+    "time_config",
+]
 
 # Keys of the result, each the minimum over repeats, in seconds.
 KEYS = ("plain", "upstream_b", "upstream_w", "upstream_bw", "ppbackward_b", "ppbackward_w", "ppbackward_bw", "full")
