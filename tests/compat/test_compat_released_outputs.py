@@ -156,7 +156,7 @@ class Pipeline:
         self.fired = 0
         self.schedule.step(x, target=target)
 
-    def reference(self, x, target) -> list[torch.Tensor]:
+    def reference(self, x, target) -> list[torch.Tensor | None]:
         self.ref.zero_grad(set_to_none=True)
         for chunk, t in zip(x.tensor_split(N_MICROBATCHES), target.tensor_split(N_MICROBATCHES)):
             _loss(self.ref(chunk), t).backward()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ class Pipeline:
         for mod in self.mods:
             for p in mod.parameters():
                 p.register_post_accumulate_grad_hook(self._count)
-        extra = {}
+        extra: dict[str, Any] = {}
         if "input_args" in inspect.signature(PipelineStage.__init__).parameters:  # torch 2.5
             extra["input_args"] = (torch.randn(BATCH // N_MICROBATCHES, 4),)
         stages = [

@@ -6,6 +6,8 @@ Each entry builds ``(module, make_inputs)``: ``make_inputs(seed)`` returns the s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -318,7 +320,7 @@ ZOO = {
 }
 
 
-def build(name: str) -> tuple[nn.Module, object]:
+def build(name: str) -> tuple[nn.Module, Callable[..., tuple]]:
     make_module, make_inputs = ZOO[name]
     torch.manual_seed(0)
     module = make_module().to(DTYPE)

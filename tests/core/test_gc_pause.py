@@ -8,6 +8,7 @@ import gc
 import sys
 import threading
 from collections.abc import Iterator
+from types import FrameType
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ _WORK = {backward._backward_input.__code__, _param_groups._weight_work.__code__,
 
 
 def _inside_work() -> bool:
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code in _WORK:
             return True

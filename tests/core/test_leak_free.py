@@ -73,7 +73,7 @@ def _leaky_stage_backward_input(outputs, grads, inputs, weights):
     return pb.stage_backward_input(outputs, grads, inputs, weights)
 
 
-_STASH = []
+_STASH: list[list] = []
 
 
 def _stashing_stage_backward_weight(weights, groups):

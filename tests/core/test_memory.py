@@ -3,6 +3,10 @@ holds more. Exact bytes, measured without saved-tensor hooks (ppbackward._tools.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.nn as nn
@@ -39,9 +43,9 @@ def _held_between_b_and_w(impl, module, make_inputs):
     return total, held, floor
 
 
-CASES = {
+CASES: dict[str, Callable[[], Any]] = {
     "transformer": _transformer,
-    **{n: (lambda n=n: build(n)) for n in ["mlp", "shared_late", "multi_output_nodes"]},
+    **{n: functools.partial(build, n) for n in ["mlp", "shared_late", "multi_output_nodes"]},
 }
 
 

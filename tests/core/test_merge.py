@@ -75,7 +75,7 @@ def _pairs(rank_ops):
 
 def _lowered_kinds(name: str) -> list[dict]:
     ops = get_schedule_ops(getattr(s, name), 2, 8, 2, with_comms=True)
-    return [{k: sum(a.computation_type == k for a in r) for k in (B, I, W)} for r in ops]
+    return [{k: sum(a is not None and a.computation_type == k for a in r) for k in (B, I, W)} for r in ops]
 
 
 @pytest.mark.parametrize("name", SPLIT)
@@ -195,7 +195,9 @@ def _schedule(name: str, n_microbatches: int = 3, scale_grads: bool = True):
     from torch.distributed.pipelining import PipelineStage
 
     torch.manual_seed(0)
-    chunks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(2)]
+    chunks: list[torch.nn.Module] = [
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(2)
+    ]
     stages = [PipelineStage(c, i, 2, torch.device("cpu")) for i, c in enumerate(chunks)]
     loss_fn = torch.nn.functional.mse_loss
     return chunks, getattr(s, name)(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
@@ -287,7 +289,9 @@ def _dp_grads(name: str, wrap: str, merge: bool, n_microbatches: int = 3) -> tup
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
-    chunks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(2)]
+    chunks: list[torch.nn.Module] = [
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(2)
+    ]
     reduced: list = []  # (stage, how many backwards the schedule had counted for it) per all-reduce
     held: list = []  # the schedule, once built
 
@@ -301,7 +305,7 @@ def _dp_grads(name: str, wrap: str, merge: bool, n_microbatches: int = 3) -> tup
     if wrap == "ddp":
         chunks = [DistributedDataParallel(c) for c in chunks]
         for i, c in enumerate(chunks):
-            c.register_comm_hook(dist.group.WORLD, counting(i))
+            c.register_comm_hook(dist.group.WORLD, counting(i))  # type: ignore[operator]  # a DDP module
     elif wrap == "fsdp":
         for c in chunks:
             fully_shard(c)
@@ -317,7 +321,7 @@ def _dp_grads(name: str, wrap: str, merge: bool, n_microbatches: int = 3) -> tup
     reduced.clear()
     schedule.step(x, target=target)
     grads = [p.grad for c in chunks for p in c.parameters()]
-    return [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads], reduced
+    return [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads], reduced  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])

@@ -26,7 +26,9 @@ def _stage(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
 
 
-def _reference(mod: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _reference(
+    mod: nn.Module, x: torch.Tensor, grad: torch.Tensor
+) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
     """Parameter and input grads of one plain backward of a copy of ``mod``."""
     ref = copy.deepcopy(mod)
     rx = x.detach().clone().requires_grad_()

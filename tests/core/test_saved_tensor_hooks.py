@@ -197,7 +197,11 @@ def test_a_parameter_s_tensor_hook_runs_once_where_b_does_w_s_work(around):
         torch.manual_seed(0)
         w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
         calls = []
-        w.register_hook(lambda g: (calls.append("hook"), g * 0.5)[1])
+        def halve(g: torch.Tensor) -> torch.Tensor:
+            calls.append("hook")
+            return g * 0.5
+
+        w.register_hook(halve)
         x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
         if around == "checkpoint":
             out = torch.utils.checkpoint.checkpoint(lambda a: torch.tanh(a @ w), x, use_reentrant=False)

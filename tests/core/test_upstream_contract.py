@@ -11,6 +11,7 @@ asserted here the other way round. Exactness is to torch's tolerance, as upstrea
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import weakref
 
@@ -65,7 +66,11 @@ def _pair(module: nn.Module, seed: int = 0):
 
 def _assert_params_close(mod: nn.Module, ref: nn.Module) -> None:
     for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, msg=functools.partial(_named, name))
+
+
+def _named(name: str, message: str) -> str:
+    return f"{name}: {message}"
 
 
 def _mse(out: torch.Tensor) -> torch.Tensor:

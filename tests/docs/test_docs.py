@@ -279,7 +279,12 @@ def _run_block(block: Block, folder: Path) -> subprocess.CompletedProcess | str:
             [sys.executable, str(script)], cwd=folder, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
         )
     except subprocess.TimeoutExpired as e:
-        return f"still running after {BLOCK_TIMEOUT_S} s (killed)\n{e.stdout or ''}{e.stderr or ''}"
+        return f"still running after {BLOCK_TIMEOUT_S} s (killed)\n{_text(e.stdout)}{_text(e.stderr)}"
+
+
+def _text(captured: str | bytes | None) -> str:
+    """What a timed-out ``subprocess.run(text=True)`` captured (``TimeoutExpired`` may hold bytes)."""
+    return captured.decode(errors="replace") if isinstance(captured, bytes) else captured or ""
 
 
 @pytest.fixture(scope="module")

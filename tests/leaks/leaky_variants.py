@@ -61,7 +61,7 @@ def clean_backward(stage: torch.nn.Module) -> None:
 
 
 # -- (2) pytorch/pytorch#136584's kind: param groups kept alive through a hook -----------------------
-def param_group_leak_backward(stage: torch.nn.Module, fixed: bool = False) -> None:
+def param_group_leak_backward(stage: torch.nn.Sequential, fixed: bool = False) -> None:
     """torch 2.5's zero-bubble split kind. B registers a pre-hook on the intermediate node (where the
     input path meets the weights: the first Linear's ``AddmmBackward0``) that stores the node's grad
     in a param-group dict; the dict keeps the intermediate nodes and the grads for W. W consumes
@@ -110,7 +110,7 @@ def node_cycle_leak(stage: torch.nn.Module) -> None:
 RETAINED: list[torch.Tensor] = []
 
 
-def retaining_step(stage: torch.nn.Module) -> None:
+def retaining_step(stage: torch.nn.Sequential) -> None:
     """A debugging cache that keeps the hidden activation (128 bytes) in a module-level list. Nothing is
     cyclic, so the leak checker reports 0; only the activation tracker sees it held after gc."""
     x = make_input()
@@ -119,7 +119,7 @@ def retaining_step(stage: torch.nn.Module) -> None:
     stage[2](hidden).sum().backward()
 
 
-def clean_step(stage: torch.nn.Module) -> None:
+def clean_step(stage: torch.nn.Sequential) -> None:
     """The fixed twin of :func:`retaining_step`."""
     x = make_input()
     stage[2](torch.tanh(stage[0](x))).sum().backward()

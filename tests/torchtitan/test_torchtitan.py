@@ -62,7 +62,7 @@ def _venv() -> Path:
         result = subprocess.run(["bash", str(REPO / "scripts" / "newest_venv.sh")], capture_output=True, text=True,
                                 timeout=_BUILD_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"scripts/newest_venv.sh still running after {_BUILD_TIMEOUT_S}s:\n{exc.stderr}")
+        pytest.fail(f"scripts/newest_venv.sh still running after {_BUILD_TIMEOUT_S}s:\n{exc.stderr!r}")
     if result.returncode != 0 or not result.stdout.strip():
         pytest.fail(f"scripts/newest_venv.sh failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
     return Path(result.stdout.strip().splitlines()[-1])
