@@ -200,7 +200,7 @@ class LaunchResult:
                 continue
             lines.extend(f"    {f.text}" for f in record.failures)
             for step in record.steps:
-                for chain in step.garbage.chains[:1]:
+                for chain in (step.garbage.chains if step.garbage else [])[:1]:
                     lines.append(f"    step {step.step} first back-reference chain:")
                     lines.append(_indent(chain, "      "))
             if record.error:
