@@ -7,7 +7,7 @@ whose :func:`main` this package re-exports (``ppbackward bench``, ``python -m pp
 ``memory`` (saved activations held between B and W against what W reads), ``loop`` (one stage
 pair's microbatch loop in a zero-bubble schedule's order), ``alloc`` (the allocator's work),
 ``scaling`` (graph analysis time against graph size), ``profile`` (where the time of B and W goes),
-``schedule`` and ``schedule_worker`` (schedule steps under torchrun), ``split`` and ``replay`` (the
+(schedule steps under torchrun: ``ppbackward._tools.harness.schedule_bench``), ``split`` and ``replay`` (the
 split's cost per microbatch-stage, and a schedule step replayed from it: ``--split``), ``report`` (targets, tables,
 JSON). Method and results: ``docs/performance.md``.
 """

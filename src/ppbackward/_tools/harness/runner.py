@@ -26,7 +26,8 @@ these points:
 
 The order of the list is therefore part of a measurement: the check lists the garbage probe before the
 lifetime probe, so that its leak check (which collects) ends before the lifetime probe's gc run, and the
-bench lists the step time probe last, so that its barrier is the last thing before the step.
+bench lists the step time probe first, so that its barrier (every rank waits for the slowest) comes before
+the step parts probe starts its clock: a step's parts and slices then start where its time does.
 """
 
 from __future__ import annotations
@@ -77,11 +78,13 @@ class CaseRun:
 @dataclasses.dataclass
 class StepRun:
     """One step as its probes see it: its number (0-based), the reference result of its batch (``None``
-    where nothing is compared), and, once ``schedule.step`` returned, ``seconds`` (this rank's wall time of
-    that call) and ``losses`` (``None`` off the last stage)."""
+    where nothing is compared), and, once ``schedule.step`` returned, ``start`` (``time.perf_counter()``
+    when it was called), ``seconds`` (this rank's wall time of that call) and ``losses`` (``None`` off the
+    last stage)."""
 
     step: int
     reference: zoo.ReferenceResult | None = None
+    start: float = 0.0
     seconds: float = 0.0
     losses: list[float] | None = None
 
@@ -135,9 +138,9 @@ def _step(case: CaseRun, probes: Sequence[Probe], batch_box: list[zoo.Batch], ru
     for probe in probes:
         probe.before(run)
     losses: list[torch.Tensor] | None = [] if any(s.is_last for s in case.pp_stages) else None
-    t0 = time.perf_counter()
+    run.start = time.perf_counter()
     out = case.schedule.step(*args, losses=losses, **kwargs)
-    run.seconds = time.perf_counter() - t0
+    run.seconds = time.perf_counter() - run.start
     del out, args, kwargs
     run.losses = None if losses is None else [float(x.detach()) for x in losses]
     del losses

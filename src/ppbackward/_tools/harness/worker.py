@@ -82,7 +82,7 @@ import torch.distributed as dist
 from ppbackward._compat import torch_release
 from ppbackward._install import NAMES
 from ppbackward._merge import count_compute
-from ppbackward._tools.harness import diagnose, gloo_p2p, parallel, probes, runner
+from ppbackward._tools.harness import diagnose, gloo_p2p, parallel, probes, runner, schedule_bench
 from ppbackward._tools.harness import models as zoo
 from ppbackward._tools.harness import schedules as sched
 from ppbackward._tools.harness.records import (
@@ -446,6 +446,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "(Note [timeouts scale with start-up])",
     )
     p.add_argument("--hang-rank", type=int, default=None, help="test only: this rank blocks in a recv forever")
+    p.add_argument(
+        "--mode", choices=("check", "bench"), default="check",
+        help="check: the cases under the check's probes; bench: the schedule benchmark's variants under the "
+        "bench's probes (Note [schedule benchmark] in ppbackward._tools.harness.schedule_bench)",
+    )
+    bench = p.add_argument_group("--mode bench (--microbatches 0: 8)")
+    bench.add_argument("--repeats", type=int, default=8, help="timed steps per schedule variant")
+    bench.add_argument("--layers-per-stage", type=int, default=4, help="encoder layers per stage")
+    bench.add_argument("--d-model", type=int, default=128, help="width of the encoder layers")
+    bench.add_argument("--seq", type=int, default=16, help="sequence length")
+    bench.add_argument("--microbatch-size", type=int, default=2, help="samples per microbatch")
     return p.parse_args(argv)
 
 
@@ -569,6 +580,18 @@ def _run_cases(args: argparse.Namespace, verdict: RankVerdict, c: _Case, wraps: 
         dist.barrier()  # resynchronise before the next case (world group, --pg-timeout)
 
 
+def _run_bench(args: argparse.Namespace, verdict: RankVerdict, events: EventWriter, write: Any) -> None:
+    """``--mode bench``: the schedule benchmark's variants, one case each (Note [schedule benchmark])."""
+    config = schedule_bench.BenchConfig(
+        layers_per_stage=args.layers_per_stage, d_model=args.d_model, seq=args.seq,
+        microbatches=args.microbatches or schedule_bench.BenchConfig.microbatches,
+        microbatch_size=args.microbatch_size,
+    )
+    verdict.mode, verdict.tolerance = "bench", schedule_bench.BENCH_TOLERANCE
+    verdict.cases = schedule_bench.run(config, args.repeats, verdict.rank, verdict.world_size, events)
+    write()
+
+
 def _new_verdict(args: argparse.Namespace, rank: int, world_size: int) -> RankVerdict:
     return RankVerdict(
         rank=rank, world_size=world_size, backward=args.backward, torch=torch.__version__,
@@ -608,9 +631,12 @@ def main(argv: list[str] | None = None) -> int:
         events.emit("started")
         if args.hang_rank is not None:
             _hang_for_test(rank, world_size, say) if rank == args.hang_rank else dist.barrier()
-        c = _Case(rank, args.steps, args.seed, args.case_timeout, args.metadata, device, args.backend, layout,
-                  "none", mesh, events)
-        _run_cases(args, verdict, c, wraps, say, write)
+        if args.mode == "bench":
+            _run_bench(args, verdict, events, write)
+        else:
+            c = _Case(rank, args.steps, args.seed, args.case_timeout, args.metadata, device, args.backend, layout,
+                      "none", mesh, events)
+            _run_cases(args, verdict, c, wraps, say, write)
         verdict.complete = True
     except BaseException:
         verdict.fatal = traceback.format_exc()
