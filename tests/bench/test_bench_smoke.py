@@ -2,10 +2,10 @@
 
 Cheap, no-process checks first: the quick configuration once, one repeat; the report's structure
 and that its memory figures are consistent (W cannot read more than B left alive). No timing is
-asserted anywhere: timings are the benchmark's output, not a test criterion. Last, the torchrun
-launcher's timeout path: one short-lived process group, no schedule actually run, and a fake launch
-whose worker runs in a session of its own, as torchrun's do (Note [killing a hung launch] in
-``ppbackward._tools.torchrun``).
+asserted anywhere: timings are the benchmark's output, not a test criterion. Last, the schedule step
+under torchrun, which runs the harness worker's ``--mode bench`` through the harness launcher: every
+variant exact, and a hung rank stopped by the hang clock (Note [hang clock] in
+``ppbackward._tools.harness.launch``).
 """
 
 from __future__ import annotations
@@ -17,19 +17,18 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from ppbackward._tools.bench import loop as _loop
 from ppbackward._tools.bench import report as _report
-from ppbackward._tools.bench import schedule as _schedule
 from ppbackward._tools.bench import timing as _timing
-from ppbackward._tools.bench.schedule import ScheduleBenchError, run_schedule
 from ppbackward._tools.cli.bench import main
 from ppbackward._tools.harness import models as _models
 from ppbackward._tools.harness.launch import alive
+from ppbackward._tools.harness.records import to_json
+from ppbackward._tools.harness.schedule_bench import ScheduleBenchError, run_schedule
 
 
 @pytest.fixture(scope="module")
@@ -194,56 +193,23 @@ def test_the_allocator_header_names_every_setting_that_changes_ws_cost(monkeypat
     )
 
 
-def test_schedule_timeout_kills_the_process_group():
-    with pytest.raises(ScheduleBenchError) as info:
-        run_schedule(repeats=1, timeout_s=0.5)
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a backstop only: the hang clock bounds the launch
+def test_a_hung_schedule_bench_is_stopped_by_the_hang_clock_and_leaves_no_process(tmp_path):
+    """The bench goes through the harness launcher: a rank blocked in a receive (``--hang-rank``) makes no
+    progress, so the launch is killed ``timeout_s`` after every rank started, whatever the machine's speed."""
+    with pytest.raises(ScheduleBenchError, match="timed out: no rank made progress for 3s") as info:
+        run_schedule(repeats=1, timeout_s=3.0, out_dir=str(tmp_path), worker_args=["--hang-rank", "1"])
     msg = str(info.value)
-    assert "timed out" in msg and "torch.distributed.run" in msg
-    tmp = str(Path(info.value.command[info.value.command.index("--out") + 1]).parent)
-    _wait_until_gone(tmp)  # torchrun and any worker it had started
+    assert "torch.distributed.run" in msg and "--mode bench" in msg
+    assert "--hang-rank 1: blocking in dist.recv from rank 0" in msg  # rank 1's own log, in the message
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    assert len(pids) == 2
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(info.value.pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"process group {info.value.pgid} still alive after the timeout")
-
-
-# A fake torchrun: starts the worker in a session of its own (as torchrun does) with its own stdout.
-_FAKE_TORCHRUN = (
-    "import subprocess, sys; subprocess.Popen([sys.executable, *sys.argv[1:]], start_new_session=True).wait()"
-)
-# A fake worker (its command line names the bench worker module): writes its pid files, then blocks.
-_FAKE_WORKER = """
-import os, sys, time
-for path in sys.argv[2:]:
-    with open(path, "w") as f:
-        f.write(str(os.getpid()))
-print("fake worker up", flush=True)
-time.sleep(120)
-"""
-
-
-def test_schedule_timeout_kills_workers_in_sessions_of_their_own(tmp_path, monkeypatch):
-    """Killing torchrun's process group does not reach its workers: the timeout must kill them by pid
-    file, and must not wait on an output a surviving worker holds open."""
-    seen = tmp_path / "worker.pid"
-
-    def fake_command(tmp: Path, repeats: int, nproc: int) -> list[str]:
-        worker = ["-c", _FAKE_WORKER, _schedule.WORKER, str(tmp / "rank0.pid"), str(seen)]
-        return [sys.executable, "-c", _FAKE_TORCHRUN, *worker]
-
-    monkeypatch.setattr(_schedule, "_command", fake_command)
-    t0 = time.monotonic()
-    with pytest.raises(ScheduleBenchError, match="timed out") as info:
-        run_schedule(repeats=1, timeout_s=5.0)
-    assert time.monotonic() - t0 < 30, "the timeout waited for the worker"
-    assert "fake worker up" in str(info.value)  # torchrun's output, read from its file
-    assert seen.exists(), "the fake worker did not start within the timeout"
-    _wait_until_gone(str(seen))
-    assert not alive(int(seen.read_text()))
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)  # SIGKILLed; only the reaping can still be pending
+    assert not any(alive(p) for p in pids)
+    _wait_until_gone(str(tmp_path))
 
 
 def test_repeats_fit_the_budget_and_orders_rotate():
@@ -281,7 +247,7 @@ def test_microbatch_loop_variants_run_and_are_exact():
 
 
 def test_step_parts_table_has_the_worker_s_parts_in_its_order():
-    """The columns are the records' kinds (the worker's _StepParts.KINDS and "other"), whatever they are."""
+    """The columns are the records' kinds (the fields of records.StepParts but "step"), whatever they are."""
     parts = {"F": 1.0, "B": 2.0, "W": 3.0, "wait": 0.5, "send": 0.25, "other": 0.25, "step": 7.0}
     lines = _report.step_parts_table({"parts_ms": {"ZBV/ppbackward": [parts]}}, {"ZBV/ppbackward": 6.0}).splitlines()
     assert lines[2].split() == ["variant", "rank", "step", "F", "B", "W", "wait", "send", "other", "replayed"]
@@ -292,7 +258,7 @@ def test_step_parts_table_has_the_worker_s_parts_in_its_order():
 def test_schedule_step_runs_every_variant_exactly():
     """One real torchrun launch: three schedules x two backwards (and the two zero-bubble ones merged),
     gradients equal, memory and each rank's step parts measured (Note [step parts])."""
-    result = run_schedule(repeats=1, timeout_s=600)
+    result = to_json(run_schedule(repeats=1, timeout_s=600))
     assert result["grads_match"] is True
     assert len(result["variants"]) == 8 and set(result["step_ms"]) == set(result["variants"])
     assert {v for v in result["variants"] if v.endswith("/merged")} == {
@@ -403,3 +369,35 @@ def test_plots_are_written_and_read_back(tmp_path):
     for png in pngs:
         image = matplotlib.image.imread(png)
         assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0  # drawn, not blank
+
+
+def test_schedule_bench_collects_every_rank_s_variants_into_one_result():
+    """The launcher's side of the bench: the slowest rank's step, the largest memory figure (a rank without
+    one does not count), parts per rank, and grads_match only when every rank's every variant passed."""
+    from ppbackward._tools.harness import records, schedule_bench
+
+    def verdict(rank: int, step_ms: float, rss: int | None, failed: str = "") -> records.RankVerdict:
+        cases = []
+        for i, name in enumerate(schedule_bench.variant_name(s, b) for s, _, b in schedule_bench.VARIANTS):
+            parts = records.StepParts(F=float(rank), step=step_ms + i)
+            memory = records.MemoryRecord(rss, None, 100 * rank + i)
+            bench = records.VariantRecord(step_ms + i, parts, [["F", 0.0, 1.0, rank, 0]], memory)
+            cases.append(records.CaseRecord(id=name, status="fail" if name == failed else "pass", bench=bench))
+        return records.RankVerdict(rank, 2, "upstream", mode="bench", cases=cases)
+
+    config = schedule_bench.BenchConfig()
+    result = schedule_bench.collect([verdict(0, 10.0, None), verdict(1, 20.0, 4096)], config, repeats=3)
+    assert result.grads_match is True and result.ranks == 2 and result.stages == 4 and result.repeats == 3
+    assert result.step_ms["Interleaved1F1B/upstream"] == 20.0 and result.step_ms["ZBVZeroBubble/merged"] == 27.0
+    assert result.ratio_to_1f1b["ZBVZeroBubble/merged"] == 27.0 / 20.0
+    assert result.memory["ZBVZeroBubble/merged"] == records.MemoryRecord(4096, None, 107)
+    assert [p.F for p in result.parts_ms["Interleaved1F1B/ppbackward"]] == [0.0, 1.0]
+    data = json.loads(json.dumps(to_json(result)))  # the report's schedule object, keys as report.py reads them
+    assert list(data["parts_ms"]["Interleaved1F1B/upstream"][0]) == ["F", "full", "B", "W", "wait", "other", "step"]
+    assert records.from_json(records.ScheduleBench, data) == result
+    failed = [verdict(0, 10.0, None), verdict(1, 20.0, None, failed="InterleavedZeroBubble/merged")]
+    assert schedule_bench.collect(failed, config, repeats=3).grads_match is False
+    missing = verdict(1, 20.0, None)
+    missing.cases[2].bench = None
+    with pytest.raises(ValueError, match=r"^InterleavedZeroBubble/upstream: 1 rank\(s\) without the variant's"):
+        schedule_bench.collect([verdict(0, 10.0, None), missing], config, repeats=3)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ppbackward._tools.bench import one_rank as _one_rank
-from ppbackward._tools.bench.schedule_worker import variant_name
+from ppbackward._tools.harness.schedule_bench import variant_name
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import ppbackward
 from ppbackward._install import merge_bw_enabled
 from ppbackward._tools.bench import one_rank as _one_rank
-from ppbackward._tools.bench.schedule_worker import variant_name
 from ppbackward._tools.cli.bench import main as bench_main
+from ppbackward._tools.harness.schedule_bench import variant_name
 
 TINY = _one_rank.QUICK._replace(repeats=1)
 

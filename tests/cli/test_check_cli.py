@@ -114,7 +114,10 @@ def test_check_without_torchrun_is_a_clear_error(monkeypatch, capsys):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch.distributed.run" else real(name, *a))
+    def find_spec(name, *args):
+        return None if name == "torch.distributed.run" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     assert _check.main([]) == 2
     assert "has no torch.distributed / torchrun" in capsys.readouterr().err
 
@@ -248,7 +251,8 @@ def test_footnotes_group_failures_by_kind_with_reason_report_rows_and_one_exampl
     assert "pytorch/pytorch#180952" in lines[0] and lines[1] == "    in: a S1"
     assert lines[2].startswith("    e.g. rank 0, exception: RuntimeError: Trying to backward")
     hooks_at = lines.index(next(line for line in lines if line.startswith("- hooks skipped in W")))
-    assert lines[hooks_at + 1] == "    in: a S2" and lines[hooks_at + 2] == "    e.g. rank 1, step 0: hooks: fired 0 times, expected 8"
+    assert lines[hooks_at + 1] == "    in: a S2"
+    assert lines[hooks_at + 2] == "    e.g. rank 1, step 0: hooks: fired 0 times, expected 8"
     assert lines[-2:] == ["- ValueError: something nobody has seen", "    in: b S1"]  # unknown kinds last, as recorded
 
 
@@ -346,7 +350,8 @@ def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, 
     ours = rows[("ScheduleZBVZeroBubble", "ppbackward")]
     assert "FAIL" not in ours and "32/32 ok" in ours  # one rank, one step: 2 stages x 4 params x 4 microbatches
     # torch's own W bypasses AccumulateGrad: its hook column fails, and that is not fatal.
-    assert "FAIL" in rows[("ScheduleZBVZeroBubble", "upstream")] and "hooks skipped in W" in rows[("ScheduleZBVZeroBubble", "upstream")]
+    theirs_row = rows[("ScheduleZBVZeroBubble", "upstream")]
+    assert "FAIL" in theirs_row and "hooks skipped in W" in theirs_row
     assert "- hooks skipped in W: torch's W bypasses AccumulateGrad" in text and "pytorch/pytorch#144530" in text
     assert "    in: mlp ScheduleZBVZeroBubble" in text and ": hooks: post-accumulate-grad hooks fired 0 times" in text
     assert "B pinned" not in text  # nothing leaked: no legend for it
@@ -363,7 +368,8 @@ def test_check_end_to_end_prints_table_verdict_and_json_and_cleans_up(tmp_path, 
     assert ours["hooks_fired"] == ours["hooks_expected"] == 32
     theirs = scenario["results"]["upstream"]["ScheduleZBVZeroBubble/mlp"]
     assert [f["kind"] for f in theirs["findings"]] == ["hooks-skipped"]
-    assert data["memory"]["upstream"]["held_over_floor"] > 1.3 and data["memory"]["ppbackward"]["held_over_floor"] == 1.0
+    memory = data["memory"]
+    assert memory["upstream"]["held_over_floor"] > 1.3 and memory["ppbackward"]["held_over_floor"] == 1.0
     report = md.read_text()  # the markdown report: the same verdict, the failures by kind, the cells
     assert report.startswith("## ppbackward check: PASS\n") and f"`{data['verdict']}`" in report
     assert "### torch's own backward failed, by kind" in report and "pytorch/pytorch#144530" in report

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ppbackward._compat import torch_release
-from ppbackward._tools.harness import diagnose, models, parallel, probes, schedules, worker
+from ppbackward._tools.harness import diagnose, models, parallel, probes, runner, schedules, worker
 from ppbackward._tools.harness.launch import LaunchResult
 from ppbackward._tools.harness.records import (
     CaseRecord,
@@ -162,22 +162,22 @@ def test_compare_flags_a_perturbed_grad_a_missing_grad_and_a_wrong_loss() -> Non
     lin(torch.randn(2, 3)).sum().backward()
     named = [(n, p.grad) for n, p in models.param_names(0, lin)]
     exact = {n: g.clone() for n, g in named}
-    info, failures = worker._compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.0])
+    info, failures = probes.compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.0])
     assert failures == [] and info.params_compared == 2 and info.max_abs_grad_err == 0.0
     off = dict(exact)
     off["stage0.weight"] = exact["stage0.weight"] + 1e-3
-    _, failures = worker._compare(named, _ref_for(off), None, step=1)
+    _, failures = probes.compare(named, _ref_for(off), None, step=1)
     (failure,) = failures
     assert failure.text.startswith("step 1: numerics: stage0.weight.grad: 9 of 9 elements outside tolerance")
     assert (failure.check, failure.kind) == ("numerics", "grads-wrong")
     within = dict(exact)
     within["stage0.weight"] = exact["stage0.weight"] * (1 + 1e-6)
-    assert worker._compare(named, _ref_for(within), None)[1] == []
+    assert probes.compare(named, _ref_for(within), None)[1] == []
     missing = dict(exact, **{"stage0.bias": None})
-    info, failures = worker._compare(named, _ref_for(missing), None)
+    info, failures = probes.compare(named, _ref_for(missing), None)
     assert failures[0].message == "stage0.bias.grad is set in the pipeline but None in the reference"
     assert (info.grads_unexpected, info.grads_none, failures[0].kind) == (1, 0, "grads-wrong")
-    info, failures = worker._compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.001])
+    info, failures = probes.compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.001])
     assert failures[0].message == "loss of microbatch 0 = 1.001, reference 1.0" and info.losses_wrong == 1
 
 
@@ -193,7 +193,7 @@ def test_a_numerics_failure_gets_its_kind_where_the_grads_are_compared(wrap: str
     want = {n: g.clone() + 1.0 for n, g in named}
     if grad_none:
         named = [(n, None) for n, _ in named]
-    info, failures = worker._compare(named, _ref_for(want), None, wrap=wrap, step=0)
+    info, failures = probes.compare(named, _ref_for(want), None, wrap=wrap, step=0)
     assert [f.kind for f in failures] == [kind, kind] and info.grads_none == (2 if grad_none else 0)
 
 
@@ -287,20 +287,22 @@ def test_hook_counter_counts_post_accumulate_calls_and_removes_its_hooks() -> No
 def test_start_step_gives_args_to_the_first_stage_and_the_target_to_the_last_and_resets_grads() -> None:
     lin = torch.nn.Linear(2, 2)
     named = models.param_names(0, lin)
-    hooks = probes.HookCounter(named)
     batch = models.Batch(args=(torch.ones(2, 2),), kwargs={"mask": "m"}, target=torch.zeros(2, 2))
-    try:
-        for first, last in ((True, False), (False, True), (True, True), (False, False)):
-            stage = types.SimpleNamespace(is_first=first, is_last=last)
-            ctx = worker.StepContext([stage], {0: lin}, named, hooks, models.get_model("mlp"), 2)
+    for first, last in ((True, False), (False, True), (True, True), (False, False)):
+        stage = types.SimpleNamespace(is_first=first, is_last=last)
+        case = runner.CaseRun(None, [stage], {0: lin}, named, models.get_model("mlp"), 2, probes.CHECK_TOLERANCE)
+        hooks = probes.HooksProbe(case)
+        try:
             lin(torch.ones(1, 2)).sum().backward()
-            assert lin.weight.grad is not None and hooks.calls["stage0.weight"] == 1
-            args, kwargs = worker._start_step(ctx, batch)
+            assert lin.weight.grad is not None and hooks.counter.calls["stage0.weight"] == 1
+            args, kwargs = runner.start_step(case, batch)
             assert args == (batch.args if first else ())
             assert kwargs == ({"mask": "m", "target": batch.target} if last else {"mask": "m"})
-            assert lin.weight.grad is None and lin.bias.grad is None and set(hooks.calls.values()) == {0}
-    finally:
-        hooks.remove()
+            assert lin.weight.grad is None and lin.bias.grad is None
+            hooks.before(runner.StepRun(0))
+            assert set(hooks.counter.calls.values()) == {0}
+        finally:
+            hooks.close()
 
 
 def test_select_backward_rejects_an_unknown_mode() -> None:
@@ -397,8 +399,9 @@ def test_scenarios_select_default_all_and_names_and_refuse_unknown_ones() -> Non
     assert [s.name for s in scenarios.select("default")] == list(scenarios.DEFAULT)
     assert len(scenarios.select("all")) == len(scenarios.SCENARIOS)
     ddp = scenarios.select("ddp")[0]
-    assert ddp.worker_args() == ["--models", "mlp", "--dp", "2", "--wraps", "ddp"] and ddp.layout == "4 ranks: dp 2 x pp 2"
-    with pytest.raises(ValueError, match="unknown scenario.s. nope; known: transformer"):
+    assert ddp.worker_args() == ["--models", "mlp", "--dp", "2", "--wraps", "ddp"]
+    assert ddp.layout == "4 ranks: dp 2 x pp 2"
+    with pytest.raises(ValueError, match=r"unknown scenario.s. nope; known: transformer"):
         scenarios.select("lora,nope")
     for scenario in scenarios.SCENARIOS.values():  # every scenario names real models and wrappers
         assert models.model_names(",".join(scenario.models)) == list(scenario.models)

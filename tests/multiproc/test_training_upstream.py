@@ -91,7 +91,9 @@ CELLS = [
 
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
-@pytest.mark.parametrize(("launch", "case"), CELLS, ids=[f"{c}[{'+'.join(sorted(expected_kinds(c))) or 'pass'}]" for _, c in CELLS])
+@pytest.mark.parametrize(
+    ("launch", "case"), CELLS, ids=[f"{c}[{'+'.join(sorted(expected_kinds(c))) or 'pass'}]" for _, c in CELLS]
+)
 def test_torch_backward_fails_exactly_the_stated_kinds(launch: str, case: str, launches) -> None:
     result = launches(launch)
     assert result.complete, result.format_launch()
@@ -102,6 +104,5 @@ def test_torch_backward_fails_exactly_the_stated_kinds(launch: str, case: str, l
     found.discard("peer-failed")  # a rank waiting for the one that raised: a consequence
     expected = expected_kinds(case)
     reasons = "\n".join(f"  {k.key}: {k.reason}" for k in KINDS if k.key in expected | found)
-    assert found == expected, f"{case}: torch's backward failed with {sorted(found)}, stated {sorted(expected)}\n{reasons}\n" + (
-        result.format_case(case) if found else ""
-    )
+    stated = f"{case}: torch's backward failed with {sorted(found)}, stated {sorted(expected)}\n{reasons}\n"
+    assert found == expected, stated + (result.format_case(case) if found else "")

@@ -1,7 +1,7 @@
 """Private: the one place that starts torchrun processes, and the one way a launch is stopped.
 
 Used by every torchrun launch of the package: the harness (``ppbackward._tools.harness.launch``: ``ppbackward
-check`` and ``tests/multiproc``) and the schedule benchmark (``ppbackward._tools.bench.schedule``).
+check``, ``tests/multiproc`` and the schedule benchmark, ``ppbackward._tools.harness.schedule_bench``).
 :func:`torchrun_command` is ``python -m torch.distributed.run --standalone --nproc-per-node N
 --max-restarts=0 -m MODULE ...`` with the *current* interpreter (its own rendezvous on a free port, never
 a fixed one); :func:`start` runs it in a session of its own with ``OMP_NUM_THREADS=1``, its output going

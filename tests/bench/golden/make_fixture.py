@@ -4,7 +4,7 @@ Run from the repository root: ``PYTHONPATH=src python tests/bench/golden/make_fi
 minute on 2 cores). The configurations, the allocator counts, the device work, the memory figures, the
 scaling sweep and the profile are measured (``ppbackward bench``, one or two repeats; timings are
 noise, which does not matter here: the test checks the text made from fixed numbers, not the numbers);
-the schedule step is made up, in the worker's format (``ppbackward._tools.bench.schedule_worker``), as
+the schedule step is made up, in the worker's format (``ppbackward._tools.harness.schedule_bench``), as
 a torchrun launch would cost minutes. No targets: the test evaluates them (its expected records are
 in ``targets.json``).
 

@@ -5,7 +5,7 @@ world-1 process group (gloo; nccl on CUDA where torch has it) is set up in this 
 and destroyed after it (its store lives in a temporary directory, removed with it); a default group
 already initialised is refused rather than replaced. The model is :data:`STAGES` stages, each a stack
 of encoder layers (stage ``i`` built from seed ``100 + i``, as in the torchrun benchmark, Note
-[schedule benchmark] in ``schedule_worker``), all on this rank: the loop placement and the V
+[schedule benchmark] in ``ppbackward._tools.harness.schedule_bench``), all on this rank: the loop placement and the V
 placement both put stages 0 and 1 here (ZBVZeroBubble needs exactly two stages per rank), and torch's
 runtime passes each stage's output to the next stage locally, so the step has no communication and no
 bubble at all. What it measures is therefore the runtime's own work and the B/W split's overhead, not
@@ -17,7 +17,7 @@ ppbackward's, and InterleavedZeroBubble and ZBVZeroBubble with torch's B/W (``pp
 with ppbackward's (``ppbackward.install()``) and merged (built while ``ppbackward.install(merge_bw=True)``
 is on: Note [merged B and W] in ``ppbackward._merge``; on one rank every W directly follows its own B,
 so every pair is merged). Each is built once and stepped once untimed; that first step's grads are
-compared with the reference's (``_schedule_worker.grads_close``). A variant that torch refuses to build
+compared with the reference's (``schedule_bench.grads_close``). A variant that torch refuses to build
 (e.g. DualPipeV with fewer microbatches than stages), or whose first step raises under torch's own
 backward, is recorded as skipped with the message; a first step that raises under ppbackward's backward
 (``ppbackward`` or ``merged``) is an error, as is any failure of the reference. Then every repeat
@@ -43,9 +43,9 @@ from torch.distributed.pipelining import schedules as _schedules
 import ppbackward
 from ppbackward._install import merge_bw_enabled
 from ppbackward._merge import count_compute
-from ppbackward._tools.bench.schedule_worker import build_stages, grads_close, mse_loss, param_grads, variant_name
 from ppbackward._tools.bench.timing import device_clock, gc_paused, rotations
 from ppbackward._tools.harness.models import build_stack
+from ppbackward._tools.harness.schedule_bench import build_stages, grads_close, mse_loss, param_grads, variant_name
 
 __all__ = [  # private module: what other modules use
     "QUICK",

@@ -480,7 +480,7 @@ def format_text(report: Report) -> str:
 
 
 def step_parts_table(sched: dict[str, Any], replayed: dict[str, float] | None = None) -> str:
-    """Where the real step's time goes, per variant and rank (Note [step parts] in ``schedule_worker``):
+    """Where the real step's time goes, per variant and rank (Note [step parts] in ``harness.bench_probes``):
     ms of F, full backwards, B, W, waiting for a peer and the rest, in each variant's fastest step;
     ``replayed``: ``{variant: replayed step ms}`` (the replay of the same stage shape, sending free),
     shown beside the slowest rank's step."""
@@ -488,7 +488,7 @@ def step_parts_table(sched: dict[str, Any], replayed: dict[str, float] | None = 
     if not parts:
         return ""
     first = next(iter(parts.values()))[0]
-    kinds = [k for k in first if k != "step"]  # the worker's kinds, in its order (_StepParts), "other" last
+    kinds = [k for k in first if k != "step"]  # the worker's kinds, in its order (records.StepParts), "other" last
     rows = []
     for name, ranks in parts.items():
         replay = (replayed or {}).get(name)

@@ -221,9 +221,9 @@ def measure(
 
 
 def targets(result: dict[str, Any], schedule: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Issue 22's targets as rows of ``_report.targets`` (``_report._target``): B+W over the full
+    """The split's targets as rows of ``report.targets`` (``report.target_row``): B+W over the full
     backward per configuration and regime, B alone <= the full backward; with the real torchrun step
-    (``schedule``, from ``_schedule.run_schedule``), ZBVZeroBubble <= 1.00x and InterleavedZeroBubble <=
+    (``schedule``, from ``schedule_bench.run_schedule``), ZBVZeroBubble <= 1.00x and InterleavedZeroBubble <=
     1.05x the Interleaved1F1B step."""
     from ppbackward._tools.bench.report import target_row
 
@@ -332,13 +332,14 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     report: dict[str, Any] = {"meta": meta, "split": split}
     failed = False
     if args.schedule:
-        from ppbackward._tools.bench import schedule as _schedule
+        from ppbackward._tools.harness import schedule_bench as _schedule
+        from ppbackward._tools.harness.records import to_json
 
         try:
-            report["schedule"] = _schedule.run_schedule(
+            report["schedule"] = to_json(_schedule.run_schedule(
                 repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout,
                 d_model=args.schedule_d_model,
-            )
+            ))
             failed = not report["schedule"]["grads_match"]
         except _schedule.ScheduleBenchError as e:
             report["schedule"] = {"error": str(e)}

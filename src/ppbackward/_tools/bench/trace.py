@@ -4,7 +4,8 @@ Private module. Note [step traces]: ``ppbackward bench --schedule --trace DIR`` 
 schedule variant in the Chrome trace event format (``{"traceEvents": [...]}``, complete events ``"ph":
 "X"`` with microsecond ``ts`` and ``dur``), which Perfetto (ui.perfetto.dev) and ``chrome://tracing``
 open as they are, as they open what ``torch.profiler`` exports. One process per rank, named ``rank R``:
-one slice per timed call of the variant's fastest step (Note [step parts]: ``F``, ``full backward``,
+one slice per timed call of the variant's fastest step (Note [step parts] in
+``ppbackward._tools.harness.bench_probes``: ``F``, ``full backward``,
 ``B``, ``W``, ``waiting for a peer``), with its stage and microbatch in ``args``, and ``the rest`` filling
 every gap up to the step's end (the schedule's own Python, posting sends, the loss), so the slices of a
 rank tile its step and their durations add up to the parts ``--schedule`` prints. With ``--split``
@@ -37,7 +38,7 @@ def _process(pid: int, name: str) -> dict[str, Any]:
 
 def rank_events(rank: int, slices: list[list], step_ms: float) -> list[dict[str, Any]]:
     """The events of one rank's measured step: its slices (``[kind, start ms, ms, stage, microbatch]``,
-    the worker's ``_StepParts.slices``) and ``the rest`` in every gap before ``step_ms``."""
+    the bench's ``records.PartsRecord.slices``) and ``the rest`` in every gap before ``step_ms``."""
     events = [_process(rank, f"rank {rank}")]
     cursor = 0.0
     for kind, start, dur, stage, microbatch in sorted(slices, key=lambda s: s[1]):
@@ -75,8 +76,8 @@ def replay_events(schedule: str, costs: dict[str, float], ranks: int, microbatch
 
 def step_trace(sched: dict[str, Any], variant: str, costs: dict[str, float] | None = None) -> dict[str, Any]:
     """The Chrome trace of ``variant`` (e.g. ``"ZBVZeroBubble/ppbackward"``) of a ``--schedule`` result
-    (``_schedule.run_schedule``), with the replayed step when ``costs`` (the ``--split`` costs of the same
-    stage shape) are given."""
+    (``to_json(schedule_bench.run_schedule())``), with the replayed step when ``costs`` (the ``--split``
+    costs of the same stage shape) are given."""
     events: list[dict[str, Any]] = []
     for rank, (slices, parts) in enumerate(zip(sched["slices_ms"][variant], sched["parts_ms"][variant])):
         events += rank_events(rank, slices, parts["step"])

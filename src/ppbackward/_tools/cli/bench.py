@@ -86,7 +86,7 @@ def _add_schedule_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--schedule-timeout", type=float, default=300.0,
-        help="seconds before the torchrun process group is killed (default 300)",
+        help="seconds without progress of any rank before the torchrun launch is killed (default 300)",
     )
 
 
@@ -282,14 +282,15 @@ def _measure_config(cfg: Any, request: _Request) -> dict[str, Any]:
 
 def _measure_schedule(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     """The schedule step under torchrun; returns its report and whether it failed."""
-    from ppbackward._tools.bench import schedule as _schedule
+    from ppbackward._tools.harness import schedule_bench as _schedule
+    from ppbackward._tools.harness.records import to_json
 
     _log("bench: schedule step under torchrun ...")
     try:
-        result = _schedule.run_schedule(
+        result = to_json(_schedule.run_schedule(
             repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout,
             d_model=args.schedule_d_model,
-        )
+        ))
     except _schedule.ScheduleBenchError as e:
         return {"error": str(e)}, True
     return result, not result["grads_match"]

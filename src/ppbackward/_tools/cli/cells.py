@@ -98,7 +98,7 @@ def _grads_why(records: dict[int, CaseRecord]) -> str | None:
     None in the pipeline), ``grad set`` (the reverse), ``loss``, ``losses`` (their count) or ``replicas``,
     from the numerics records of the ranks with a numerics or replicas failure; ``None`` for none."""
     steps = [s.numerics for r in records.values() if any(f.check in ("numerics", "replicas") for f in r.failures)
-             for s in r.steps]
+             for s in r.steps if s.numerics is not None]
     for why, found in (("grad None", any(n.grads_none for n in steps)),
                        ("grad set", any(n.grads_unexpected for n in steps)),
                        ("loss", any(n.losses_wrong for n in steps)),

@@ -20,6 +20,11 @@ worker's stack dumped to its log, then every process of the launch killed.
 :class:`LaunchResult` then answers "did every rank report, and did every case pass", and formats what
 went wrong as one block per failing case (each failing rank's failures, traceback and log excerpt),
 or one block for the whole launch (timeout, crash, missing verdicts) with every rank's log tail.
+
+A worker module other than the harness worker (``launch(module=...)``: the torchtitan test's) keeps the
+harness worker's protocol: it takes ``--out DIR --launched-at T`` first, writes ``rank<r>.pid``, the events
+of Note [event stream] (``records.EventWriter``) and ``rank<r>.json`` (a ``records.RankVerdict``), and
+dumps its stacks on ``SIGUSR1``.
 """
 
 from __future__ import annotations
@@ -200,7 +205,7 @@ class LaunchResult:
                 continue
             lines.extend(f"    {f.text}" for f in record.failures)
             for step in record.steps:
-                for chain in step.garbage.chains[:1]:
+                for chain in (step.garbage.chains if step.garbage else [])[:1]:
                     lines.append(f"    step {step.step} first back-reference chain:")
                     lines.append(_indent(chain, "      "))
             if record.error:
@@ -364,6 +369,23 @@ def _prepare(
     return out, command, full_env
 
 
+def _supervise(
+    proc: subprocess.Popen[bytes], out: Path, module: str, wait: Callable[[], str | None]
+) -> str | None:
+    """``wait()`` for the launch; on a hang (its kind returned) or an interruption, every worker's stack
+    dumped and every process of the launch killed (Note [killing a hung launch] in ``_tools.torchrun``)."""
+    try:
+        hang = wait()
+        if hang is not None:
+            dump_stacks(out, module)
+            stop(proc, out, module)
+        return hang
+    except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
+        dump_stacks(out, module, grace=2.0)
+        stop(proc, out, module)
+        raise
+
+
 def launch(
     nproc: int,
     worker_args: Sequence[str],
@@ -394,11 +416,8 @@ def launch(
             is killed; default ``max(300, timeout)``: a backstop, never reached on a healthy machine.
         on_wait: called with one line saying what is running whenever ``QUIET_S`` seconds pass without
             a finished case (Note [progress says what runs]).
-        module: the worker module torchrun starts (default the harness worker). Another module must keep
-            the harness worker's protocol: take ``--out DIR --launched-at T`` first, write
-            ``rank<r>.pid``, the events of Note [event stream] (``records.EventWriter``) and
-            ``rank<r>.json`` (a ``records.RankVerdict``), and dump its stacks on ``SIGUSR1`` (the
-            torchtitan test's worker does).
+        module: the worker module torchrun starts (default the harness worker); another keeps its
+            protocol (module docstring).
         python: the interpreter that runs torchrun and the workers (default: this one); ppbackward comes
             from this checkout through ``PYTHONPATH`` either way.
 
@@ -419,15 +438,7 @@ def launch(
 
     reporter = _CaseReporter(out, nproc, None if on_case is None else seen, on_wait)
     proc = start(command, out / "torchrun.log", full_env)
-    try:
-        hang = _wait(proc, nproc, timeout, startup, reporter)
-        if hang is not None:
-            dump_stacks(out, module)
-            stop(proc, out, module)
-    except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
-        dump_stacks(out, module, grace=2.0)
-        stop(proc, out, module)
-        raise
+    hang = _supervise(proc, out, module, lambda: _wait(proc, nproc, timeout, startup, reporter))
     return LaunchResult(
         command=command, out_dir=out, world_size=nproc, returncode=proc.returncode, timeout=timeout,
         seconds=time.monotonic() - t0, verdicts={r: read_verdict(out / f"rank{r}.json") for r in range(nproc)},

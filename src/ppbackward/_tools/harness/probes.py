@@ -1,16 +1,30 @@
-"""Private: what the worker measures around one schedule step, on one rank.
+"""Private: the check's probes, what ``ppbackward check`` measures around one schedule step on one rank.
 
-Four probes, each returning plain numbers that go into the rank's JSON verdict:
+Each is a :class:`~ppbackward._tools.harness.runner.Probe` (Note [probe phases] there) whose record fills
+one field of the step's ``StepRecord``; :func:`check_probes` lists them in the order they must run:
 
-* :func:`garbage_probe` — tensors and autograd nodes left in reference cycles by the step
-  (:func:`ppbackward.leaks.check_tensor_leaks`: anything found fails the step);
-* :class:`ActivationProbe` — every activation autograd saves during the step, stage inputs included
-  (:func:`ppbackward.leaks.track_activations` with ``include_leaves=True``; parameters are not
-  activations and are not recorded),
-  and which are still alive once the stage's runtime state is cleared: with the gc disabled, after
-  releasing what the stage keeps by design, and after a gc run;
-* :func:`stage_caches` — the stage's per-microbatch caches after the step;
-* :class:`HookCounter` — ``register_post_accumulate_grad_hook`` calls per parameter.
+* :class:`GarbageProbe` — tensors and autograd nodes left in reference cycles by the step
+  (:func:`ppbackward.leaks.check_tensor_leaks`, through :func:`garbage_probe`: anything found fails the step);
+* :class:`LifetimeProbe` — every activation autograd saves during the step, stage inputs included
+  (:class:`ActivationProbe`: :func:`ppbackward.leaks.track_activations` with ``include_leaves=True``;
+  parameters are not activations and are not recorded), and which are still alive once the stage's
+  runtime state is cleared: with the gc disabled, after releasing what the stage keeps by design, and
+  after a gc run;
+* :class:`CachesProbe` — the stage's and the schedule's per-microbatch caches after the step
+  (:func:`stage_caches`, :func:`schedule_caches`);
+* :class:`NumericsProbe` — each microbatch's loss and every local parameter's grad against the
+  single-process reference (:func:`compare`, Note [one numerics rule]), and with DDP the replicas;
+* :class:`SideEffectsProbe` — the model's own side-effect counts (a checkpointed region recomputed once,
+  a custom Function's backward run once);
+* :class:`HooksProbe` — ``register_post_accumulate_grad_hook`` calls per parameter (:class:`HookCounter`).
+
+Note [one numerics rule]: every comparison with a reference, the check's and the bench's, is
+:func:`compare`: each grad and each microbatch loss within ``|x - ref| <= atol + rtol * |ref|`` elementwise
+(``Tolerance.outside``) of a single-process reference of the same stages on the same microbatches
+(``ppbackward._tools.harness.models.reference_step``: grads accumulated over microbatches, nothing
+scaled). The tolerance is part of the case (``CaseRun.tolerance``): the check's zoo models use
+:data:`CHECK_TOLERANCE`; the bench's deeper encoder stacks carry their own
+(``ppbackward._tools.harness.schedule_bench``).
 
 Note [kept by design]: after ``clear_runtime_states()`` torch's ``PipelineStage`` still holds, by design
 and for reuse by the next step, ``recv_buffer``: ``stage.args_recv_info[mb][i].buffer``, the input
@@ -49,19 +63,40 @@ import inspect
 import re
 import shutil
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ppbackward._tools.harness.records import CacheCount, GarbageRecord, KeptByDesign, LifetimeRecord
+from ppbackward._tools.harness import models as zoo
+from ppbackward._tools.harness import parallel
+from ppbackward._tools.harness.records import (
+    CacheCount,
+    Failure,
+    GarbageRecord,
+    HooksRecord,
+    KeptByDesign,
+    LifetimeRecord,
+    NumericsRecord,
+    Tolerance,
+)
+from ppbackward._tools.harness.runner import CaseRun, Probe, StepRun
 from ppbackward.leaks import check_tensor_leaks, track_activations
 
 __all__ = [
+    "CHECK_TOLERANCE",
     "KEPT_BY_DESIGN",
     "ActivationProbe",
+    "CachesProbe",
+    "GarbageProbe",
     "GarbageResult",
     "HookCounter",
+    "HooksProbe",
+    "LifetimeProbe",
+    "NumericsProbe",
+    "SideEffectsProbe",
+    "check_probes",
+    "compare",
     "garbage_probe",
     "outputs_kept_on_every_stage",
     "recv_buffers_kept_by_stage",
@@ -69,6 +104,9 @@ __all__ = [
     "stage_caches",
 ]
 
+
+#: The check's numerics rule (Note [one numerics rule]): float32 grads and losses of the zoo's models.
+CHECK_TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
 
 #: What torch's stage keeps after a step, by name (Note [kept by design], Note [kept caches]).
 KEPT_BY_DESIGN = {
@@ -352,3 +390,281 @@ class HookCounter:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+# ----------------------------------------------------------------------------------------------------
+# numerics
+
+
+def _numerics_kind(wrap: str, grad_none: bool) -> str:
+    """The kind of a numerics failure (Note [failure kinds] in ``records``): FSDP2's swap loses grads of
+    any kind; a grad ``None`` in the pipeline is a missing grad (torchtitan's shape with ``fsdp-titan``);
+    anything else is a wrong grad."""
+    if wrap == "fsdp":
+        return "fsdp-swap"
+    if grad_none:
+        return "fsdp-loss-reshard" if wrap == "fsdp-titan" else "grads-missing"
+    return "grads-wrong"
+
+
+def _loss_failures(
+    losses: list[float] | None, ref: zoo.ReferenceResult, tolerance: Tolerance
+) -> tuple[float, int, bool, list[str]]:
+    """The losses against the reference's: max |loss - ref|, how many are outside ``tolerance``, whether
+    they are miscounted, and the failure messages."""
+    messages = []
+    miscounted = losses is not None and len(losses) != len(ref.losses)
+    if losses is not None and miscounted:
+        messages.append(f"{len(losses)} losses, reference has {len(ref.losses)}")
+    loss_err, wrong = 0.0, 0
+    for mb, (got, want_t) in enumerate(zip(losses or [], ref.losses)):
+        want = float(want_t)
+        loss_err = max(loss_err, abs(got - want))
+        if tolerance.outside(got, want):
+            wrong += 1
+            messages.append(f"loss of microbatch {mb} = {got!r}, reference {want!r}")
+    return loss_err, wrong, miscounted, messages
+
+
+def compare(
+    grads: Sequence[tuple[str, torch.Tensor | None]],
+    ref: zoo.ReferenceResult,
+    losses: list[float] | None,
+    wrap: str = "none",
+    step: int | None = None,
+    tolerance: Tolerance = CHECK_TOLERANCE,
+) -> tuple[NumericsRecord, list[Failure]]:
+    """Every grad (``(name, grad)``, names as ``ref.grads``'s) and loss against the reference, within
+    ``tolerance`` elementwise (Note [one numerics rule]); the step's numerics record and its ``numerics``
+    failures (``wrap`` decides their kind: :func:`_numerics_kind`).
+
+    Raises:
+        KeyError: a grad's name the reference does not have.
+    """
+    failures: list[Failure] = []
+    counts = {"compared": 0, "none": 0, "unexpected": 0}
+    max_abs, worst = 0.0, ""
+
+    def fail(message: str, grad_none: bool = False) -> None:
+        failures.append(Failure("numerics", _numerics_kind(wrap, grad_none), message, step))
+
+    for name, got in grads:
+        want = ref.grads[name]
+        if want is None and got is None:
+            continue
+        counts["compared"] += 1
+        if want is None or got is None:
+            counts["none" if got is None else "unexpected"] += 1
+            fail(f"{name}.grad is {'None' if got is None else 'set'} in the pipeline but "
+                 f"{'None' if want is None else 'set'} in the reference", grad_none=got is None)
+            continue
+        if got.shape != want.shape:
+            fail(f"{name}.grad shape {list(got.shape)} != reference {list(want.shape)}")
+            continue
+        got = got.detach().cpu()
+        diff = (got - want).abs()
+        err = float(diff.max()) if diff.numel() else 0.0
+        if err > max_abs:
+            max_abs, worst = err, name
+        bad = int(tolerance.outside(got, want).sum())
+        if bad:
+            fail(f"{name}.grad: {bad} of {diff.numel()} elements outside tolerance (max |grad - ref| = {err:.3e})")
+    loss_err, losses_wrong, miscounted, messages = _loss_failures(losses, ref, tolerance)
+    for message in messages:
+        fail(message)
+    record = NumericsRecord(
+        params_compared=counts["compared"], max_abs_grad_err=max_abs, worst_param=worst,
+        losses_compared=0 if losses is None else len(losses), max_abs_loss_err=loss_err,
+        grads_none=counts["none"], grads_unexpected=counts["unexpected"], losses_wrong=losses_wrong,
+        losses_miscounted=miscounted,
+    )
+    return record, failures
+
+
+# ----------------------------------------------------------------------------------------------------
+# the check's probes (Note [probe phases] in ppbackward._tools.harness.runner)
+
+
+class GarbageProbe(Probe):
+    """Reference cycles left by the step: :func:`garbage_probe` from before the step to its finish."""
+
+    field = "garbage"
+    gc_off = True
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._result: GarbageResult | None = None
+
+    def before(self, step: StepRun) -> None:
+        self._result = self._stack.enter_context(garbage_probe())
+
+    def finish(self, step: StepRun) -> tuple[GarbageRecord, list[Failure]]:
+        self._stack.close()  # check_tensor_leaks collects and counts here
+        assert self._result is not None
+        garbage = self._result.to_record()
+        if garbage.ok:
+            return garbage, []
+        return garbage, [Failure("garbage", "reference-cycle",
+            f"{garbage.tensors} tensors and {garbage.nodes} autograd nodes in reference cycles after the step "
+            f"({garbage.tensor_bytes} B pinned)", step.step)]
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _lifetime_failures(lt: LifetimeRecord, step: int) -> list[Failure]:
+    """The lifetime probe's failures of one step."""
+    failures = []
+    example = f"; e.g. {lt.examples[0]}" if lt.examples else ""
+    if lt.freed_only_by_gc:
+        failures.append(Failure("lifetime", "reference-cycle",
+            f"{lt.freed_only_by_gc} saved activations ({lt.bytes_freed_only_by_gc} B) outlived the step and were "
+            f"freed only by a gc run (a reference cycle held them){example}", step))
+    if lt.held_after_gc:
+        failures.append(Failure("lifetime", "held-activations",
+            f"{lt.held_after_gc} saved activations ({lt.bytes_held_after_gc} B) still alive after "
+            "clear_runtime_states(), releasing the receive buffers and a gc run (a live reference holds them)"
+            f"{example}", step))
+    if lt.nodes_held_after_gc or lt.packed_held_after_gc:
+        failures.append(Failure("lifetime", "held-activations",
+            f"{lt.nodes_held_after_gc} autograd nodes and {lt.packed_held_after_gc} packed saved tensors "
+            f"({lt.bytes_packed_held_after_gc} B) of the step still alive after it, the stage's state cleared "
+            "and a gc run (a live reference, or a cycle inside C++ the gc cannot see); "
+            f"e.g. {', '.join(lt.node_examples)}", step))
+    return failures
+
+
+class LifetimeProbe(Probe):
+    """The saved activations' lifetime (:class:`ActivationProbe`, Note [kept by design]): recorded during
+    the step, looked at after ``clear_runtime_states()``, after releasing the receive buffers of ``stages``,
+    and after a gc run (at its finish, once the garbage probe has ended)."""
+
+    field = "lifetime"
+    gc_off = True
+
+    def __init__(self, stages: Sequence[Any]) -> None:
+        self.stages = stages
+        self._stack = contextlib.ExitStack()
+        self._activations = ActivationProbe()
+
+    def before(self, step: StepRun) -> None:
+        self._activations = ActivationProbe()
+        self._stack.enter_context(self._activations.record())
+
+    def after_step(self, step: StepRun) -> None:
+        self._stack.close()
+
+    def after_clear(self, step: StepRun) -> None:
+        self._activations.after_clear()
+        self._activations.release_recv_buffers(self.stages)
+
+    def finish(self, step: StepRun) -> tuple[LifetimeRecord, list[Failure]]:
+        self._activations.after_gc()
+        lifetime = self._activations.to_record()
+        return lifetime, _lifetime_failures(lifetime, step.step)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+class CachesProbe(Probe):
+    """The schedule's and every stage's caches once the step returned (Note [kept caches])."""
+
+    field = "caches"
+
+    def __init__(self, schedule: Any, stages: Sequence[Any], n_microbatches: int) -> None:
+        self.schedule, self.stages, self.n_microbatches = schedule, stages, n_microbatches
+        self._found: tuple[dict[str, dict[str, CacheCount]], list[Failure]] = ({}, [])
+
+    def after_step(self, step: StepRun) -> None:
+        found, bad = schedule_caches(self.schedule)
+        caches, messages = {"schedule": found}, list(bad)
+        for stage in self.stages:
+            found, bad = stage_caches(stage, self.n_microbatches)
+            caches[f"stage {stage.stage_index}"] = found
+            messages += bad
+        self._found = caches, [Failure("caches", "stage-caches", m, step.step) for m in messages]
+
+    def finish(self, step: StepRun) -> tuple[dict[str, dict[str, CacheCount]], list[Failure]]:
+        return self._found
+
+
+class NumericsProbe(Probe):
+    """Grads and losses against the step's reference (:func:`compare`, the case's tolerance); with DDP,
+    the replicas' grads against each other."""
+
+    field = "numerics"
+
+    def __init__(self, case: CaseRun) -> None:
+        self.case = case
+
+    def finish(self, step: StepRun) -> tuple[NumericsRecord, list[Failure]]:
+        case = self.case
+        if step.reference is None:
+            raise ValueError(f"step {step.step}: the numerics probe needs the step's reference result")
+        grads = parallel.full_grads(case.named)  # collective over the dp group with FSDP2
+        numerics, failures = compare(grads, step.reference, step.losses, case.wrap, step.step, case.tolerance)
+        if case.wrap == "ddp":
+            diff, messages = parallel.replica_failures(case.named, case.dp_group)
+            numerics = dataclasses.replace(numerics, max_replica_diff=diff, replicas_diverged=bool(messages))
+            failures += [Failure("replicas", "ddp-replicas", m, step.step) for m in messages]
+        return numerics, failures
+
+
+class SideEffectsProbe(Probe):
+    """The model's side-effect counts after the step (``ModelSpec.side_effects``; it resets them): a
+    checkpointed region recomputed again, or a custom Function's backward run twice. Failures only."""
+
+    def __init__(self, case: CaseRun) -> None:
+        self.case = case
+        recompute = case.spec.side_effects is zoo._side_effects_recompute
+        self.kind = "recompute-more" if recompute else "side-effects-twice"
+
+    def finish(self, step: StepRun) -> tuple[None, list[Failure]]:
+        case = self.case
+        shards = 1 if step.reference is None else step.reference.shards
+        found = case.spec.side_effects(case.modules, case.reference, case.n_microbatches, shards)
+        return None, [Failure("side effects", self.kind, m.removeprefix("side effects: "), step.step) for m in found]
+
+
+class HooksProbe(Probe):
+    """Post-accumulate-grad hook calls: once per trainable parameter per microbatch
+    (``ModelSpec.accumulations`` times for one the model accumulates into more often). FSDP2's autograd
+    runs on unsharded copies of its parameters, so with an ``fsdp`` wrap no hook is registered."""
+
+    field = "hooks"
+
+    def __init__(self, case: CaseRun) -> None:
+        self.case = case
+        self.counter = HookCounter([] if case.wrap.startswith("fsdp") else case.named)
+
+    def before(self, step: StepRun) -> None:
+        self.counter.reset()
+
+    def finish(self, step: StepRun) -> tuple[HooksRecord, list[Failure]]:
+        calls = self.counter.calls
+        want = {n: self.case.n_microbatches * self.case.spec.accumulations(n) for n in calls}
+        wrong = {n: c for n, c in calls.items() if c != want[n]}
+        record = HooksRecord(fired=sum(calls.values()), expected=sum(want.values()), params_wrong=len(wrong))
+        if not wrong:
+            return record, []
+        name, got = next(iter(wrong.items()))
+        message = (f"post-accumulate-grad hooks fired {record.fired} times, expected {record.expected} "
+                   f"({len(wrong)} parameters off, e.g. {name}: {got} != {want[name]})")
+        return record, [Failure("hooks", "hooks-skipped", message, step.step)]
+
+    def close(self) -> None:
+        self.counter.remove()
+
+
+def check_probes(case: CaseRun) -> list[Probe]:
+    """The check's probes of ``case``, in the order they must run (Note [probe phases]): the garbage
+    probe's leak check ends before the lifetime probe's gc run; the hook counter is registered here."""
+    return [
+        CachesProbe(case.schedule, case.pp_stages, case.n_microbatches),
+        GarbageProbe(),
+        LifetimeProbe(case.pp_stages),
+        NumericsProbe(case),
+        SideEffectsProbe(case),
+        HooksProbe(case),
+    ]

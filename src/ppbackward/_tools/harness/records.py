@@ -44,13 +44,20 @@ __all__ = [
     "HooksRecord",
     "KeptByDesign",
     "LifetimeRecord",
+    "MemoryRecord",
     "NumericsRecord",
+    "PartsRecord",
     "RankVerdict",
+    "RssRecord",
+    "ScheduleBench",
     "SchemaError",
     "StepMeasures",
+    "StepParts",
     "StepRecord",
+    "StepTime",
     "Timeouts",
     "Tolerance",
+    "VariantRecord",
     "events_path",
     "from_json",
     "read_verdict",
@@ -294,17 +301,89 @@ class HooksRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepTime:
+    """The step time probe's record: this rank's ``own_s`` and the slowest rank's ``slowest_s`` (seconds)."""
+
+    own_s: float
+    slowest_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+    """Where one step's time went on one rank, ms (Note [step parts] in ``ppbackward._tools.harness.bench_probes``):
+    forwards ``F``, full backwards ``full``, ``B``, ``W``, waits for a peer ``wait``, the rest ``other``, and
+    the whole ``step``. The fields' order is the report's column order."""
+
+    F: float = 0.0
+    full: float = 0.0
+    B: float = 0.0
+    W: float = 0.0
+    wait: float = 0.0
+    other: float = 0.0
+    step: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PartsRecord:
+    """The step parts probe's record: the ``parts``, and one slice per timed call (``[kind, start ms from
+    the step's start, ms, stage index or None, microbatch or None]``, the timeline of ``--trace``)."""
+
+    parts: StepParts
+    slices: list[list[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RssRecord:
+    """The RSS probe's record: the step's RSS high-water mark and its growth over the step's start, bytes;
+    ``None`` where ``/proc`` does not say."""
+
+    peak_bytes: int | None
+    growth_bytes: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """One measured step of one case on one rank: its number (0-based), wall ``seconds``, and each probe's
-    record; ``caches`` maps a place (``"schedule"``, ``"stage 1"``) to its caches by attribute name."""
+    """One measured step of one case on one rank: its number (0-based), wall ``seconds`` of
+    ``schedule.step`` on this rank, and the record of each probe that ran (``None`` for one that did not:
+    ``ppbackward check`` runs the first five, ``ppbackward bench --schedule`` the others, Note [probe
+    phases] in ``ppbackward._tools.harness.runner``); ``caches`` maps a place (``"schedule"``,
+    ``"stage 1"``) to its caches by attribute name; ``saved_peak_bytes`` is the peak bytes of live saved
+    activations."""
 
     step: int
     seconds: float
-    garbage: GarbageRecord
-    lifetime: LifetimeRecord
-    caches: dict[str, dict[str, CacheCount]]
-    numerics: NumericsRecord
-    hooks: HooksRecord
+    garbage: GarbageRecord | None = None
+    lifetime: LifetimeRecord | None = None
+    caches: dict[str, dict[str, CacheCount]] | None = None
+    numerics: NumericsRecord | None = None
+    hooks: HooksRecord | None = None
+    time: StepTime | None = None
+    parts: PartsRecord | None = None
+    rss: RssRecord | None = None
+    saved_peak_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRecord:
+    """Memory of one schedule variant's untimed step (Note [schedule benchmark]), bytes: the RSS
+    high-water mark, its growth over the step's start (``None`` where ``/proc`` does not say), and the peak
+    of live saved activations."""
+
+    rss_peak_bytes: int | None
+    rss_growth_bytes: int | None
+    saved_peak_bytes: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantRecord:
+    """One schedule variant of the bench on one rank (Note [schedule benchmark]): ``step_ms``, the minimum
+    over the repeats of the slowest rank's step; ``parts`` and ``slices``, this rank's in that fastest step;
+    ``memory``, this rank's."""
+
+    step_ms: float
+    parts: StepParts
+    slices: list[list[Any]]
+    memory: MemoryRecord
 
 
 #: ``status`` of a case: ``pass``, ``fail`` (a probe failed), ``error`` (an exception), ``skip``.
@@ -326,6 +405,7 @@ class CaseRecord:
         metadata: ``static`` or ``dynamic`` (how the stages learnt their shapes).
         actions: this rank's compute actions by kind, ``lowered`` and ``planned`` (the worker's ``action_counts``).
         seconds: wall time of the whole case on this rank.
+        bench: a schedule variant of ``--mode bench``: its timings and memory (``None`` in a check).
     """
 
     id: str
@@ -346,6 +426,7 @@ class CaseRecord:
     metadata: str = ""
     actions: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    bench: VariantRecord | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -354,12 +435,18 @@ class CaseRecord:
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
-    """The numerics rule: ``|x - ref| <= atol + rtol * |ref|`` elementwise, in ``dtype``."""
+    """The numerics rule: ``|x - ref| <= atol + rtol * |ref|`` elementwise, in ``dtype``; the one rule every
+    comparison with a reference uses (:meth:`outside`). A case carries its own (Note [one numerics rule] in
+    ``ppbackward._tools.harness.probes``)."""
 
     rtol: float
     atol: float
     dtype: str = "float32"
     rule: str = "|x - ref| <= atol + rtol * |ref|"
+
+    def outside(self, got: Any, want: Any) -> Any:
+        """The elementwise mask of ``got`` outside the rule around ``want`` (tensors or floats alike)."""
+        return abs(got - want) > self.atol + self.rtol * abs(want)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,7 +464,9 @@ class RankVerdict:
     """One rank's ``rank<r>.json``: what ran, how, and one record per case.
 
     ``complete``: every case ran; ``fatal``: the traceback the rank stopped on; ``installed``: what
-    ``pipelining.stage`` calls, by name; ``workarounds``: torch bugs worked around; ``seconds``: the run.
+    ``pipelining.stage`` calls, by name; ``workarounds``: torch bugs worked around; ``seconds``: the run;
+    ``mode``: ``check`` (the cases of ``ppbackward check``) or ``bench`` (the schedule variants of ``ppbackward
+    bench --schedule``, one case each).
     """
 
     rank: int
@@ -394,6 +483,7 @@ class RankVerdict:
     metadata: str = ""
     installed: dict[str, str] = dataclasses.field(default_factory=dict)
     timeouts: Timeouts | None = None
+    mode: str = "check"
     cases: list[CaseRecord] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
@@ -546,14 +636,53 @@ class StepMeasures:
 
     @classmethod
     def from_record(cls, step: StepRecord) -> StepMeasures:
-        """The measures of a worker's step record."""
+        """The measures of a worker's step record (a probe that did not run counts as nothing found)."""
+        garbage, lifetime = step.garbage or GarbageRecord(), step.lifetime or LifetimeRecord()
+        hooks = step.hooks or HooksRecord()
         return cls(
             step=step.step,
             seconds=step.seconds,
-            garbage=step.garbage.tensors + step.garbage.nodes,
-            bytes_freed_only_by_gc=step.lifetime.bytes_freed_only_by_gc,
-            bytes_held_after_gc=step.lifetime.bytes_held_after_gc,
-            max_abs_grad_err=step.numerics.max_abs_grad_err,
-            hooks_fired=step.hooks.fired,
-            hooks_expected=step.hooks.expected,
+            garbage=garbage.tensors + garbage.nodes,
+            bytes_freed_only_by_gc=lifetime.bytes_freed_only_by_gc,
+            bytes_held_after_gc=lifetime.bytes_held_after_gc,
+            max_abs_grad_err=(step.numerics or NumericsRecord()).max_abs_grad_err,
+            hooks_fired=hooks.fired,
+            hooks_expected=hooks.expected,
         )
+
+
+# ----------------------------------------------------------------------------------------------------
+# what the bench reports
+
+
+@dataclasses.dataclass
+class ScheduleBench:
+    """``ppbackward bench --schedule``'s result over every rank (Note [schedule benchmark] in
+    ``ppbackward._tools.harness.schedule_bench``); :func:`to_json` gives the report's ``schedule`` object.
+
+    Attributes:
+        ranks, stages: the launch's ranks and pipeline stages; layers_per_stage, d_model, seq, microbatches,
+            microbatch_size: the stage stacks and the batch; repeats: timed steps per variant.
+        variants: the variant names (``Interleaved1F1B/upstream``), in run order.
+        step_ms: per variant, the minimum over the repeats of the slowest rank's step, ms.
+        ratio_to_1f1b: per variant, ``step_ms`` over ``Interleaved1F1B/upstream``'s.
+        memory: per variant, the maximum over the ranks of each figure.
+        parts_ms, slices_ms: per variant, each rank's parts and slices in its fastest step (Note [step parts]).
+        grads_match: every variant's grads and losses within the case's tolerance of the reference, on every rank.
+    """
+
+    ranks: int
+    stages: int
+    layers_per_stage: int
+    d_model: int
+    seq: int
+    microbatches: int
+    microbatch_size: int
+    repeats: int
+    variants: list[str]
+    step_ms: dict[str, float]
+    ratio_to_1f1b: dict[str, float]
+    memory: dict[str, MemoryRecord]
+    parts_ms: dict[str, list[StepParts]]
+    slices_ms: dict[str, list[list[list[Any]]]]
+    grads_match: bool

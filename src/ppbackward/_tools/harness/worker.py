@@ -5,8 +5,11 @@ Run by :mod:`ppbackward._tools.harness.launch`, or by hand::
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         -m ppbackward._tools.harness.worker --out /tmp/pp --backward ppbackward
 
-Per rank and per step of every case it records (a ``StepRecord`` in ``<out>/rank<r>.json``, see
-:mod:`ppbackward._tools.harness.probes` for the notes it cites):
+Every step runs through the one pipeline-step runner (:func:`ppbackward._tools.harness.runner.run_step`,
+Note [probe phases] there) under a list of probes. ``--mode check`` (the default, ``ppbackward check``)
+runs every (schedule × model × wrapper) case under the check's probes
+(:func:`ppbackward._tools.harness.probes.check_probes`, whose docstring cites the notes): per rank and per
+measured step a ``StepRecord`` in ``<out>/rank<r>.json`` with
 
 1. **garbage** — tensors and autograd nodes found by ``check_tensor_leaks`` around ``schedule.step``;
 2. **lifetime** — with the gc disabled, the saved activations still alive after
@@ -15,9 +18,13 @@ Per rank and per step of every case it records (a ``StepRecord`` in ``<out>/rank
 3. **caches** — the stage's per-microbatch caches after the step (Note [kept caches]);
 4. **numerics** — each microbatch's loss and every local parameter's grad against a single-process
    reference of the same stack on the same microbatches (sum-reduced loss, ``scale_grads=False``),
-   within ``|x - ref| <= ATOL + RTOL * |ref|`` elementwise (float32);
+   within the case's tolerance (Note [one numerics rule]: ``probes.CHECK_TOLERANCE`` here);
 5. **hooks** — ``register_post_accumulate_grad_hook`` calls: once per trainable parameter per microbatch
    (``ModelSpec.accumulations`` times for a parameter the model accumulates into more often: titan's ``lm_head``).
+
+``--mode bench`` (``ppbackward bench --schedule``) runs the schedule variants of Note [schedule
+benchmark] (:mod:`ppbackward._tools.harness.schedule_bench`) under the bench's probes instead, one case per
+variant.
 
 ``--backward`` selects the stage backward: ``upstream`` (torch's own), ``ppbackward``
 (``ppbackward.install()``), ``ppbackward-merged`` (``ppbackward.install(merge_bw=True)``: Note [merged B
@@ -75,29 +82,20 @@ import torch.distributed as dist
 from ppbackward._compat import torch_release
 from ppbackward._install import NAMES
 from ppbackward._merge import count_compute
-from ppbackward._tools.harness import diagnose, gloo_p2p, parallel, probes
+from ppbackward._tools.harness import diagnose, gloo_p2p, parallel, probes, runner, schedule_bench
 from ppbackward._tools.harness import models as zoo
 from ppbackward._tools.harness import schedules as sched
 from ppbackward._tools.harness.records import (
-    CacheCount,
     CaseRecord,
     EventWriter,
     Failure,
-    GarbageRecord,
-    HooksRecord,
-    LifetimeRecord,
-    NumericsRecord,
     RankVerdict,
-    StepRecord,
     Timeouts,
-    Tolerance,
     write_verdict,
 )
 
-__all__ = ["ATOL", "RTOL", "main"]
+__all__ = ["main"]
 
-RTOL = 1e-5
-ATOL = 1e-6
 #: Seconds from torchrun's start to a 2-rank world process group on 2 idle cores (torch 2.13, CPU; measured
 #: 2.6-3.1 s):
 #: Note [timeouts scale with start-up].
@@ -147,234 +145,6 @@ def select_backward(mode: str) -> dict[str, str]:
         )
     found = {name: getattr(stage_mod, name) for name in NAMES}
     return {name: f"{fn.__module__}.{fn.__qualname__}" for name, fn in found.items()}
-
-
-# ----------------------------------------------------------------------------------------------------
-# one step, measured
-
-
-def _numerics_kind(wrap: str, grad_none: bool) -> str:
-    """The kind of a numerics failure (Note [failure kinds] in ``records``): FSDP2's swap loses grads of
-    any kind; a grad ``None`` in the pipeline is a missing grad (torchtitan's shape with ``fsdp-titan``);
-    anything else is a wrong grad."""
-    if wrap == "fsdp":
-        return "fsdp-swap"
-    if grad_none:
-        return "fsdp-loss-reshard" if wrap == "fsdp-titan" else "grads-missing"
-    return "grads-wrong"
-
-
-def _compare(
-    grads: list[tuple[str, torch.Tensor | None]],
-    ref: zoo.ReferenceResult,
-    losses: list[float] | None,
-    wrap: str = "none",
-    step: int | None = None,
-) -> tuple[NumericsRecord, list[Failure]]:
-    """Every grad and loss against the reference, within ``ATOL + RTOL * |ref|`` elementwise; the step's
-    numerics record and its ``numerics`` failures (``wrap`` decides their kind: :func:`_numerics_kind`)."""
-    failures: list[Failure] = []
-    counts = {"compared": 0, "none": 0, "unexpected": 0, "losses_wrong": 0}
-    max_abs, worst = 0.0, ""
-
-    def fail(message: str, grad_none: bool = False) -> None:
-        failures.append(Failure("numerics", _numerics_kind(wrap, grad_none), message, step))
-
-    for name, got in grads:
-        want = ref.grads[name]
-        if want is None and got is None:
-            continue
-        counts["compared"] += 1
-        if want is None or got is None:
-            counts["none" if got is None else "unexpected"] += 1
-            fail(f"{name}.grad is {'None' if got is None else 'set'} in the pipeline but "
-                 f"{'None' if want is None else 'set'} in the reference", grad_none=got is None)
-            continue
-        if got.shape != want.shape:
-            fail(f"{name}.grad shape {list(got.shape)} != reference {list(want.shape)}")
-            continue
-        diff = (got.detach().cpu() - want).abs()
-        err = float(diff.max()) if diff.numel() else 0.0
-        if err > max_abs:
-            max_abs, worst = err, name
-        bad = int((diff > ATOL + RTOL * want.abs()).sum())
-        if bad:
-            fail(f"{name}.grad: {bad} of {diff.numel()} elements outside tolerance (max |grad - ref| = {err:.3e})")
-    loss_err = 0.0
-    miscounted = losses is not None and len(losses) != len(ref.losses)
-    if losses is not None and miscounted:
-        fail(f"{len(losses)} losses, reference has {len(ref.losses)}")
-    for mb, (got_l, want_t) in enumerate(zip(losses or [], ref.losses)):
-        want_l = float(want_t)
-        err = abs(got_l - want_l)
-        loss_err = max(loss_err, err)
-        if err > ATOL + RTOL * abs(want_l):
-            counts["losses_wrong"] += 1
-            fail(f"loss of microbatch {mb} = {got_l!r}, reference {want_l!r}")
-    record = NumericsRecord(
-        params_compared=counts["compared"], max_abs_grad_err=max_abs, worst_param=worst,
-        losses_compared=0 if losses is None else len(losses), max_abs_loss_err=loss_err,
-        grads_none=counts["none"], grads_unexpected=counts["unexpected"], losses_wrong=counts["losses_wrong"],
-        losses_miscounted=miscounted,
-    )
-    return record, failures
-
-
-@dataclasses.dataclass
-class StepContext:
-    """What :func:`run_step` needs besides the schedule: this rank's stages and parameters, the probes'
-    counters and the data-parallel setting of the case."""
-
-    pp_stages: list[Any]
-    modules: dict[int, torch.nn.Module]  # this rank's stage modules by index, unwrapped
-    named: list[tuple[str, torch.nn.Parameter]]  # ``stage{i}.{name}`` -> parameter, after wrapping
-    hooks: probes.HookCounter
-    spec: zoo.ModelSpec
-    n_microbatches: int
-    wrap: str = "none"
-    dp_group: Any = None
-    reference: list = dataclasses.field(default_factory=list)  # the reference's stage modules
-
-
-def _start_step(ctx: StepContext, batch: zoo.Batch) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Reset this rank's grads and hook counts; return ``schedule.step``'s positional and keyword arguments
-    for ``batch`` on this rank: its ``args`` where the rank holds the first stage, its ``kwargs``, and its
-    ``target`` where the rank holds the last stage."""
-    for _, p in ctx.named:
-        p.grad = None
-    ctx.hooks.reset()
-    args = batch.args if any(s.is_first for s in ctx.pp_stages) else ()
-    kwargs: dict[str, Any] = dict(batch.kwargs)
-    if any(s.is_last for s in ctx.pp_stages):
-        kwargs["target"] = batch.target
-    return args, kwargs
-
-
-@dataclasses.dataclass
-class _Measured:
-    """What :func:`_measure_step` saw of one step, before the grads are compared."""
-
-    seconds: float
-    garbage: GarbageRecord
-    lifetime: LifetimeRecord
-    caches: dict[str, dict[str, CacheCount]]
-    losses: list[float] | None
-    failures: list[Failure]
-
-
-def _cache_failures(
-    ctx: StepContext, schedule: Any, step: int
-) -> tuple[dict[str, dict[str, CacheCount]], list[Failure]]:
-    """The schedule's and every stage's caches after the step (Note [kept caches]), and their failures."""
-    found, bad = probes.schedule_caches(schedule)
-    caches, messages = {"schedule": found}, list(bad)
-    for stage in ctx.pp_stages:
-        found, bad = probes.stage_caches(stage, ctx.n_microbatches)
-        caches[f"stage {stage.stage_index}"] = found
-        messages += bad
-    return caches, [Failure("caches", "stage-caches", m, step) for m in messages]
-
-
-def _measure_step(schedule: Any, ctx: StepContext, batch_box: list[zoo.Batch], step: int) -> _Measured:
-    """Run ``schedule.step`` with the gc disabled under the garbage and lifetime probes; release what the
-    stage keeps by design (Note [kept by design]); return what was measured, with the caches' failures."""
-    step_args, step_kwargs = _start_step(ctx, batch_box.pop())
-    activations = probes.ActivationProbe()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # lifetime is judged by reference counting alone (gc runs only where stated)
-    try:
-        with probes.garbage_probe() as garbage:
-            losses: list[torch.Tensor] | None = [] if any(s.is_last for s in ctx.pp_stages) else None
-            with activations.record():
-                t0 = time.perf_counter()
-                out = schedule.step(*step_args, losses=losses, **step_kwargs)
-                seconds = time.perf_counter() - t0
-            del out, step_args, step_kwargs
-            caches, failures = _cache_failures(ctx, schedule, step)
-            loss_values = None if losses is None else [float(x.detach()) for x in losses]
-            del losses
-            for stage in ctx.pp_stages:
-                stage.clear_runtime_states()
-            activations.after_clear()
-            activations.release_recv_buffers(ctx.pp_stages)
-        activations.after_gc()  # check_tensor_leaks has collected; this collects once more
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    return _Measured(seconds, garbage.to_record(), activations.to_record(), caches, loss_values, failures)
-
-
-def _lifetime_failures(garbage: GarbageRecord, lifetime: LifetimeRecord, step: int) -> list[Failure]:
-    """The garbage and lifetime probes' failures of one step."""
-    failures = []
-    if not garbage.ok:
-        failures.append(Failure("garbage", "reference-cycle",
-            f"{garbage.tensors} tensors and {garbage.nodes} autograd nodes in reference cycles after the step "
-            f"({garbage.tensor_bytes} B pinned)", step))
-    lt = lifetime
-    example = f"; e.g. {lt.examples[0]}" if lt.examples else ""
-    if lt.freed_only_by_gc:
-        failures.append(Failure("lifetime", "reference-cycle",
-            f"{lt.freed_only_by_gc} saved activations ({lt.bytes_freed_only_by_gc} B) outlived the step and were "
-            f"freed only by a gc run (a reference cycle held them){example}", step))
-    if lt.held_after_gc:
-        failures.append(Failure("lifetime", "held-activations",
-            f"{lt.held_after_gc} saved activations ({lt.bytes_held_after_gc} B) still alive after "
-            "clear_runtime_states(), releasing the receive buffers and a gc run (a live reference holds them)"
-            f"{example}", step))
-    if lt.nodes_held_after_gc or lt.packed_held_after_gc:
-        failures.append(Failure("lifetime", "held-activations",
-            f"{lt.nodes_held_after_gc} autograd nodes and {lt.packed_held_after_gc} packed saved tensors "
-            f"({lt.bytes_packed_held_after_gc} B) of the step still alive after it, the stage's state cleared "
-            "and a gc run (a live reference, or a cycle inside C++ the gc cannot see); "
-            f"e.g. {', '.join(lt.node_examples)}", step))
-    return failures
-
-
-def _side_effect_kind(spec: zoo.ModelSpec) -> str:
-    """The kind of ``spec``'s side-effect failures: a checkpointed region recomputed again, or a custom
-    Function's backward run twice (the model zoo's two side-effect checks)."""
-    return "recompute-more" if spec.side_effects is zoo._side_effects_recompute else "side-effects-twice"
-
-
-def _hooks(ctx: StepContext, step: int) -> tuple[HooksRecord, list[Failure]]:
-    """The hook probe: calls against once per trainable parameter per microbatch (``accumulations``)."""
-    calls = ctx.hooks.calls
-    want = {n: ctx.n_microbatches * ctx.spec.accumulations(n) for n in calls}
-    wrong = {n: c for n, c in calls.items() if c != want[n]}
-    record = HooksRecord(fired=sum(calls.values()), expected=sum(want.values()), params_wrong=len(wrong))
-    if not wrong:
-        return record, []
-    name, got = next(iter(wrong.items()))
-    message = (f"post-accumulate-grad hooks fired {record.fired} times, expected {record.expected} "
-               f"({len(wrong)} parameters off, e.g. {name}: {got} != {want[name]})")
-    return record, [Failure("hooks", "hooks-skipped", message, step)]
-
-
-def run_step(
-    schedule: Any, ctx: StepContext, batch_box: list[zoo.Batch], ref: zoo.ReferenceResult, step: int = 0
-) -> tuple[StepRecord, list[Failure]]:
-    """Run one ``schedule.step`` under every probe; return the step's record and failures (module docstring).
-
-    ``batch_box`` holds the only reference to the step's batch; it is emptied so that the batch is freed
-    before the lifetime check (stage 0 saves its inputs, which the caller must not keep alive).
-    """
-    seen = _measure_step(schedule, ctx, batch_box, step)
-    failures = seen.failures + _lifetime_failures(seen.garbage, seen.lifetime, step)
-    grads = parallel.full_grads(ctx.named)  # collective over the dp group with FSDP2
-    numerics, bad = _compare(grads, ref, seen.losses, ctx.wrap, step)
-    failures += bad
-    if ctx.wrap == "ddp":
-        diff, messages = parallel.replica_failures(ctx.named, ctx.dp_group)
-        numerics = dataclasses.replace(numerics, max_replica_diff=diff, replicas_diverged=bool(messages))
-        failures += [Failure("replicas", "ddp-replicas", m, step) for m in messages]
-    side = ctx.spec.side_effects(ctx.modules, ctx.reference, ctx.n_microbatches, ref.shards)
-    kind = _side_effect_kind(ctx.spec)
-    failures += [Failure("side effects", kind, m.removeprefix("side effects: "), step) for m in side]
-    hooks, bad = _hooks(ctx, step)
-    failures += bad
-    record = StepRecord(step, seen.seconds, seen.garbage, seen.lifetime, seen.caches, numerics, hooks)
-    return record, failures
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -439,17 +209,17 @@ def _first_stage_check_drops_kwargs() -> bool:
     return "len(expected_args)-len(kwargs)" in source.replace(" ", "")
 
 
-def _run_unmeasured(schedule: Any, ctx: StepContext, batch: zoo.Batch) -> None:
-    """One ``schedule.step`` started as the measured steps start (:func:`_start_step`), under the activation
-    tracker as they run (a compiled region compiles for the tracker's torch-function mode too), then the
-    stage state and side-effect counters reset."""
-    args, kwargs = _start_step(ctx, batch)
+def _run_unmeasured(case: runner.CaseRun, batch: zoo.Batch) -> None:
+    """One ``schedule.step`` started as the measured steps start (``runner.start_step``), under the
+    activation tracker as they run (a compiled region compiles for the tracker's torch-function mode too),
+    then the stage state and side-effect counters reset."""
+    args, kwargs = runner.start_step(case, batch)
     with probes.ActivationProbe().record():
-        schedule.step(*args, **kwargs)
+        case.schedule.step(*args, **kwargs)
     del args, kwargs
-    for stage in ctx.pp_stages:
+    for stage in case.pp_stages:
         stage.clear_runtime_states()
-    ctx.spec.side_effects(ctx.modules, ctx.reference, ctx.n_microbatches, 1)  # a reset: the failures are dropped
+    case.spec.side_effects(case.modules, case.reference, case.n_microbatches, 1)  # a reset: failures dropped
 
 
 def case_id(schedule: str, model: str, wrap: str = "none") -> str:
@@ -526,7 +296,7 @@ def _static_metadata(case: sched.ScheduleCase, spec: zoo.ModelSpec, reference: l
 
 def _build(
     case: sched.ScheduleCase, spec: zoo.ModelSpec, c: _Case, record: CaseRecord, groups: Any
-) -> tuple[Any, StepContext]:
+) -> runner.CaseRun:
     """This rank's stages of ``spec`` for ``case``, wrapped, their schedule, and the step context (with
     its hook counter registered); records the schedule's actions in ``record``."""
     from torch.distributed.pipelining import PipelineStage
@@ -547,17 +317,19 @@ def _build(
     schedule = case.build(pp_stages, spec.loss_of(local.get(case.num_stages - 1)))
     record.actions = action_counts(schedule)
     # FSDP2's autograd runs on unsharded copies of its parameters: hooks on the sharded ones never fire
-    hooks = probes.HookCounter([] if c.wrap.startswith("fsdp") else named)
-    ctx = StepContext(pp_stages, local, named, hooks, spec, case.n_microbatches, c.wrap, groups.dp, reference)
-    return schedule, ctx
+    return runner.CaseRun(
+        schedule, pp_stages, local, named, spec, case.n_microbatches, probes.CHECK_TOLERANCE, c.wrap, groups.dp,
+        reference,
+    )
 
 
-def _run_steps(schedule: Any, ctx: StepContext, c: _Case, record: CaseRecord) -> None:
-    """The unmeasured warm-up steps, then ``c.steps`` measured ones into ``record`` (Note [gc freeze])."""
+def _run_steps(ctx: runner.CaseRun, check: list[runner.Probe], c: _Case, record: CaseRecord) -> None:
+    """The unmeasured warm-up steps, then ``c.steps`` measured ones under the ``check`` probes into
+    ``record`` (Note [gc freeze])."""
     spec, n_mb, (dp_rank, _) = ctx.spec, ctx.n_microbatches, c.layout.coords(c.rank)
     for _ in range(spec.warmup_steps):  # unmeasured (see ModelSpec.warmup_steps)
         warm = zoo.make_batch(spec, n_mb, seed=parallel.batch_seed(c.seed, 99, dp_rank))
-        _run_unmeasured(schedule, ctx, _to_device(warm, c.device))
+        _run_unmeasured(ctx, _to_device(warm, c.device))
         del warm
     spec.side_effects(ctx.modules, ctx.reference, n_mb, 1)  # counts start now (not the metadata forward)
     reference_loss = spec.loss_of(ctx.reference[-1])
@@ -572,7 +344,7 @@ def _run_steps(schedule: Any, ctx: StepContext, c: _Case, record: CaseRecord) ->
         ref = zoo.mean_reference(ctx.reference, shards, n_mb, reference_loss, own=dp_rank)
         batch_box = [_to_device(shards[dp_rank], c.device)]
         del shards
-        step_record, failures = run_step(schedule, ctx, batch_box, ref, step)
+        step_record, failures = runner.run_step(ctx, check, batch_box, step, ref)
         record.steps.append(step_record)
         record.failures += failures
         if c.events is not None:
@@ -608,17 +380,18 @@ def run_case(case: sched.ScheduleCase, spec: zoo.ModelSpec, c: _Case) -> CaseRec
     if case.skip or case.error:
         return record
     groups = parallel.make_groups(c.layout, c.backend, c.case_timeout, c.mesh)
-    ctx = None
+    check: list[runner.Probe] = []
     try:
-        schedule, ctx = _build(case, spec, c, record, groups)
-        _run_steps(schedule, ctx, c, record)
+        ctx = _build(case, spec, c, record, groups)
+        check = probes.check_probes(ctx)  # the hook counter is registered here
+        _run_steps(ctx, check, c, record)
     except Exception as e:
         failure, record.error = _exception_failure(e)
         record.status, record.failures = "error", [failure]
     finally:
         gc.unfreeze()
-        if ctx is not None:
-            ctx.hooks.remove()
+        for probe in check:
+            probe.close()
     if record.status != "error":
         groups.destroy()  # groups with pending ops after an error are left alone
     return record
@@ -673,6 +446,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "(Note [timeouts scale with start-up])",
     )
     p.add_argument("--hang-rank", type=int, default=None, help="test only: this rank blocks in a recv forever")
+    p.add_argument(
+        "--mode", choices=("check", "bench"), default="check",
+        help="check: the cases under the check's probes; bench: the schedule benchmark's variants under the "
+        "bench's probes (Note [schedule benchmark] in ppbackward._tools.harness.schedule_bench)",
+    )
+    bench = p.add_argument_group("--mode bench (--microbatches 0: 8)")
+    bench.add_argument("--repeats", type=int, default=8, help="timed steps per schedule variant")
+    bench.add_argument("--layers-per-stage", type=int, default=4, help="encoder layers per stage")
+    bench.add_argument("--d-model", type=int, default=128, help="width of the encoder layers")
+    bench.add_argument("--seq", type=int, default=16, help="sequence length")
+    bench.add_argument("--microbatch-size", type=int, default=2, help="samples per microbatch")
     return p.parse_args(argv)
 
 
@@ -796,10 +580,22 @@ def _run_cases(args: argparse.Namespace, verdict: RankVerdict, c: _Case, wraps: 
         dist.barrier()  # resynchronise before the next case (world group, --pg-timeout)
 
 
+def _run_bench(args: argparse.Namespace, verdict: RankVerdict, events: EventWriter, write: Any) -> None:
+    """``--mode bench``: the schedule benchmark's variants, one case each (Note [schedule benchmark])."""
+    config = schedule_bench.BenchConfig(
+        layers_per_stage=args.layers_per_stage, d_model=args.d_model, seq=args.seq,
+        microbatches=args.microbatches or schedule_bench.BenchConfig.microbatches,
+        microbatch_size=args.microbatch_size,
+    )
+    verdict.mode, verdict.tolerance = "bench", schedule_bench.BENCH_TOLERANCE
+    verdict.cases = schedule_bench.run(config, args.repeats, verdict.rank, verdict.world_size, events)
+    write()
+
+
 def _new_verdict(args: argparse.Namespace, rank: int, world_size: int) -> RankVerdict:
     return RankVerdict(
         rank=rank, world_size=world_size, backward=args.backward, torch=torch.__version__,
-        tolerance=Tolerance(RTOL, ATOL), kept_by_design=dict(probes.KEPT_BY_DESIGN), dp=args.dp,
+        tolerance=probes.CHECK_TOLERANCE, kept_by_design=dict(probes.KEPT_BY_DESIGN), dp=args.dp,
         metadata=args.metadata,
     )
 
@@ -835,9 +631,12 @@ def main(argv: list[str] | None = None) -> int:
         events.emit("started")
         if args.hang_rank is not None:
             _hang_for_test(rank, world_size, say) if rank == args.hang_rank else dist.barrier()
-        c = _Case(rank, args.steps, args.seed, args.case_timeout, args.metadata, device, args.backend, layout,
-                  "none", mesh, events)
-        _run_cases(args, verdict, c, wraps, say, write)
+        if args.mode == "bench":
+            _run_bench(args, verdict, events, write)
+        else:
+            c = _Case(rank, args.steps, args.seed, args.case_timeout, args.metadata, device, args.backend, layout,
+                      "none", mesh, events)
+            _run_cases(args, verdict, c, wraps, say, write)
         verdict.complete = True
     except BaseException:
         verdict.fatal = traceback.format_exc()
