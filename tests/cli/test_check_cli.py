@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -212,7 +213,7 @@ def _step(step: int, fired: int, expected: int, garbage: int = 0, **numerics) ->
     )
 
 
-def _case(status: str, steps: list[StepRecord] = (), failures: list[Failure] = (), **kw) -> CaseRecord:
+def _case(status: str, steps: Sequence[StepRecord] = (), failures: Sequence[Failure] = (), **kw) -> CaseRecord:
     return CaseRecord("S/m", status=status, steps=list(steps), failures=list(failures), **kw)
 
 

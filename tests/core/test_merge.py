@@ -321,7 +321,7 @@ def _dp_grads(name: str, wrap: str, merge: bool, n_microbatches: int = 3) -> tup
     reduced.clear()
     schedule.step(x, target=target)
     grads = [p.grad for c in chunks for p in c.parameters()]
-    return [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads], reduced  # type: ignore[union-attr]
+    return [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads], reduced
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])

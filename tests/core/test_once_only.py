@@ -205,7 +205,7 @@ def test_two_threads_running_b_on_the_same_outputs_one_runs_the_other_is_refused
     assert isinstance(error, pb.StageBackwardError), results
     assert "is being backpropagated by another stage_backward_input call, still running" in str(error)
     assert len(calls) == 1  # the refused B ran nothing
-    (dx,), groups = results["first"]  # type: ignore[misc]
+    (dx,), groups = results["first"]
     pb.stage_backward_weight(mod.parameters(), groups)
     torch.testing.assert_close(dx, expected_dx, rtol=0, atol=0)
     _assert_exact(mod, expected)

@@ -77,7 +77,7 @@ def param_group_leak_backward(stage: torch.nn.Sequential, fixed: bool = False) -
     def keep_grads(grad_outputs: tuple) -> None:
         group["grads"] = list(grad_outputs)
 
-    handle = node.register_prehook(keep_grads)  # type: ignore[union-attr]
+    handle = node.register_prehook(keep_grads)
     del hidden, node
     # B: input grads only; the graph is kept for W
     torch.autograd.grad(out, [x], grad_outputs=torch.ones_like(out), retain_graph=True)
@@ -103,7 +103,7 @@ def node_cycle_leak(stage: torch.nn.Module) -> None:
     act = stage(make_input())
     y = act.sin()
     state = {"node": y.grad_fn, "calls": 0}
-    y.grad_fn.register_hook(functools.partial(_count_call, state))  # type: ignore[union-attr]
+    y.grad_fn.register_hook(functools.partial(_count_call, state))
 
 
 # -- (4) a live module-level list (no cycle) ---------------------------------------------------------
@@ -135,7 +135,7 @@ def metadata_cycle_leak(stage: torch.nn.Module) -> None:
     in ``gc.garbage``. The stage output saved by ``SinBackward0`` (64 bytes) stays alive for good."""
     act = stage(make_input())
     y = act.sin()
-    y.grad_fn.metadata[_METADATA_KEY] = {"node": y.grad_fn}  # type: ignore[union-attr]
+    y.grad_fn.metadata[_METADATA_KEY] = {"node": y.grad_fn}
 
 
 def break_metadata_cycles() -> int:

@@ -244,7 +244,7 @@ def test_full_collect_from_a_finaliser_of_its_own_collection_is_refused_at_once(
                 errors.append(e)
 
     obj = _CollectsInDel()
-    obj.self = obj  # type: ignore[attr-defined]
+    obj.self = obj
     del obj
     _gc_phase.full_collect()
     assert [str(e) for e in errors] == [
@@ -350,7 +350,7 @@ def test_bad_arguments_and_reuse_are_refused():
     with pytest.raises(ValueError, match="max_depth must be >= 1"):
         check_tensor_leaks(max_depth=0)
     with pytest.raises(TypeError, match="warmup must be a callable"):
-        check_tensor_leaks(warmup=3)  # type: ignore[arg-type]
+        check_tensor_leaks(warmup=3)
     checker = check_tensor_leaks()
     with checker, pytest.raises(RuntimeError, match="already active"):
         checker.__enter__()

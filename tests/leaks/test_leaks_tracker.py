@@ -167,12 +167,12 @@ def test_a_free_by_refcount_while_another_thread_collects_is_by_refcount():
 def test_custom_function_nodes_are_named():
     class Square(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, t):  # type: ignore[override]
+        def forward(ctx, t):
             ctx.save_for_backward(t)
             return t * t
 
         @staticmethod
-        def backward(ctx, g):  # type: ignore[override]
+        def backward(ctx, g):
             (t,) = ctx.saved_tensors
             return 2 * t * g
 

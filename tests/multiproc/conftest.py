@@ -60,6 +60,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,7 +94,7 @@ class _Launches:
         with self.lock:
             if name in self.results:
                 return None
-            self.results[name] = future = Future()
+            self.results[name] = future = Future[Any]()
             return future
 
     def _run(self, name: str, future: Future) -> None:
@@ -147,7 +148,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 needed.append(name)
     if not needed or session.config.option.collectonly:
         return
-    _LAUNCHES = _Launches(session.config._tmp_path_factory.mktemp("multiproc"))
+    _LAUNCHES = _Launches(session.config._tmp_path_factory.mktemp("multiproc"))  # type: ignore[attr-defined]  # pytest's tmp_path plugin sets it
     _LAUNCHES.prefetch(needed)
 
 

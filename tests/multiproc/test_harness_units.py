@@ -6,6 +6,7 @@ import copy
 import json
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -104,7 +105,9 @@ def test_mean_reference_averages_the_shards_grads_and_keeps_its_own_losses() -> 
     each = [models.reference_step(stages, shard, 2) for shard in shards]
     mean = models.mean_reference(stages, shards, 2, own=1)
     for name, grad in mean.grads.items():
-        assert torch.equal(grad, (each[0].grads[name] + each[1].grads[name]) / 2)
+        first, second = each[0].grads[name], each[1].grads[name]
+        assert grad is not None and first is not None and second is not None, name
+        assert torch.equal(grad, (first + second) / 2)
     assert [float(x) for x in mean.losses] == [float(x) for x in each[1].losses]
 
 
@@ -112,7 +115,7 @@ def test_sac_recompute_count_is_compared_per_data_parallel_shard() -> None:
     # with dp 2 the reference runs both shards on its modules: a rank runs one, so half the reference's count
     spec = models.get_model("sac")
     reference = models.build_stages(spec, 4, seed=0)
-    rank = copy.deepcopy(reference)
+    rank: list[Any] = copy.deepcopy(reference)  # the zoo's counting modules (``runs``)
     shards = [models.make_batch(spec, 2, seed=s) for s in (1, 2)]
     for own in (0, 1):
         models.reference_step(rank, shards[own], 2)  # this rank's full backward of its own shard
@@ -198,7 +201,9 @@ def test_a_numerics_failure_gets_its_kind_where_the_grads_are_compared(wrap: str
 
 
 def _fake_stage(index: int, last: bool, **caches) -> types.SimpleNamespace:
-    base = {"fwd_cache": {}, "bwd_cache": {}, "backward_state": {}, "dw_runner": {}, "output_chunks": []}
+    base: dict[str, Any] = {
+        "fwd_cache": {}, "bwd_cache": {}, "backward_state": {}, "dw_runner": {}, "output_chunks": []
+    }
     base.update(caches)
     return types.SimpleNamespace(stage_index=index, is_first=index == 0, is_last=last, **base)
 
@@ -315,8 +320,8 @@ def test_select_backward_rejects_an_unknown_mode() -> None:
 
 
 def _result(tmp_path: Path, verdicts: dict[int, RankVerdict | None], **kw) -> LaunchResult:
-    defaults = dict(command=["torchrun"], out_dir=tmp_path, world_size=len(verdicts), returncode=0,
-                    timeout=10.0, seconds=1.0, verdicts=verdicts)
+    defaults: dict[str, Any] = dict(command=["torchrun"], out_dir=tmp_path, world_size=len(verdicts), returncode=0,
+                                    timeout=10.0, seconds=1.0, verdicts=verdicts)
     defaults.update(kw)
     return LaunchResult(**defaults)
 
@@ -386,7 +391,7 @@ def test_one_rank_skips_multi_stage_schedules_only_where_torch_cannot_hand_over_
         local = case.rule.stages_per_rank == 1 or release >= (2, 12)
         assert (case.skip is None) is local, (case.name, case.skip)
         if not local:
-            assert "gloo cannot send to its own rank" in case.skip
+            assert "gloo cannot send to its own rank" in (case.skip or "")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -560,16 +565,19 @@ def test_titan_chunked_loss_equals_the_unchunked_cross_entropy() -> None:
 
     spec = models.get_model("titan")
     chunked, plain = models.build_stages(spec, 2, seed=3), models.build_stages(spec, 2, seed=3)
+    head: Any = plain[1]  # the zoo's titan head stage (``lm_head``)
     batch = models.make_batch(spec, 1, seed=4)
     ref = models.reference_step(chunked, batch, 1, spec.loss_of(chunked[-1]))
     h = plain[1](plain[0](*batch.args))
     want = batch.target.flatten(0, 1).softmax(-1)
-    loss = F.cross_entropy(plain[1].lm_head(h).flatten(0, 1), want, reduction="sum")
+    loss = F.cross_entropy(head.lm_head(h).flatten(0, 1), want, reduction="sum")
     loss.backward()
     assert torch.allclose(ref.losses[0], loss.detach())
     for i, module in enumerate(plain):
         for name, p in models.param_names(i, module):
-            assert torch.allclose(ref.grads[name], p.grad, atol=1e-6), name
+            want_grad, got = ref.grads[name], p.grad
+            assert want_grad is not None and got is not None, name
+            assert torch.allclose(want_grad, got, atol=1e-6), name
     assert ref.grads["stage1.norm.weight"] is not None
 
 

@@ -24,7 +24,17 @@ from ppbackward._tools.harness.diagnose import ORDER, diagnose
 from ppbackward._tools.harness.records import CaseRecord, Failure, StepMeasures
 from ppbackward._tools.text_table import format_table
 
-__all__: list[str] = []  # private module
+__all__ = [  # private module: what other modules use
+    "by_kind",
+    "cell_ok",
+    "cell_values",
+    "format_cell",
+    "progress_status",
+    "progress_status_of",
+    "reason",
+    "short_reason",
+    "table",
+]
 
 COLUMNS = ("garbage", "gc-only", "held", "max|dg|", "hooks", "step", "finding")
 
