@@ -24,10 +24,11 @@ import torch
 from ppbackward._tools.bench import loop as _loop
 from ppbackward._tools.bench import report as _report
 from ppbackward._tools.bench import timing as _timing
+from ppbackward._tools.bench.records import SplitCosts
 from ppbackward._tools.cli.bench import main
 from ppbackward._tools.harness import models as _models
 from ppbackward._tools.harness.launch import alive
-from ppbackward._tools.harness.records import to_json
+from ppbackward._tools.harness.records import ScheduleBench, StepParts, from_json, to_json
 from ppbackward._tools.harness.schedule_bench import ScheduleBenchError, run_schedule
 
 
@@ -280,7 +281,7 @@ def test_schedule_step_runs_every_variant_exactly():
     from ppbackward._tools.bench import trace as _trace  # the real step's Chrome traces (Note [step traces])
 
     for name in result["variants"]:
-        trace = json.loads(json.dumps(_trace.step_trace(result, name)))
+        trace = json.loads(json.dumps(_trace.step_trace(from_json(ScheduleBench, result), name)))
         _check_trace(trace, result["parts_ms"][name])
     for name in result["variants"]:
         mem = result["memory"][name]
@@ -307,9 +308,13 @@ def test_trace_of_synthetic_slices_tiles_the_step_and_the_replay_follows(tmp_pat
 
     slices = [["F", 1.0, 2.0, 0, 0], ["wait", 3.0, 1.0, None, None], ["B", 4.5, 2.0, 1, 0], ["W", 6.5, 1.0, 1, 0]]
     parts = {"F": 2.0, "full": 0.0, "B": 2.0, "W": 1.0, "wait": 1.0, "other": 2.0, "step": 8.0}
-    sched = {"ranks": 2, "microbatches": 4, "slices_ms": {"ZBVZeroBubble/ppbackward": [slices, slices]},
-             "parts_ms": {"ZBVZeroBubble/ppbackward": [parts, parts]}}
-    costs = {"F": 1.0, "full": 2.0, "B": 1.2, "W": 1.0}
+    sched = ScheduleBench(
+        ranks=2, stages=4, layers_per_stage=1, d_model=8, seq=1, microbatches=4, microbatch_size=1, repeats=1,
+        variants=["ZBVZeroBubble/ppbackward"], step_ms={}, ratio_to_1f1b={}, memory={},
+        parts_ms={"ZBVZeroBubble/ppbackward": [StepParts(**parts), StepParts(**parts)]},
+        slices_ms={"ZBVZeroBubble/ppbackward": [slices, slices]}, grads_match=True,
+    )
+    costs = SplitCosts(F=1.0, full=2.0, B=1.2, W=1.0)
     (path,) = _trace.write_traces(tmp_path / "traces", sched, costs)
     trace = json.loads(path.read_text())
     _check_trace(trace, [parts, parts])

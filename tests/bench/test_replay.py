@@ -3,10 +3,14 @@ torch's own action lists, checked against values worked out by hand and the inva
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ppbackward._tools.bench import replay as _replay
+from ppbackward._tools.bench.records import SplitConfig, SplitCosts, SplitResult
 from ppbackward._tools.bench.replay import Action, simulate
+from ppbackward._tools.harness.records import ScheduleBench
 
 
 def test_simulate_one_rank_is_the_sum_and_two_ranks_wait_for_each_other():
@@ -23,12 +27,12 @@ def test_simulate_refuses_a_deadlock():
 
 
 def test_replay_ideal_split_is_never_slower_than_measured_and_merging_a_free_split_changes_nothing():
-    r = _replay.replay({"F": 1.0, "full": 2.0, "B": 1.0, "W": 1.0})
-    ratio = r["ratio_to_1f1b"]
+    r = _replay.replay(SplitCosts(F=1.0, full=2.0, B=1.0, W=1.0))
+    ratio = r.ratio_to_1f1b
     for zb in _replay.SCHEDULES[1:]:
         assert ratio[f"{zb}/ideal"] == pytest.approx(ratio[f"{zb}/measured"])
         assert ratio[f"{zb}/ideal"] < 1.0  # the bubble is smaller: that is what zero bubble buys
-    slow = _replay.replay({"F": 1.0, "full": 2.0, "B": 1.5, "W": 1.5})["ratio_to_1f1b"]
+    slow = _replay.replay(SplitCosts(F=1.0, full=2.0, B=1.5, W=1.5)).ratio_to_1f1b
     for zb in _replay.SCHEDULES[1:]:
         assert slow[f"{zb}/ideal"] == pytest.approx(ratio[f"{zb}/ideal"])
         assert slow[f"{zb}/measured"] > slow[f"{zb}/ideal"]
@@ -40,14 +44,18 @@ def test_the_real_steps_replay_is_the_one_of_its_stage_shape_ranks_and_microbatc
     configuration with the real step's stage shape and microbatch size, at its ranks and microbatches."""
     from ppbackward._tools.bench.split import replayed_steps
 
-    def config(name: str, scale: float, microbatches: int = 8) -> dict:
-        costs = {"F": scale, "full": 2 * scale, "B": 1.5 * scale, "W": 1.5 * scale}
-        return {"name": name, "batch": 2, "replay": {"2 ranks": _replay.replay(costs, 2, microbatches)}}
+    def config(name: str, scale: float, microbatches: int = 8) -> SplitConfig:
+        costs = SplitCosts(F=scale, full=2 * scale, B=1.5 * scale, W=1.5 * scale)
+        replay = {"2 ranks": _replay.replay(costs, 2, microbatches)}
+        return SplitConfig(name, name, batch=2, nodes=None, repeats=1, limit_bw=None, time_ms={}, ratios={},
+                           costs_ms=costs, replay=replay)
 
-    split = {"configs": [config("4x64x16", 1.0), config("4x128x16", 10.0)]}
-    sched = {"layers_per_stage": 4, "d_model": 128, "seq": 16, "ranks": 2, "microbatches": 8, "microbatch_size": 2}
+    split = SplitResult("cpu", [config("4x64x16", 1.0), config("4x128x16", 10.0)])
+    sched = ScheduleBench(ranks=2, stages=4, layers_per_stage=4, d_model=128, seq=16, microbatches=8,
+                          microbatch_size=2, repeats=1, variants=[], step_ms={}, ratio_to_1f1b={}, memory={},
+                          parts_ms={}, slices_ms={}, grads_match=True)
     got = replayed_steps(split, sched)
-    ms = split["configs"][1]["replay"]["2 ranks"]["step_ms"]
+    ms = split.configs[1].replay["2 ranks"].step_ms
     assert got == {
         "Interleaved1F1B/upstream": ms["ScheduleInterleaved1F1B"],
         "Interleaved1F1B/ppbackward": ms["ScheduleInterleaved1F1B"],
@@ -58,9 +66,9 @@ def test_the_real_steps_replay_is_the_one_of_its_stage_shape_ranks_and_microbatc
     }
     # no replay of that shape, rank count, microbatch count or microbatch size: nothing shown
     for other in ({"d_model": 256}, {"ranks": 4}, {"microbatches": 4}, {"microbatch_size": 1}):
-        assert replayed_steps(split, {**sched, **other}) == {}, other
+        assert replayed_steps(split, dataclasses.replace(sched, **other)) == {}, other
     # a replay at another microbatch count is the one of a real step at that count (not only at 8)
-    four = {"configs": [config("4x128x16", 10.0, microbatches=4)]}
-    got = replayed_steps(four, {**sched, "microbatches": 4})
-    replayed = four["configs"][0]["replay"]["2 ranks"]["step_ms"]
+    four = SplitResult("cpu", [config("4x128x16", 10.0, microbatches=4)])
+    got = replayed_steps(four, dataclasses.replace(sched, microbatches=4))
+    replayed = four.configs[0].replay["2 ranks"].step_ms
     assert got["ZBVZeroBubble/merged"] == replayed["ScheduleZBVZeroBubble/merged"]

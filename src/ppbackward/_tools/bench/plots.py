@@ -18,6 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ppbackward._tools.bench.records import SplitConfig, SplitResult
+
 __all__ = ["write_plots"]
 
 COLORS = {"F": "#4c72b0", "full backward": "#8172b2", "B": "#dd8452", "W": "#55a868"}
@@ -32,19 +34,18 @@ def _pyplot() -> Any:
     return plt
 
 
-def split_cost_figure(split: dict[str, Any], path: Path) -> Path:
+def split_cost_figure(split: SplitResult, path: Path) -> Path:
     """``split-cost.png`` (Note [bench plots])."""
     plt = _pyplot()
-    configs = sorted(split["configs"], key=lambda c: c["time_ms"]["accumulating"]["full"])
-    labels = [f"{c['label']}\n{c['time_ms']['accumulating']['full']:.1f} ms" for c in configs]
+    times = sorted(((c.label, c.times("accumulating")) for c in split.configs), key=lambda lt: lt[1].full)
+    labels = [f"{label}\n{t.full:.1f} ms" for label, t in times]
     b, w, torch_bw = [], [], []
-    for c in configs:
-        t = c["time_ms"]["accumulating"]
-        b.append(t["pp_b"] / t["full"])
-        w.append(t["pp_w"] / t["full"])
-        torch_bw.append(t["torch_bw"] / t["full"])
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(configs) + 2), 4.5))
-    xs = range(len(configs))
+    for _, t in times:
+        b.append(t.variants["pp"].b / t.full)
+        w.append(t.variants["pp"].w / t.full)
+        torch_bw.append(t.variants["torch"].bw / t.full)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(times) + 2), 4.5))
+    xs = range(len(times))
     ax.bar([x - 0.2 for x in xs], b, 0.4, label="ppbackward B", color=COLORS["B"])
     ax.bar([x - 0.2 for x in xs], w, 0.4, bottom=b, label="ppbackward W", color=COLORS["W"])
     ax.bar([x + 0.2 for x in xs], torch_bw, 0.4, label="torch's B+W", color="#999999")
@@ -59,12 +60,13 @@ def split_cost_figure(split: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def replay_figure(config: dict[str, Any], path: Path, ranks: int = 2, microbatches: int = 8) -> Path:
-    """``replayed-<config>.png`` (Note [bench plots])."""
+def replay_figure(config: SplitConfig, path: Path, ranks: int = 2, microbatches: int = 8) -> Path:
+    """``replayed-<config>.png`` (Note [bench plots]) of a configuration with its ``costs_ms``."""
     from ppbackward._tools.bench.replay import SCHEDULES, action_lists, costings_of, timeline
 
+    assert config.costs_ms is not None
     plt = _pyplot()
-    costings = costings_of(config["costs_ms"])
+    costings = costings_of(config.costs_ms)
     rows = [("Interleaved1F1B", action_lists(SCHEDULES[0], ranks, microbatches), costings["measured"])]
     for zb in SCHEDULES[1:]:
         short = zb.removeprefix("Schedule")
@@ -87,19 +89,19 @@ def replay_figure(config: dict[str, Any], path: Path, ranks: int = 2, microbatch
     axes[-1].set_xlabel("ms (replayed: measured costs, zero communication; blank = bubble)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
     fig.legend(handles, list(COLORS), loc="upper right", fontsize=7, ncol=4)
-    fig.suptitle(f"Replayed step, {config['label']}, {ranks} ranks, {microbatches} microbatches", fontsize=9, x=0.3)
+    fig.suptitle(f"Replayed step, {config.label}, {ranks} ranks, {microbatches} microbatches", fontsize=9, x=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def write_plots(folder: str | Path, split: dict[str, Any]) -> list[Path]:
+def write_plots(folder: str | Path, split: SplitResult) -> list[Path]:
     """Every figure of Note [bench plots] for a ``--split`` result, in ``folder`` (made if missing)."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     paths = [split_cost_figure(split, out / "split-cost.png")]
-    for config in split["configs"]:
-        if "costs_ms" in config:
-            paths.append(replay_figure(config, out / f"replayed-{config['name']}.png"))
+    for config in split.configs:
+        if config.costs_ms is not None:
+            paths.append(replay_figure(config, out / f"replayed-{config.name}.png"))
     return paths

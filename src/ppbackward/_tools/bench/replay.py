@@ -22,9 +22,10 @@ and instant. The step is the last rank's finish. Three costings of the zero-bubb
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ppbackward._merge import compute_kind, merge_actions
+from ppbackward._tools.bench.records import ReplayRecord, SplitCosts
 
 __all__ = [  # private module: what other modules use
     "SCHEDULES",
@@ -126,10 +127,10 @@ def timeline(lists: list[list[Action]], costs: dict[str, float]) -> list[list[tu
     return ran
 
 
-def costings_of(costs: dict[str, float]) -> dict[str, dict[str, float]]:
-    """The ``measured`` and ``ideal`` costs per action kind (``F``, ``B``: full, ``I``: B, ``W``) from the
-    measured ``F``, ``full``, ``B`` and ``W`` (Note [replayed step])."""
-    f, full, b, w = costs["F"], costs["full"], costs["B"], costs["W"]
+def costings_of(costs: SplitCosts) -> dict[str, dict[str, float]]:
+    """The ``measured`` and ``ideal`` costs per action kind (``F``, ``B``: full, ``I``: B, ``W``; ms) from
+    the measured ``costs`` (Note [replayed step])."""
+    f, full, b, w = costs.F, costs.full, costs.B, costs.W
     scale = full / (b + w)
     return {
         "measured": {"F": f, "B": full, "I": b, "W": w},
@@ -137,14 +138,9 @@ def costings_of(costs: dict[str, float]) -> dict[str, dict[str, float]]:
     }
 
 
-def replay(costs: dict[str, float], ranks: int = 2, microbatches: int = 8) -> dict[str, Any]:
-    """Replay the three schedules from ``costs`` (``F``, ``full``, ``B``, ``W``: ms per stage action).
-
-    Returns:
-        ``{"ranks", "microbatches", "step_ms": {"ScheduleInterleaved1F1B": ms, "<zb>/measured": ms,
-        "<zb>/ideal": ms, "<zb>/merged": ms, ...}, "ratio_to_1f1b": {same keys: ratio},
-        "merged_share": {zb: fraction of W actions merged}}``.
-    """
+def replay(costs: SplitCosts, ranks: int = 2, microbatches: int = 8) -> ReplayRecord:
+    """Replay the three schedules from ``costs`` (ms per stage action) at ``ranks`` ranks and ``microbatches``:
+    every zero-bubble schedule in each costing, the plain one measured (Note [replayed step])."""
     costings = costings_of(costs)
     step = {SCHEDULES[0]: simulate(action_lists(SCHEDULES[0], ranks, microbatches), costings["measured"])}
     share = {}
@@ -158,10 +154,10 @@ def replay(costs: dict[str, float], ranks: int = 2, microbatches: int = 8) -> di
         n_left = sum(a.kind == "W" for acts in merged for a in acts)
         share[zb] = (n_w - n_left) / n_w if n_w else 0.0
     ref = step[SCHEDULES[0]]
-    return {
-        "ranks": ranks,
-        "microbatches": microbatches,
-        "step_ms": step,
-        "ratio_to_1f1b": {k: v / ref for k, v in step.items()},
-        "merged_share": share,
-    }
+    return ReplayRecord(
+        ranks=ranks,
+        microbatches=microbatches,
+        step_ms=step,
+        ratio_to_1f1b={k: v / ref for k, v in step.items()},
+        merged_share=share,
+    )

@@ -15,6 +15,7 @@ change side by side in one run).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import sys
@@ -25,6 +26,15 @@ import torch
 
 import ppbackward.backward as _ours
 from ppbackward._tools.bench.impls import UPSTREAM_B, UPSTREAM_W
+from ppbackward._tools.bench.records import (
+    HeldBytes,
+    RatioStats,
+    SplitConfig,
+    SplitCosts,
+    SplitResult,
+    SplitRun,
+    split_key,
+)
 from ppbackward._tools.bench.timing import (
     REGIMES,
     device_clock,
@@ -35,6 +45,7 @@ from ppbackward._tools.bench.timing import (
     rotations,
 )
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
+from ppbackward._tools.harness.records import ScheduleBench
 
 __all__ = ["CONFIGS", "replayed_steps", "run"]  # private module: what other modules use
 
@@ -69,7 +80,7 @@ def _time_split(name: str, pair: Split, stage: Stage) -> dict[str, float]:
     t1 = clock()
     w(iter(stage.params), groups)
     t2 = clock()
-    return {f"{name}_b": t1 - t0, f"{name}_w": t2 - t1, f"{name}_bw": t2 - t0}
+    return {split_key(name, "b"): t1 - t0, split_key(name, "w"): t2 - t1, split_key(name, "bw"): t2 - t0}
 
 
 def _variants(extra: dict[str, Split]) -> dict[str, Callable[[Stage], dict[str, float]]]:
@@ -93,15 +104,15 @@ def _round(stage: Stage, runners: dict, order: tuple[str, ...], regime: str) -> 
     return got
 
 
-def _stats(rounds: list[dict[str, float]], num: str, den: str) -> dict[str, float]:
+def _stats(rounds: list[dict[str, float]], num: str, den: str) -> RatioStats:
     ratios = sorted(r[num] / r[den] for r in rounds)
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    return {
-        "min_ratio": min(r[num] for r in rounds) / min(r[den] for r in rounds),
-        "median": statistics.median(ratios),
-        "q1": q[0],
-        "q3": q[2],
-    }
+    return RatioStats(
+        min_ratio=min(r[num] for r in rounds) / min(r[den] for r in rounds),
+        median=statistics.median(ratios),
+        q1=q[0],
+        q3=q[2],
+    )
 
 
 def on_device(stage: Stage, device: torch.device | str) -> Stage:
@@ -120,15 +131,10 @@ def measure_config(
     budget_s: float | None,
     extra: dict[str, Split] | None = None,
     device: torch.device | str = "cpu",
-) -> dict[str, Any]:
-    """One configuration: min-of-N ms of every figure per regime, and the ratios to the full backward.
-
-    Returns:
-        ``{"name", "label", "batch" (microbatch size), "repeats", "time_ms": {regime: {key: ms}},
-        "ratios": {regime: {key: {"min_ratio", "median", "q1", "q3"}}}}`` where the keys are
-        ``<variant>_b``, ``<variant>_w``, ``<variant>_bw`` for every split variant (``pp``, ``torch`` and
-        ``extra``'s), ratios taken against ``full`` (ppbackward's ``stage_backward``).
-    """
+) -> SplitConfig:
+    """One configuration: min-of-N ms of every figure per regime, and the ratios to the full backward
+    (ppbackward's ``stage_backward``), for every split variant (``pp``, ``torch`` and ``extra``'s;
+    Note [split keys] in ``bench.records``); without ``costs_ms`` and ``replay`` (``measure`` adds them)."""
     stage = on_device(build(cfg), device)
     runners = _variants(extra or {})
     names = tuple(runners)
@@ -144,17 +150,17 @@ def measure_config(
             rounds[regime].append(_round(stage, runners, order, regime))
     reset_grads(stage)
     keys = [k for k in rounds[REGIMES[0]][0] if k not in ("full", "fwd")]
-    return {
-        "name": cfg.name,
-        "label": cfg.label,
-        "batch": cfg.batch,
-        "nodes": graph_nodes(stage),
-        "repeats": n,
-        "limit_bw": LIMITS.get(cfg.name),
-        "time_ms": {rg: {k: 1e3 * min(r[k] for r in rs) for k in ["fwd", "full", *keys]} for rg, rs in rounds.items()},
-        "ratios": {rg: {k: _stats(rs, k, "full") for k in keys} for rg, rs in rounds.items()},
-        "held_bytes": held_bytes(stage) if stage.x.device.type == "cuda" else None,
-    }
+    return SplitConfig(
+        name=cfg.name,
+        label=cfg.label,
+        batch=cfg.batch,
+        nodes=graph_nodes(stage),
+        repeats=n,
+        limit_bw=LIMITS.get(cfg.name),
+        time_ms={rg: {k: 1e3 * min(r[k] for r in rs) for k in ["fwd", "full", *keys]} for rg, rs in rounds.items()},
+        ratios={rg: {k: _stats(rs, k, "full") for k in keys} for rg, rs in rounds.items()},
+        held_bytes=held_bytes(stage) if stage.x.device.type == "cuda" else None,
+    )
 
 
 def graph_nodes(stage: Stage) -> int:
@@ -166,7 +172,7 @@ def graph_nodes(stage: Stage) -> int:
     return len(analyze([gradient_edge(out)], {gradient_edge(stage.x).node}).structure.nodes)
 
 
-def held_bytes(stage: Stage) -> dict[str, int]:
+def held_bytes(stage: Stage) -> HeldBytes:
     """CUDA allocator bytes alive between B and W beyond what the stage holds after W, per split
     (``pp``, ``torch``): ``memory_allocated`` right after B minus right after W, the stage output
     kept alive throughout as ``PipelineStage`` keeps it (the parameter grads exist before: accumulating
@@ -189,7 +195,7 @@ def held_bytes(stage: Stage) -> dict[str, int]:
         out_bytes[name] = after_b - torch.cuda.memory_allocated()
         del out
     reset_grads(stage)
-    return out_bytes
+    return HeldBytes(pp=out_bytes["pp"], torch=out_bytes["torch"])
 
 
 def measure(
@@ -198,7 +204,7 @@ def measure(
     budget_s: float | None = 15.0,
     extra: dict[str, Split] | None = None,
     device: torch.device | str = "cpu",
-) -> dict[str, Any]:
+) -> SplitResult:
     """:func:`measure_config` for each configuration (torch's thread count at 1), each with the
     replayed steps (``_replay.replay``, 2 and 4 ranks, 8 microbatches) from its accumulating-regime
     costs (a step's microbatches after the first accumulate)."""
@@ -210,112 +216,126 @@ def measure(
         out = []
         for cfg in configs:
             c = measure_config(cfg, repeats, budget_s, extra, device)
-            t = c["time_ms"]["accumulating"]
-            costs = {"F": t["fwd"], "full": t["full"], "B": t["pp_b"], "W": t["pp_w"]}
-            c["costs_ms"] = costs
-            c["replay"] = {f"{r} ranks": _replay.replay(costs, ranks=r) for r in (2, 4)}
-            out.append(c)
-        return {"device": str(torch.device(device)), "configs": out}
+            t = c.times("accumulating")
+            costs = SplitCosts(F=t.fwd, full=t.full, B=t.variants["pp"].b, W=t.variants["pp"].w)
+            replay = {f"{r} ranks": _replay.replay(costs, ranks=r) for r in (2, 4)}
+            out.append(dataclasses.replace(c, costs_ms=costs, replay=replay))
+        return SplitResult(device=str(torch.device(device)), configs=out)
     finally:
         torch.set_num_threads(threads)
 
 
-def targets(result: dict[str, Any], schedule: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def targets(result: SplitResult, schedule: ScheduleBench | None = None) -> list[dict[str, Any]]:
     """The split's targets as rows of ``report.targets`` (``report.target_row``): B+W over the full
     backward per configuration and regime, B alone <= the full backward; with the real torchrun step
-    (``schedule``, from ``schedule_bench.run_schedule``), ZBVZeroBubble <= 1.00x and InterleavedZeroBubble <=
-    1.05x the Interleaved1F1B step."""
+    (``schedule``, from ``schedule_bench.run_schedule``), :func:`_real_step_targets`."""
     from ppbackward._tools.bench.report import target_row
 
     rows = []
-    for c in result["configs"]:
+    for c in result.configs:
         for regime in REGIMES:
-            r = c["ratios"][regime]
-            where = f"{c['label']}, {regime}, {result.get('device', 'cpu')}"
-            if c["limit_bw"] is not None:
-                bw = r["pp_bw"]
-                name = f"split: B+W <= {c['limit_bw']:.2f}x full backward"
-                rows.append(target_row(name, where, bw["min_ratio"], c["limit_bw"], bw["median"]))
-            b = r["pp_b"]
-            rows.append(target_row("split: B alone <= 1.00x full backward", where, b["min_ratio"], 1.0, b["median"]))
-    if schedule and "ratio_to_1f1b" in schedule:
-        where = f"torchrun {schedule['ranks']} ranks, d {schedule['d_model']}, {schedule['microbatches']} microbatches"
-        plain = schedule["ratio_to_1f1b"].get("Interleaved1F1B/ppbackward")
-        if plain is not None:  # a user who installs ppbackward for correctness must not pay in a plain schedule
-            name = "real step: Interleaved1F1B, ppbackward's full backward <= 1.01x torch's"
-            rows.append(target_row(name, where, plain, 1.01))
-        for zb, limit in (("ZBVZeroBubble", 1.0), ("InterleavedZeroBubble", 1.05)):
-            for backward in ("ppbackward", "merged"):
-                value = schedule["ratio_to_1f1b"].get(f"{zb}/{backward}")
-                if value is not None:
-                    name = f"real step: {zb} ({backward}) <= {limit:.2f}x Interleaved1F1B"
-                    rows.append(target_row(name, where, value, limit))
+            pp = c.ratios_of(regime)["pp"]
+            where = f"{c.label}, {regime}, {result.device}"
+            if c.limit_bw is not None:
+                name = f"split: B+W <= {c.limit_bw:.2f}x full backward"
+                rows.append(target_row(name, where, pp.bw.min_ratio, c.limit_bw, pp.bw.median))
+            rows.append(target_row("split: B alone <= 1.00x full backward", where, pp.b.min_ratio, 1.0, pp.b.median))
+    if schedule is not None:
+        rows += _real_step_targets(schedule)
     return rows
 
 
-def format_split(result: dict[str, Any]) -> str:
-    """The split table: per configuration and regime, ms and ratios to the full backward."""
+def _real_step_targets(schedule: ScheduleBench) -> list[dict[str, Any]]:
+    """The real step's targets: ppbackward's full backward in Interleaved1F1B <= 1.01x torch's,
+    ZBVZeroBubble <= 1.00x and InterleavedZeroBubble <= 1.05x the Interleaved1F1B step (each variant that ran)."""
+    from ppbackward._tools.bench.report import target_row
+
+    rows = []
+    where = f"torchrun {schedule.ranks} ranks, d {schedule.d_model}, {schedule.microbatches} microbatches"
+    plain = schedule.ratio_to_1f1b.get("Interleaved1F1B/ppbackward")
+    if plain is not None:  # a user who installs ppbackward for correctness must not pay in a plain schedule
+        name = "real step: Interleaved1F1B, ppbackward's full backward <= 1.01x torch's"
+        rows.append(target_row(name, where, plain, 1.01))
+    for zb, limit in (("ZBVZeroBubble", 1.0), ("InterleavedZeroBubble", 1.05)):
+        for backward in ("ppbackward", "merged"):
+            value = schedule.ratio_to_1f1b.get(f"{zb}/{backward}")
+            if value is not None:
+                name = f"real step: {zb} ({backward}) <= {limit:.2f}x Interleaved1F1B"
+                rows.append(target_row(name, where, value, limit))
+    return rows
+
+
+def format_split(result: SplitResult) -> str:
+    """The split table: per configuration and regime, ms and ratios to the full backward (and, on CUDA,
+    the allocator bytes held between B and W); then the replayed steps (:func:`_replay_lines`)."""
     lines = [
         "Split cost per microbatch-stage: ms (min of N) and ratio to ppbackward's full stage_backward "
         "(min/min; median [q1-q3] of per-repeat ratios)"
     ]
     lines += _per_node_lines(result)
-    for c in result["configs"]:
+    for c in result.configs:
         for regime in REGIMES:
-            t, r = c["time_ms"][regime], c["ratios"][regime]
-            variants = sorted({k.rsplit("_", 1)[0] for k in r})
-            cells = [f"{c['label']:<13} {regime:<12} N={c['repeats']:<3} full {t['full']:7.2f}"]
-            for v in variants:
-                bw, b = r[f"{v}_bw"], r[f"{v}_b"]
+            t, ratios = c.times(regime), c.ratios_of(regime)
+            cells = [f"{c.label:<13} {regime:<12} N={c.repeats:<3} full {t.full:7.2f}"]
+            for v in sorted(ratios):
+                ms, bw, b = t.variants[v], ratios[v].bw, ratios[v].b
                 cells.append(
-                    f"{v}: B {t[v + '_b']:.2f} W {t[v + '_w']:.2f} B+W {bw['min_ratio']:.2f}x "
-                    f"({bw['median']:.2f} [{bw['q1']:.2f}-{bw['q3']:.2f}]) B/full {b['min_ratio']:.2f}x"
+                    f"{v}: B {ms.b:.2f} W {ms.w:.2f} B+W {bw.min_ratio:.2f}x "
+                    f"({bw.median:.2f} [{bw.q1:.2f}-{bw.q3:.2f}]) B/full {b.min_ratio:.2f}x"
                 )
             lines.append("  ".join(cells))
-        if c.get("held_bytes"):
-            h = c["held_bytes"]
+        if c.held_bytes is not None:
+            h = c.held_bytes
             lines.append(
-                f"{'':<13} CUDA allocator bytes held between B and W (freed by W): pp {h['pp']}, torch {h['torch']}"
+                f"{'':<13} CUDA allocator bytes held between B and W (freed by W): pp {h.pp}, torch {h.torch}"
             )
-    lines.append(
+    return "\n".join(lines + _replay_lines(result))
+
+
+def _replay_lines(result: SplitResult) -> list[str]:
+    """Per configuration and rank count, each zero-bubble schedule's replayed step over Interleaved1F1B's:
+    ideal, measured and merged costings (Note [replayed step]), with the share of W merged."""
+    lines = [
         "\nReplayed step (Note [replayed step]: torch's action lists, these costs, zero communication; "
         "ratio to Interleaved1F1B; merged: B directly followed by its W run as one full backward)"
-    )
-    for c in result["configs"]:
-        for ranks, rp in c.get("replay", {}).items():
-            r = rp["ratio_to_1f1b"]
-            cells = [f"{c['label']:<13} {ranks}, {rp['microbatches']} mb:"]
+    ]
+    for c in result.configs:
+        for ranks, rp in c.replay.items():
+            r = rp.ratio_to_1f1b
+            cells = [f"{c.label:<13} {ranks}, {rp.microbatches} mb:"]
             for zb in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"):
                 short = zb.replace("Schedule", "").replace("ZeroBubble", "ZB")
                 cells.append(
                     f"{short} ideal {r[zb + '/ideal']:.2f}x measured {r[zb + '/measured']:.2f}x "
-                    f"merged {r[zb + '/merged']:.2f}x ({rp['merged_share'][zb]:.0%} of W merged)"
+                    f"merged {r[zb + '/merged']:.2f}x ({rp.merged_share[zb]:.0%} of W merged)"
                 )
             lines.append("  ".join(cells))
-    return "\n".join(lines)
+    return lines
 
 
-def _per_node_lines(result: dict[str, Any]) -> list[str]:
+def _per_node_lines(result: SplitResult) -> list[str]:
     """Host cost per autograd node (accumulating regime): the full backward's, B's, W's and what B+W cost
-    beyond the full backward, in us per node of the stage's graph."""
+    beyond the full backward, in µs per node of the stage's graph (configurations without a node count
+    are left out)."""
     lines = ["Host cost per autograd node (accumulating, us per node of the stage graph)"]
-    for c in result["configs"]:
-        nodes = c.get("nodes")
+    for c in result.configs:
+        nodes = c.nodes
         if not nodes:
             continue
-        t = c["time_ms"]["accumulating"]
-        per = {k: 1e3 * t[k] / nodes for k in ("full", "pp_b", "pp_w", "pp_bw")}
+        t = c.times("accumulating")
+        pp = t.variants["pp"]
+        full, b, w, bw = (1e3 * ms / nodes for ms in (t.full, pp.b, pp.w, pp.bw))
         lines.append(
-            f"  {c['label']:<13} {nodes:5d} nodes  full {per['full']:6.2f}  B {per['pp_b']:6.2f}"
-            f"  W {per['pp_w']:6.2f}  B+W - full {per['pp_bw'] - per['full']:+6.2f}"
+            f"  {c.label:<13} {nodes:5d} nodes  full {full:6.2f}  B {b:6.2f}"
+            f"  W {w:6.2f}  B+W - full {bw - full:+6.2f}"
         )
     return lines
 
 
 def run(args: Any, meta: dict[str, Any]) -> int:
     """``ppbackward bench --split``: measure, replay, optionally the real torchrun step and the one-rank
-    step (``one_rank``); print and write JSON (``args.json``). Returns 0, or 1 when a schedule run
-    failed or its grads differ."""
+    step (``one_rank``); print and write JSON (``args.json``: ``records.SplitRun.to_report``). Returns 0,
+    or 1 when a schedule run failed or its grads differ."""
     import json
 
     from ppbackward._tools.bench import report as _report
@@ -328,51 +348,59 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("ppbackward bench --split --device cuda: no CUDA device available")
-    split = measure(configs, repeats, None if args.quick else args.budget, device=device)
-    report: dict[str, Any] = {"meta": meta, "split": split}
-    failed = False
-    if args.schedule:
-        from ppbackward._tools.harness import schedule_bench as _schedule
-        from ppbackward._tools.harness.records import to_json
-
-        try:
-            report["schedule"] = to_json(_schedule.run_schedule(
-                repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout,
-                d_model=args.schedule_d_model,
-            ))
-            failed = not report["schedule"]["grads_match"]
-        except _schedule.ScheduleBenchError as e:
-            report["schedule"] = {"error": str(e)}
-            failed = True
-    if args.trace and "slices_ms" in report.get("schedule", {}):
+    report = SplitRun(meta=meta, split=measure(configs, repeats, None if args.quick else args.budget, device=device))
+    failed = _real_step(args, report) if args.schedule else False
+    if args.trace and report.schedule is not None:
         _write_traces(args.trace, report)
     if args.plot:
         from ppbackward._tools.bench import plots as _plots
 
-        for path in _plots.write_plots(args.plot, report["split"]):
+        for path in _plots.write_plots(args.plot, report.split):
             print(f"bench: wrote {path}", file=sys.stderr)
     if args.one_rank_step:
-        report["one_rank_step"] = _one_rank_step(args, device)
-        failed = failed or not report["one_rank_step"].get("grads_match", False)
-    report["targets"] = targets(report["split"], report.get("schedule"))
-    report["meta"]["loadavg_end"] = loadavg()
+        report.one_rank_step = _one_rank_step(args, device)
+        failed = failed or not report.one_rank_step.get("grads_match", False)
+    report.targets = targets(report.split, report.schedule)
+    report.meta["loadavg_end"] = loadavg()
     print(format_run(report, _report))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(report.to_report(), f, indent=1)
     return 1 if failed else 0
 
 
-def _write_traces(folder: str, report: dict[str, Any]) -> None:
+def _real_step(args: Any, report: SplitRun) -> bool:
+    """``--schedule``: the real torchrun step into ``report`` (or why it failed); whether it failed or its
+    grads differ."""
+    from ppbackward._tools.harness import schedule_bench as _schedule
+
+    try:
+        report.schedule = _schedule.run_schedule(
+            repeats=2 if args.quick else args.schedule_repeats, timeout_s=args.schedule_timeout,
+            d_model=args.schedule_d_model,
+        )
+    except _schedule.ScheduleBenchError as e:
+        report.schedule_error = str(e)
+        return True
+    return not report.schedule.grads_match
+
+
+def _config_of(split: SplitResult, sched: ScheduleBench) -> SplitConfig | None:
+    """The split configuration of the real step's stage shape (``layers_per_stage``, ``d_model``, ``seq``)
+    and microbatch size; ``None`` when none was measured."""
+    shape = f"{sched.layers_per_stage}x{sched.d_model}x{sched.seq}"  # Config.name
+    config = next((c for c in split.configs if c.name == shape), None)
+    return config if config is not None and config.batch == sched.microbatch_size else None
+
+
+def _write_traces(folder: str, report: SplitRun) -> None:
     """``--trace``: the real step's traces, with the replayed step where ``--split`` measured the same stage
     shape and microbatch size (Note [step traces])."""
     from ppbackward._tools.bench import trace as _trace
 
-    sched = report["schedule"]
-    shape = f"{sched['layers_per_stage']}x{sched['d_model']}x{sched['seq']}"  # Config.name
-    config = next((c for c in report["split"]["configs"] if c["name"] == shape), None)
-    costs = config["costs_ms"] if config and config.get("batch") == sched.get("microbatch_size") else None
-    for path in _trace.write_traces(folder, sched, costs):
+    assert report.schedule is not None
+    config = _config_of(report.split, report.schedule)
+    for path in _trace.write_traces(folder, report.schedule, config.costs_ms if config else None):
         print(f"bench: wrote {path}", file=sys.stderr)
 
 
@@ -389,19 +417,16 @@ def _one_rank_step(args: Any, device: torch.device) -> dict[str, Any]:
         return {"error": str(e)}
 
 
-def replayed_steps(split: dict[str, Any], sched: dict[str, Any]) -> dict[str, float]:
+def replayed_steps(split: SplitResult, sched: ScheduleBench) -> dict[str, float]:
     """``{real-step variant name: replayed step ms}`` from the split configuration of the real step's stage
-    shape (``layers_per_stage``, ``d_model``, ``seq``, microbatch size) replayed at its rank and microbatch
-    counts; ``{}`` when none was. ppbackward's variants get the replay of ppbackward's costs (``merged``:
-    the merged replay); torch's zero-bubble variants have none (the replay is of ppbackward's split)."""
-    shape = f"{sched['layers_per_stage']}x{sched['d_model']}x{sched['seq']}"  # Config.name
-    config = next((c for c in split["configs"] if c["name"] == shape), None)
-    if config is None or config.get("batch") != sched.get("microbatch_size"):
+    shape and microbatch size (:func:`_config_of`) replayed at its rank and microbatch counts; ``{}`` when
+    none was. ppbackward's variants get the replay of ppbackward's costs (``merged``: the merged replay);
+    torch's zero-bubble variants have none (the replay is of ppbackward's split)."""
+    config = _config_of(split, sched)
+    rp = None if config is None else config.replay.get(f"{sched.ranks} ranks")
+    if rp is None or rp.microbatches != sched.microbatches:
         return {}
-    rp = config.get("replay", {}).get(f"{sched['ranks']} ranks")
-    if rp is None or rp["microbatches"] != sched["microbatches"]:
-        return {}
-    ms = rp["step_ms"]
+    ms = rp.step_ms
     out = {f"Interleaved1F1B/{b}": ms["ScheduleInterleaved1F1B"] for b in ("upstream", "ppbackward")}
     for zb in ("InterleavedZeroBubble", "ZBVZeroBubble"):
         out[f"{zb}/ppbackward"] = ms[f"Schedule{zb}/measured"]
@@ -409,35 +434,40 @@ def replayed_steps(split: dict[str, Any], sched: dict[str, Any]) -> dict[str, fl
     return out
 
 
-def format_run(report: dict[str, Any], rep: Any) -> str:
-    """The ``--split`` report: header, split and replay tables, the real step, the targets."""
-    m = report["meta"]
+def format_run(report: SplitRun, rep: Any) -> str:
+    """The ``--split`` report: header, split and replay tables, the real step (:func:`_real_step_text`),
+    the one-rank step, the targets; ``rep`` is ``bench.report``."""
+    m = report.meta
     parts = [
-        f"ppbackward bench --split  {m['date']}  torch {m['torch']}  device {report['split']['device']}  "
+        f"ppbackward bench --split  {m['date']}  torch {m['torch']}  device {report.split.device}  "
         f"{m['cpu_count']} CPU cores, 1 torch thread; ppbackward {m.get('ppbackward_commit')}; "
         f"1-min load average {m.get('loadavg_start')} at start, {m.get('loadavg_end')} at end; "
         f"CPU allocator: {m.get('allocator', 'not recorded')}",
-        format_split(report["split"]),
+        format_split(report.split),
     ]
-    sched = report.get("schedule")
-    if sched:
-        if "error" in sched:
-            parts.append(f"\nReal step: ERROR\n{sched['error']}")
-        else:
-            r = sched["ratio_to_1f1b"]
-            parts.append(
-                f"\nReal step (torchrun {sched['ranks']} ranks, {sched['stages']} stages x "
-                f"{sched['layers_per_stage']} layers d {sched['d_model']} s {sched['seq']}, "
-                f"{sched['microbatches']} microbatches; min of {sched['repeats']} steps; ratio to Interleaved1F1B "
-                "with torch's backward; merged: built under install(merge_bw=True), each B directly followed by "
-                "its own W run as one full backward; on shared cores these ratios move by tens of percent between "
-                "runs, docs/performance.md): "
-                + "  ".join(f"{k} {v:.2f}x" for k, v in r.items())
-                + rep.step_parts_table(sched, replayed_steps(report["split"], sched))
-            )
-    if "one_rank_step" in report:
+    if report.schedule_error is not None:
+        parts.append(f"\nReal step: ERROR\n{report.schedule_error}")
+    elif report.schedule is not None:
+        parts.append(_real_step_text(report.schedule, report.split, rep))
+    if report.one_rank_step is not None:
         from ppbackward._tools.bench.one_rank import format_one_rank
 
-        parts.append(format_one_rank(report["one_rank_step"]))
-    parts.append(rep.targets_table(report["targets"], 'docs/performance.md, "Zero bubble that pays"'))
+        parts.append(format_one_rank(report.one_rank_step))
+    parts.append(rep.targets_table(report.targets, 'docs/performance.md, "Zero bubble that pays"'))
     return "\n".join(parts)
+
+
+def _real_step_text(sched: ScheduleBench, split: SplitResult, rep: Any) -> str:
+    """The real step's line of ratios to Interleaved1F1B, then its step parts beside the replayed steps."""
+    from ppbackward._tools.harness.records import to_json
+
+    return (
+        f"\nReal step (torchrun {sched.ranks} ranks, {sched.stages} stages x "
+        f"{sched.layers_per_stage} layers d {sched.d_model} s {sched.seq}, "
+        f"{sched.microbatches} microbatches; min of {sched.repeats} steps; ratio to Interleaved1F1B "
+        "with torch's backward; merged: built under install(merge_bw=True), each B directly followed by "
+        "its own W run as one full backward; on shared cores these ratios move by tens of percent between "
+        "runs, docs/performance.md): "
+        + "  ".join(f"{k} {v:.2f}x" for k, v in sched.ratio_to_1f1b.items())
+        + rep.step_parts_table(to_json(sched), replayed_steps(split, sched))
+    )

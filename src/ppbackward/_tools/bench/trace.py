@@ -20,6 +20,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ppbackward._tools.bench.records import SplitCosts
+from ppbackward._tools.harness.records import ScheduleBench
+
 __all__ = ["step_trace", "write_traces"]
 
 NAMES = {"F": "F", "full": "full backward", "B": "B", "W": "W", "wait": "waiting for a peer", "other": "the rest"}
@@ -52,9 +55,9 @@ def rank_events(rank: int, slices: list[list], step_ms: float) -> list[dict[str,
     return events
 
 
-def replay_events(schedule: str, costs: dict[str, float], ranks: int, microbatches: int) -> list[dict[str, Any]]:
-    """The replayed step of ``schedule`` (a class name) from per-kind ``costs`` (ms: ``F``, ``full``, ``B``,
-    ``W``), one process per costing and rank: ``ideal`` and ``measured`` (zero-bubble schedules),
+def replay_events(schedule: str, costs: SplitCosts, ranks: int, microbatches: int) -> list[dict[str, Any]]:
+    """The replayed step of ``schedule`` (a class name) from the measured ``costs`` (ms per stage action),
+    one process per costing and rank: ``ideal`` and ``measured`` (zero-bubble schedules),
     ``merged``; the plain schedule gets its one costing, ``measured``."""
     from ppbackward._tools.bench.replay import action_lists, costings_of, timeline
 
@@ -74,25 +77,25 @@ def replay_events(schedule: str, costs: dict[str, float], ranks: int, microbatch
     return events
 
 
-def step_trace(sched: dict[str, Any], variant: str, costs: dict[str, float] | None = None) -> dict[str, Any]:
-    """The Chrome trace of ``variant`` (e.g. ``"ZBVZeroBubble/ppbackward"``) of a ``--schedule`` result
-    (``to_json(schedule_bench.run_schedule())``), with the replayed step when ``costs`` (the ``--split``
-    costs of the same stage shape) are given."""
+def step_trace(sched: ScheduleBench, variant: str, costs: SplitCosts | None = None) -> dict[str, Any]:
+    """The Chrome trace (a JSON-ready dict) of ``variant`` (e.g. ``"ZBVZeroBubble/ppbackward"``) of a
+    ``--schedule`` result (``schedule_bench.run_schedule()``), with the replayed step when ``costs`` (the
+    ``--split`` costs of the same stage shape) are given."""
     events: list[dict[str, Any]] = []
-    for rank, (slices, parts) in enumerate(zip(sched["slices_ms"][variant], sched["parts_ms"][variant])):
-        events += rank_events(rank, slices, parts["step"])
+    for rank, (slices, parts) in enumerate(zip(sched.slices_ms[variant], sched.parts_ms[variant])):
+        events += rank_events(rank, slices, parts.step)
     if costs is not None:
         schedule = "Schedule" + variant.split("/")[0]
-        events += replay_events(schedule, costs, sched["ranks"], sched["microbatches"])
+        events += replay_events(schedule, costs, sched.ranks, sched.microbatches)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"variant": variant}}
 
 
-def write_traces(folder: str | Path, sched: dict[str, Any], costs: dict[str, float] | None = None) -> list[Path]:
+def write_traces(folder: str | Path, sched: ScheduleBench, costs: SplitCosts | None = None) -> list[Path]:
     """One ``<variant>.json`` per variant of ``sched`` in ``folder`` (made if missing); their paths."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for variant in sched["slices_ms"]:
+    for variant in sched.slices_ms:
         path = out / (re.sub(r"[^A-Za-z0-9_.-]+", "-", variant) + ".json")
         path.write_text(json.dumps(step_trace(sched, variant, costs)))
         paths.append(path)

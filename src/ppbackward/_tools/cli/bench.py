@@ -319,8 +319,9 @@ def _measure(args: argparse.Namespace, request: _Request, argv: list[str]) -> tu
         report["schedule"], failed = _measure_schedule(args)
         if args.trace and "slices_ms" in report["schedule"]:
             from ppbackward._tools.bench import trace as _trace
+            from ppbackward._tools.harness.records import ScheduleBench, from_json
 
-            for path in _trace.write_traces(args.trace, report["schedule"]):
+            for path in _trace.write_traces(args.trace, from_json(ScheduleBench, report["schedule"], "schedule")):
                 _log(f"bench: wrote {path}")
     report["targets"] = _report.targets(report)
     report["meta"]["loadavg_end"] = _loadavg()
