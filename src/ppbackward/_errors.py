@@ -15,7 +15,7 @@ catches it as it did.
 
 from __future__ import annotations
 
-__all__ = ["StageBackwardError"]
+__all__ = ["BadAssertion", "BadIndex", "BadType", "BadValue", "StageBackwardError"]
 
 
 class StageBackwardError(RuntimeError):

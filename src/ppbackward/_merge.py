@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # private module (the switch is ppbackward.install(merge_bw=True)): what other modules use
-__all__ = ["compute_kind", "count_compute", "lowering", "merge_actions"]
+__all__ = ["compute_kind", "count_compute", "lowering", "merge_actions", "merging"]
 
 
 def _schedules() -> Any:

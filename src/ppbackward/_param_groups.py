@@ -101,8 +101,8 @@ class ParamGroup:
     """One param group ready for W; reads and writes like one of torch's param-group dicts.
 
     Attributes (W's work):
-        intermediates: a :class:`NodeCall` for each intermediate W must call, with the gradients B
-            captured flowing into it.
+        calls: a :class:`NodeCall` for each intermediate W must call, with the gradients B captured
+            flowing into it (``group["intermediates"]`` reads the nodes, torch's way).
         ready: the :class:`Contribution`\\ s already known after B: output edges leading straight into
             weight-only nodes (sequence number ``inf``), the weight edges of custom ``autograd.Function``
             intermediates (which ran once, in B) and the weight gradients B computed itself (Note [cheap
@@ -136,37 +136,38 @@ class ParamGroup:
 
     __slots__ = (
         "_captured",
+        "_claimed",
         "_leaves",
         "_nodes",
         "_replaced",
         "_written",
         "_written_versions",
-        "fresh",
-        "intermediates",
+        "calls",
         "params",
         "ready",
     )
 
     def __init__(
         self,
-        intermediates: list[NodeCall],
+        calls: list[NodeCall],
         ready: list[Contribution],
         params: list[torch.Tensor],
         nodes: list[Intermediate] | None = None,
         leaves: list[Node] | None = None,
         replaced: dict[Node, list] | None = None,
     ) -> None:
-        self.intermediates = intermediates
+        self.calls = calls
         self.ready = ready
         self.params = params
-        self._nodes = nodes if nodes is not None else [Intermediate(c.node, c.w_edges) for c in intermediates]
+        self._nodes = nodes if nodes is not None else [Intermediate(c.node, c.w_edges) for c in calls]
         self._leaves = leaves or []
-        self._captured = {call.node: call.grads for call in intermediates}
+        self._captured = {call.node: call.grads for call in calls}
         # node -> the entries of ``ready`` its written gradients replace (a custom Function's outputs, the
         # cheap weight gradients it alone fed); a ``None`` among them: shared with another node
         self._replaced = replaced or {}
         self._written: list | None = None
         self._written_versions: list[tuple[torch.Tensor, int]] = []
+        self._claimed = False  # set by W's claim: no write after it
 
     def __getitem__(self, key: str) -> tuple:
         # tuples, not lists: changing an item of what was read (``group["grads"][0] = ...``) would change
@@ -187,9 +188,16 @@ class ParamGroup:
                 f"ParamGroup[{key!r}] = ...: only 'grads' can be written (W accumulates into the group's "
                 "parameters through the intermediates B found; Note [param groups read like torch's])"
             )
-        self._written = _checked_grads(value, self._nodes, self._replaced, self._captured)
-        # Note [captured gradients are checked at W]: as B's own
-        self._written_versions = [(g, g._version) for entry in self._written for g in entry or () if g is not None]
+        written = _checked_grads(value, self._nodes, self._replaced, self._captured)
+        with _CLAIM_LOCK:  # Note [captured gradients are checked at W]: W has read what it checks
+            if self._claimed:
+                raise StageBackwardError(
+                    "param_group['grads'] = ...: stage_backward_weight has started on these param groups (a "
+                    "hook of it, or another thread); write the gradients before W"
+                )
+            self._written = written
+            # as B's own gradients: the versions now, compared when W reads them
+            self._written_versions = [(g, g._version) for entry in written for g in entry or () if g is not None]
 
     def get(self, key: str, default: object = None) -> object:
         return self[key] if key in _KEYS else default
@@ -227,10 +235,10 @@ class ParamGroup:
         """``(calls, ready)`` W runs for this group: B's, or with the written gradients (Note [param groups
         read like torch's])."""
         if self._written is None:
-            return self.intermediates, self.ready
+            return self.calls, self.ready
         calls: list[NodeCall] = []
         replaced: set[int] = set()
-        kept = {call.node: call for call in self.intermediates}
+        kept = {call.node: call for call in self.calls}
         for inter, grads in itertools.zip_longest(self._nodes, self._written[: len(self._nodes)]):
             if grads is None:  # what B has for it stays
                 if inter.node in kept:
@@ -242,9 +250,10 @@ class ParamGroup:
         return calls, ready
 
     def kept_gradients(self) -> Iterator[torch.Tensor]:
-        """The gradient tensors W will read: B's captured ones it still uses, and the written ones."""
+        """The gradient tensors B captured that W still reads (those a write into ``"grads"`` did not replace;
+        the written ones are checked apart: ``_written_versions``)."""
         calls, ready = self.w_work()
-        mine = {id(call) for call in self.intermediates}
+        mine = {id(call) for call in self.calls}
         for call in calls:
             if id(call) in mine:  # B's capture (written ones are checked apart)
                 yield from (g for g in call.grads if g is not None)
@@ -284,6 +293,11 @@ def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict
                     raise BadType(f"{path}[{j}]: gradient must be a torch.Tensor or None, got {type(g).__name__}")
                 check_like(g, metas[j], f"{path}[{j}]", f"{node.name()} input")
         label = node.name()
+        if all(g is None for g in entry):  # W would call the node on nothing: torch's W refuses it too
+            raise BadValue(
+                f"{path}: no gradient for {label} (every entry None); write None instead of a tuple to keep "
+                "what stage_backward_input captured for it"
+            )
         captured = captured_of.get(node)
         if captured is not None and len(entry) == len(captured) and all(a is b for a, b in zip(entry, captured)):
             out.append(None)  # B's own gradients written back: keep what B has (no recomputation)
@@ -308,22 +322,22 @@ class ParamGroups:
     See Note [param_groups hold no cycle] in this module.
     """
 
-    __slots__ = ("_consumed", "_groups", "_owners", "_pinned", "_shapes", "_versions", "_weight_ids")
+    __slots__ = ("_consumed", "_groups", "_owners", "_pinned", "_shapes", "_versions", "_weights")
 
     def __init__(
         self,
         groups: list[ParamGroup],
-        weight_ids: WeightSet,
+        weights: WeightSet,
         owners: tuple[Node, ...] = (),
         pinned: list | None = None,
     ) -> None:
         self._groups = groups
-        self._weight_ids = weight_ids
+        self._weights = weights
         self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
         self._pinned = pinned or []  # Note [outputs detached after B] (ppbackward._saved)
         self._consumed = False
         # Note [captured gradients are checked at W]: by id, so that W checks only what it will read
-        self._versions = {id(g): (g, g._version) for group in groups for g in _captured(group)}
+        self._versions = {id(g): (g, g._version) for group in groups for g in _captured_grads(group)}
         self._shapes = [(p, p.shape) for group in groups for p in group.params]
 
     @property
@@ -338,6 +352,8 @@ class ParamGroups:
             if self._consumed:
                 return False
             self._consumed = True
+            for group in self._groups:  # no write into "grads" from now on
+                group._claimed = True
             return True
 
     @contextlib.contextmanager
@@ -363,25 +379,19 @@ class ParamGroups:
             self._release()
 
     def _chunks(self, limit: int) -> Iterator[WeightWork]:
-        """W's work, one chunk of param groups at a time (Note [W in chunks]), made as W reaches it."""
-        return map(_weight_work, _runs(self._groups, limit))
+        """W's work, one chunk of param groups at a time (Note [W in chunks]), made as W reaches it. A chunk
+        after the first is checked again first: a hook of an earlier chunk's accumulation (a user's
+        ``register_post_accumulate_grad_hook``) could have changed its gradients in place (Note [captured
+        gradients are checked at W])."""
+        for i, run in enumerate(_runs(self._groups, limit)):
+            if i:
+                self._check_versions(run, during_w=True)
+            yield _weight_work(run)
 
     def _check_unchanged(self, weights: list[torch.Tensor]) -> None:
         """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
         are checked at W]); ``weights`` (W's) name the parameters."""
-        if all(group.written is None for group in self._groups):  # what B captured, all of it read
-            read = list(self._versions.values())
-        else:  # what the written gradients left of B's
-            read = [
-                self._versions[id(g)]
-                for group in self._groups
-                for g in group.kept_gradients()
-                if id(g) in self._versions
-            ]
-        written = [(g, v) for group in self._groups for g, v in group._written_versions]
-        for grad, version in [*read, *written]:
-            if grad._version != version:
-                raise _changed_gradient(self._groups, grad, version)
+        self._check_versions(self._groups, during_w=False)
         for p, shape in self._shapes:
             if p.shape != shape:
                 where = next((f"weights[{i}]" for i, w in enumerate(weights) if w is p), "a leaf of the stage")
@@ -389,6 +399,22 @@ class ParamGroups:
                     f"{where}: parameter of shape {tuple(shape)} at stage_backward_input now has shape "
                     f"{tuple(p.shape)} (changed in place between B and W); W accumulates nothing"
                 )
+
+    def _check_versions(self, groups: list[ParamGroup], during_w: bool) -> None:
+        """Raise naming the first gradient of ``groups`` W will read whose version changed since it was
+        recorded (at B, or at the write into ``"grads"``)."""
+        if all(group.written is None for group in groups):  # what B captured, all of it read
+            if groups is self._groups:
+                read = list(self._versions.values())
+            else:
+                read = [self._versions[id(g)] for group in groups for g in _captured_grads(group)]
+        else:  # what the written gradients left of B's
+            kept = [g for group in groups for g in group.kept_gradients()]
+            read = [self._versions[id(g)] for g in kept if id(g) in self._versions]
+        written = [(g, v) for group in groups for g, v in group._written_versions]
+        for grad, version in [*read, *written]:
+            if grad._version != version:
+                raise _changed_gradient(self._groups, grad, version, during_w)
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -403,7 +429,7 @@ class ParamGroups:
         if self._consumed:
             return "ParamGroups(consumed)"
         n_params = sum(len(g.params) for g in self._groups)
-        n_inter = sum(len(g.intermediates) for g in self._groups)
+        n_inter = sum(len(g.calls) for g in self._groups)
         return (
             f"ParamGroups(groups={len(self._groups)}, params={n_params}, intermediates={n_inter})"
         )
@@ -471,18 +497,20 @@ collections.abc.Sequence.register(ParamGroups)
 collections.abc.Mapping.register(ParamGroup)
 
 
-def _captured(group: ParamGroup) -> Iterator[torch.Tensor]:
+def _captured_grads(group: ParamGroup) -> Iterator[torch.Tensor]:
     """The gradient tensors B captured for ``group``."""
-    for call in group.intermediates:
+    for call in group.calls:
         yield from (g for g in call.grads if g is not None)
     for c in group.ready:
         yield c.grad
 
 
-def _changed_gradient(groups: list[ParamGroup], grad: torch.Tensor, version: int) -> StageBackwardError:
+def _changed_gradient(
+    groups: list[ParamGroup], grad: torch.Tensor, version: int, during_w: bool = False
+) -> StageBackwardError:
     where = "a gradient"
     for group in groups:
-        for call in group.intermediates:
+        for call in group.calls:
             for i, g in enumerate(call.grads):
                 if g is grad:
                     where = f"the gradient B captured for {call.node.name()}'s input {i}"
@@ -493,6 +521,13 @@ def _changed_gradient(groups: list[ParamGroup], grad: torch.Tensor, version: int
             for j, g in enumerate(entry or ()):
                 if g is grad:
                     where = f"the gradient written into param_group['grads'][{i}][{j}]"
+    if during_w:
+        return StageBackwardError(
+            f"param_groups: {where} ({grad.dtype} {list(grad.shape)}) was modified in place during "
+            f"stage_backward_weight (version {version} -> {grad._version}), by a hook of an earlier chunk's "
+            "accumulation; W would accumulate the changed values. The earlier chunks were accumulated, this "
+            "one and the later ones were not. A hook must not change gradients W has still to read"
+        )
     return StageBackwardError(
         f"param_groups: {where} ({grad.dtype} {list(grad.shape)}) was modified in place after "
         f"stage_backward_input (version {version} -> {grad._version}); W would accumulate the changed "

@@ -112,12 +112,8 @@ def _kind(raw: object) -> str | None:
 
 def _saved_items(node: Node) -> Iterator[Any]:
     """Each ``SavedTensor`` (or ``None``) of ``node``'s ``_raw_saved_*`` attributes, lists flattened;
-    nothing from an attribute already freed."""
-    for attr in _saved_attrs(node):
-        try:
-            saved = getattr(node, attr)
-        except RuntimeError:  # already freed
-            continue
+    nothing from an attribute already freed (:func:`_saved_values`, flattened)."""
+    for saved in _saved_values(node):
         yield from saved if isinstance(saved, (list, tuple)) else (saved,)
 
 
@@ -184,7 +180,7 @@ def _saved_values(node: Node) -> Iterator[Any]:
     """The raw value of each of ``node``'s ``_raw_saved_*`` attributes (a ``SavedTensor``, a list of
     them, or ``None``); nothing from an attribute already freed. The attribute names are read once per
     node type (``_ATTRS``), so a node type that saves nothing costs one dict lookup."""
-    attrs = _ATTRS.get(type(node))
+    attrs = _ATTRS.get(type(node))  # the cache read inline (B's hot path); filled by _saved_attrs
     if attrs is None:
         attrs = _saved_attrs(node)
     for attr in attrs:

@@ -134,7 +134,10 @@ def weight_edge_grads(calls: list[NodeCall]) -> list[list]:
             if edge not in seen:
                 seen.add(edge)
                 targets.append(edge)
-    first = next(g for call in calls for g in call.grads if g is not None)
+    # a call has a gradient (B skips a node nothing flowed into; a written entry of only None is refused)
+    first = next((g for call in calls for g in call.grads if g is not None), None)
+    if first is None:
+        return [[None] * len(call.node.next_functions) for call in calls]
     anchor, one = _anchor(first.device)
     with torch.inference_mode(False), torch.enable_grad():  # W may be called under either
         out = anchor.view_as(anchor)  # a node of W's own, no kernel (Note [W's anchor runs no kernel])

@@ -215,16 +215,16 @@ def stage_backward_input(
     flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads, consumed=_DETACHED)
     weight_list = _weights_list(weights)
     wanted = _grad_inputs(input_values)
-    weight_ids = WeightSet(frozenset(map(id, weight_list)), len(weight_list), _any_dtensor(weight_list))
+    weight_set = WeightSet(frozenset(map(id, weight_list)), len(weight_list), _any_dtensor(weight_list))
     if not flat.tensors:
-        return tuple(None for _ in input_values), ParamGroups([], weight_ids)
+        return tuple(None for _ in input_values), ParamGroups([], weight_set)
     # Note [B claims its outputs]; Note [no collection inside B and W] in ppbackward._gc_pause
     with _outputs_claimed(flat.tensors), automatic_gc_paused():
-        return _backward_input(flat, output_grads is not None, input_values, wanted, weight_ids)
+        return _backward_input(flat, output_grads is not None, input_values, wanted, weight_set)
 
 
 def _backward_input(
-    flat: FlatOutputs, grads_given: bool, input_values: list[Any], wanted: list, weight_ids: WeightSet
+    flat: FlatOutputs, grads_given: bool, input_values: list[Any], wanted: list, weight_set: WeightSet
 ) -> tuple[tuple[torch.Tensor | None, ...], ParamGroups]:
     """B's work once its arguments are checked and its outputs claimed (see :func:`stage_backward_input`)."""
     grad_inputs = _unique(t for _, t in wanted)
@@ -269,12 +269,12 @@ def _backward_input(
         pinned = pin_saved_inputs(
             n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in done_in_b
         )
-    owners = owners_needed(owners, [(group.intermediates, group.ready) for group in groups])
+    owners = owners_needed(owners, [(group.calls, group.ready) for group in groups])
     _detach_outputs(flat.tensors, analysis.used_nodes)
     result: list[torch.Tensor | None] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = run.found.get(id(t))
-    return tuple(result), ParamGroups(groups, weight_ids, owners, pinned)
+    return tuple(result), ParamGroups(groups, weight_set, owners, pinned)
 
 
 class _Captured(NamedTuple):
@@ -604,7 +604,12 @@ def stage_backward_weight(
         RuntimeError: ``param_groups`` was already consumed by an earlier call.
         ValueError: ``weights`` are not the parameters given to B (another stage's, or a subset).
         These three are raised before anything runs; ``param_groups`` stays usable then. Once W has
-        started, ``param_groups`` is released whatever happens. An exception while computing a
+        started (claimed ``param_groups``), it is released whatever happens, and these refusals come
+        before anything accumulates: StageBackwardError, a gradient B captured (or a caller wrote into
+        ``"grads"``) was changed in place since (Note [captured gradients are checked at W]); ValueError, a
+        parameter's shape changed since B. A chunk after the first is checked again before it runs
+        (a hook of an earlier chunk may have changed its gradients): refused there, the earlier chunks
+        stay accumulated. An exception while computing a
         chunk's weight edges leaves that chunk's and later chunks' ``.grad`` untouched (a stage
         under 4 MiB of parameters is one chunk: every ``.grad``); one raised inside an
         accumulating call (e.g. by a user hook) can leave the parameters accumulated before it, but
@@ -628,7 +633,7 @@ def _check_param_groups(param_groups: Any, weights: list[torch.Tensor]) -> None:
         )
     if param_groups.consumed:
         raise StageBackwardError(CONSUMED)
-    _check_same_weights(weights, param_groups._weight_ids)
+    _check_same_weights(weights, param_groups._weights)
 
 
 def _weights_list(weights: Any) -> list[torch.Tensor]:

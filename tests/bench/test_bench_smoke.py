@@ -30,6 +30,7 @@ from ppbackward._tools.harness import models as _models
 from ppbackward._tools.harness.launch import alive
 from ppbackward._tools.harness.records import ScheduleBench, StepParts, from_json, to_json
 from ppbackward._tools.harness.schedule_bench import ScheduleBenchError, run_schedule
+from ppbackward._tools.repeats import rotations
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +220,7 @@ def test_repeats_fit_the_budget_and_orders_rotate():
     assert _timing.fit_repeats(100, 1.0, 1.0) == 3  # never below 3 ...
     assert _timing.fit_repeats(2, 1.0, 1.0) == 2  # ... nor above the repeats asked for
     assert _timing.fit_repeats(100, 20.0, 0.0) == 100
-    orders = list(_timing.rotations(("a", "b", "c"), 4))
+    orders = list(rotations(("a", "b", "c"), 4))
     assert orders == [("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b"), ("a", "b", "c")]
 
 

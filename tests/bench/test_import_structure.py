@@ -99,11 +99,20 @@ def test_no_circle_among_the_bench_modules():
     assert cycles(import_graph(SRC), "ppbackward._tools.bench") == []
 
 
+def test_no_circle_in_the_tooling():
+    assert cycles(import_graph(SRC), "ppbackward._tools") == []
+
+
 def test_bench_and_harness_never_import_the_command_line():
     graph = import_graph(SRC)
     bad = upward_imports(graph, "ppbackward._tools.bench", "ppbackward._tools.cli")
     bad += upward_imports(graph, "ppbackward._tools.harness", "ppbackward._tools.cli")
     assert bad == []
+
+
+def test_the_harness_never_imports_the_bench():
+    """The bench builds on the harness (its zoo, its worker for the schedule step), never the reverse."""
+    assert upward_imports(import_graph(SRC), "ppbackward._tools.harness", "ppbackward._tools.bench") == []
 
 
 def test_the_library_never_imports_the_tooling():

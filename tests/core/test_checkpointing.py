@@ -165,7 +165,7 @@ def test_b_does_the_weight_work_of_a_checkpointed_region_and_w_only_accumulates(
     _, groups = pb.stage_backward_input((stage(x),), (g,), [x], stage.parameters())
     assert fired == [] and all(p.grad is None for p in stage.parameters())
     # W calls only the intermediate outside the region (``inp``); the region's weight work is done
-    calls = [call.node.name() for group in groups for call in group.intermediates]
+    calls = [call.node.name() for group in groups for call in group.calls]
     assert calls == ["AddmmBackward0"]
     pb.stage_backward_weight(stage.parameters(), groups)
     assert sorted(fired) == sorted(n for n, _ in stage.named_parameters() if not n.startswith("inner"))

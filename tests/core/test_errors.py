@@ -170,9 +170,9 @@ def test_w_rejects_upstream_param_groups():
 
 def test_exception_in_accumulating_call_releases_everything():
     m, out, groups = _b("shared_late")
-    nodes = [call.node for group in groups for call in group.intermediates]
+    nodes = [call.node for group in groups for call in group.calls]
     grad_refs = [
-        weakref.ref(g) for group in groups for call in group.intermediates for g in call.grads if g is not None
+        weakref.ref(g) for group in groups for call in group.calls for g in call.grads if g is not None
     ]
     assert nodes and grad_refs
 

@@ -66,6 +66,60 @@ def test_gradients_left_alone_pass_the_check_and_w_is_exact():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
+def test_a_hook_of_an_earlier_chunk_changing_a_later_chunks_gradient_is_caught(monkeypatch):
+    """W in chunks (one param group each here): a post-accumulate-grad hook fired by the first chunk changes
+    in place a gradient only a later chunk reads; that chunk is checked again before it runs and refused."""
+    import ppbackward._param_groups as param_groups
+
+    monkeypatch.setattr(param_groups, "_W_CHUNK_BYTES", 1)
+    mod = _stage()
+    x = torch.randn(2, 4, requires_grad=True)
+    _, groups = pb.stage_backward_input((mod(x),), (torch.ones(2, 3),), [x], mod.parameters())
+    assert len(groups) == 2
+    first_layer_grad = groups[1]["grads"][0][0]  # what W reads for the first Linear (the later chunk)
+    def hostile(_param) -> None:
+        first_layer_grad.mul_(100.0)
+
+    mod[2].weight.register_post_accumulate_grad_hook(hostile)
+    with pytest.raises(pb.StageBackwardError) as info:
+        pb.stage_backward_weight(mod.parameters(), groups)
+    message = str(info.value)
+    assert "was modified in place during stage_backward_weight (version 0 -> 1)" in message
+    assert "this one and the later ones were not" in message
+    assert mod[2].weight.grad is not None and mod[0].weight.grad is None  # the first chunk only
+    assert groups.consumed and len(groups) == 0
+
+
+def test_writing_grads_once_w_has_started_is_refused():
+    """A hook of W (or another thread) writing ``group["grads"]`` after W checked them: refused."""
+    mod = _stage()
+    _, groups = _b(mod, torch.ones(2, 3))
+    group = groups[1]
+    refused = []
+
+    def write(_p):
+        try:
+            group["grads"] = [None]
+        except pb.StageBackwardError as e:
+            refused.append(str(e))
+
+    mod[2].weight.register_post_accumulate_grad_hook(write)
+    pb.stage_backward_weight(mod.parameters(), groups)
+    assert refused and "stage_backward_weight has started on these param groups" in refused[0]
+
+
+def test_a_written_entry_without_any_gradient_is_refused():
+    """``(None,)`` would make W call the node on nothing (it raised a bare StopIteration out of W, which ends a
+    caller's loop silently); None keeps what B captured."""
+    mod = _stage()
+    _, groups = _b(mod, torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"param_group\['grads'\]\[0\]: no gradient for AddmmBackward0"):
+        groups[0]["grads"] = [(None,)]
+    groups[0]["grads"] = [None]  # keeps B's
+    pb.stage_backward_weight(mod.parameters(), groups)
+    assert all(p.grad is not None for p in mod.parameters())
+
+
 # -- a parameter resized in place between B and W ------------------------------------------------
 
 

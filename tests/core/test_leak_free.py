@@ -78,7 +78,7 @@ _STASH: list[list] = []
 
 def _stashing_stage_backward_weight(weights, groups):
     """Tests-only leaky variant: a live module-level reference to the graph (no cycle at all)."""
-    _STASH.append([call.node for g in groups for call in g.intermediates])
+    _STASH.append([call.node for g in groups for call in g.calls])
     return pb.stage_backward_weight(weights, groups)
 
 

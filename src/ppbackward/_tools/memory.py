@@ -70,11 +70,11 @@ def w_floor_bytes(param_groups, exclude: Iterable[torch.Tensor] = ()) -> int:
     """Bytes saved by the nodes ppbackward's W runs for ``param_groups`` (its intermediates and
     their weight-only subgraphs): the least a B/W split must hold between B and W."""
     exclude = list(exclude)
-    intermediates = [call.node for group in param_groups for call in group.intermediates]
+    intermediates = [call.node for group in param_groups for call in group.calls]
     roots = [
         call.node.next_functions[i][0]
         for group in param_groups
-        for call in group.intermediates
+        for call in group.calls
         for i in call.w_edges
     ]
     roots += [c.edge.node for group in param_groups for c in group.ready]

@@ -13,7 +13,7 @@ import torch
 
 from ppbackward.leaks._storage import format_bytes
 
-__all__ = ["ActivationReport", "SavedActivation"]
+__all__ = ["ALIVE", "FREED_BY_GC", "FREED_BY_REFCOUNT", "UNTRACKED", "ActivationReport", "SavedActivation"]
 
 #: ``SavedActivation.state`` values.
 ALIVE = "alive"  # alive at report time (after the report's collection when collect=True)

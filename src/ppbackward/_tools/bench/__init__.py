@@ -15,12 +15,14 @@ configurations] there). Method and results: ``docs/performance.md``.
 
 Note [tooling layers]: the library (``ppbackward``: the stage backward, ``leaks``, the pytest plugin)
 is at the bottom and never imports ``ppbackward._tools``; only ``ppbackward/__main__.py``, the console
-script, does. Inside ``_tools`` the command line (``cli``) sits on top of the measurements (this
-package) and of the harness, which never import it, not even inside a function: this package's one
-exception is ``__main__`` (``python -m ppbackward._tools.bench``), a program's entry that nothing
-imports. This package's modules import one another without a circle (what two of them share lives in
-a lower one: ``timing``'s clock and load average). ``tests/bench/test_import_structure.py`` reads every
-import with ``ast`` and holds these rules.
+script, does. Inside ``_tools``, from the top: the command line (``cli``), the measurements (this
+package), the harness (its zoo, its worker and launcher, which the bench's schedule step runs), then the
+helpers every one of them may use (``torchrun``, ``text_table``, ``memory``, ``repeats``). No layer
+imports one above it, not even inside a function: this package's one exception is ``__main__``
+(``python -m ppbackward._tools.bench``), a program's entry that nothing imports. No circle anywhere in
+``_tools`` (what two modules share lives in a lower one: ``timing``'s clock and load average,
+``repeats``' order of the repeats). ``tests/bench/test_import_structure.py`` reads every import with
+``ast`` and holds these rules.
 """
 
 __all__: list[str] = []

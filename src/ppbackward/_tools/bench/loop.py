@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from ppbackward._tools.bench.impls import SPLIT
-from ppbackward._tools.bench.timing import fit_repeats, gc_paused, rotations
+from ppbackward._tools.bench.timing import fit_repeats, gc_paused
 from ppbackward._tools.harness.models import Config, build
+from ppbackward._tools.repeats import rotations
 
 __all__ = ["MICROBATCHES", "VARIANTS", "plan", "time_loop"]  # private module: what other modules use
 

@@ -42,10 +42,10 @@ from ppbackward._tools.bench.timing import (
     gc_paused,
     loadavg,
     prepare_regime,
-    rotations,
 )
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 from ppbackward._tools.harness.records import ScheduleBench
+from ppbackward._tools.repeats import rotations
 
 __all__ = ["CONFIGS", "replayed_steps", "run"]  # private module: what other modules use
 

@@ -1,15 +1,10 @@
 """Interleaved, min-of-N timing of the backward variants.
 
-Private module. Note [interleaved repeats]: on a small, shared machine the speed drifts over
-seconds (other processes, frequency scaling). Each repeat therefore runs every variant once, in an
-order rotated by one from the previous repeat, and each figure is the minimum over repeats: the
-run least disturbed by the machine. Ratios are taken between minima of the same run. The forward
-is re-run before every timed backward and is not timed; the gc is run before each repeat and
-disabled during it (a ``gc.collect()`` costs tens of ms in a process that imported torch). The
-helpers :func:`fit_repeats`, :func:`rotations` and :func:`gc_paused` are shared with the
-microbatch loop (``loop``), the split's cost (``split``) and the one-rank step (``one_rank``), as are
-:func:`device_clock` (a clock that waits for the device) and :func:`loadavg` (the machine's load, in the
-report's ``meta``).
+Private module. Timed the way of Note [interleaved repeats] (``ppbackward._tools.repeats``: the
+order of the repeats; the minimum over them). The helpers :func:`fit_repeats` and :func:`gc_paused` are
+shared with the microbatch loop (``loop``), the split's cost (``split``) and the one-rank step
+(``one_rank``), as are :func:`device_clock` (a clock that waits for the device) and :func:`loadavg` (the
+machine's load, in the report's ``meta``).
 
 Note [regimes]: a stage's first microbatch of a step finds every parameter's ``.grad`` ``None``; the
 others accumulate into existing grads, which is a different path in ``AccumulateGrad`` (an add into
@@ -27,12 +22,12 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 import torch
 
 from ppbackward._tools.bench.impls import VARIANTS, run_variant
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
+from ppbackward._tools.repeats import rotations
 
 __all__ = [  # private module: what other modules use
     "KEYS",
@@ -43,7 +38,6 @@ __all__ = [  # private module: what other modules use
     "gc_paused",
     "loadavg",
     "prepare_regime",
-    "rotations",
     "time_config",
 ]
 
@@ -53,7 +47,6 @@ KEYS = ("plain", "upstream_b", "upstream_w", "upstream_bw", "ppbackward_b", "ppb
 
 REGIMES = ("first", "accumulating")
 
-_T = TypeVar("_T")
 
 
 def fit_repeats(repeats: int, budget_s: float | None, per_repeat_s: float) -> int:
@@ -64,13 +57,6 @@ def fit_repeats(repeats: int, budget_s: float | None, per_repeat_s: float) -> in
         return repeats
     return max(min(repeats, 3), min(repeats, int(budget_s / per_repeat_s)))
 
-
-def rotations(items: tuple[_T, ...], repeats: int) -> Iterator[tuple[_T, ...]]:
-    """The order of each of ``repeats`` repeats: ``items`` rotated by one more each time (Note [interleaved
-    repeats])."""
-    for r in range(repeats):
-        k = r % len(items)
-        yield items[k:] + items[:k]
 
 
 def device_clock(device: torch.device) -> Callable[[], float]:

@@ -17,7 +17,7 @@ import dataclasses
 
 from ppbackward._tools.harness.records import CaseRecord, Failure
 
-__all__ = ["KINDS", "ORDER", "Finding", "Kind", "diagnose", "kind"]
+__all__ = ["KINDS", "ORDER", "OTHER", "Finding", "Kind", "diagnose", "kind"]
 
 
 @dataclasses.dataclass(frozen=True)

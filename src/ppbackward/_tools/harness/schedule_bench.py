@@ -240,7 +240,7 @@ def _setup(config: BenchConfig, rank: int, world: int) -> _Bench:
 
 def _timed(bench: _Bench, variants: list[_Variant], repeats: int, events: EventWriter) -> dict[str, StepRecord]:
     """The interleaved timed repeats (Note [interleaved repeats]); each variant's fastest step's record."""
-    from ppbackward._tools.bench.timing import rotations
+    from ppbackward._tools.repeats import rotations
 
     best: dict[str, StepRecord] = {}
     parts = bench_probes.PartsProbe([s for v in variants for s in v.case.pp_stages])
