@@ -352,9 +352,9 @@ class _Progress:
     def done(self) -> None:
         counts: dict[str, int] = {}
         for status in self.statuses.values():
-            key = "FAIL" if status.startswith("FAIL") else status
+            key = status if status in ("pass", "skip") else "FAIL"  # else: "FAIL ..." (progress_status)
             counts[key] = counts.get(key, 0) + 1
-        failed = [f"{case} ({status})" for case, status in self.statuses.items() if status.startswith("FAIL")]
+        failed = [f"{case} ({status})" for case, status in self.statuses.items() if status not in ("pass", "skip")]
         summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no case ran"
         tail = f"; failed: {', '.join(failed)}" if failed else ""
         print(("\r" if self.live else "") + f"{self.label}: {summary}{tail} ({self.elapsed()})", flush=True)
