@@ -217,6 +217,11 @@ def _case(status: str, steps: Sequence[StepRecord] = (), failures: Sequence[Fail
     return CaseRecord("S/m", status=status, steps=list(steps), failures=list(failures), **kw)
 
 
+def _measures(cell: _check_cells.Cell) -> _check_cells.Measures:
+    assert cell.measures is not None, cell
+    return cell.measures
+
+
 def _hooks(step: int, fired: int, expected: int = 16) -> Failure:
     message = f"post-accumulate-grad hooks fired {fired} times, expected {expected} (...)"
     return Failure("hooks", "hooks-skipped", message, step)
@@ -228,8 +233,9 @@ def test_every_column_is_the_worst_rank_and_step_and_the_footnote_quotes_that_ce
         1: _case("fail", [_step(0, 16, 16), _step(1, 0, 16, garbage=0)], [_hooks(1, 0)]),
     }
     values = _check_cells.cell_values(per_rank)
-    assert (values["hooks_fired"], values["hooks_expected"]) == (0, 16)  # rank 1, step 1: not a total
-    assert values["worst"]["hooks"] == [1, 1]
+    measures = _measures(values)
+    assert (measures.hooks_fired, measures.hooks_expected) == (0, 16)  # rank 1, step 1: not a total
+    assert measures.worst["hooks"] == (1, 1)
     assert _check_cells.format_cell("hooks", values, _check_cells.cell_ok(values)["hooks"]) == "0/16 FAIL"
     assert _check_cells.reason(values) == "rank 1, step 1: hooks: " + _hooks(1, 0).message
     assert _check_cells.short_reason(values) == "FAIL: hooks skipped in W"  # the kind, never a bare message
@@ -257,6 +263,17 @@ def test_footnotes_group_failures_by_kind_with_reason_report_rows_and_one_exampl
     assert lines[-2:] == ["- ValueError: something nobody has seen", "    in: b S1"]  # unknown kinds last, as recorded
 
 
+def test_footnotes_of_rows_without_a_verdict_name_it_and_quote_nothing():
+    """A row no rank reported, or a case one backward lacks, used to crash the footnotes (an empty example)."""
+    lines = _check_cells.by_kind([("a S1", _check_cells.cell_values({0: None, 1: None})), ("a S2", None)])
+    assert lines == ["- no verdict", "    in: a S1, a S2"]
+    cycle = Failure("garbage", "reference-cycle", "2 (8 B pinned)", 0)
+    cell = _check_cells.cell_values({0: _case("fail", [_step(0, 8, 8, 2)], [cycle])})
+    notes = _check_cells.footnotes([("a S3", cell)])
+    quoted = notes[0].quoted
+    assert quoted is not None and (quoted.rank, quoted.failure.check) == (0, "garbage")  # the legend reads this
+
+
 def test_ddp_shape_inference_is_named_from_the_kind_the_rank_recorded():
     message = "RuntimeError: [Stage 0] failed to run forward: ... (caused by RuntimeError: false ..."
     values = _check_cells.cell_values({0: _case("error", failures=[_raised("ddp-shape-inference", message)],
@@ -281,12 +298,13 @@ def test_a_rank_with_no_trainable_parameter_is_not_the_hooks_cell():
     """Issue 23: a LoRA row showed ``hooks 0/0 ok`` because the worst-rank rule picked the frozen rank."""
     per_rank = {0: _case("pass", [_step(0, 0, 0)]), 1: _case("pass", [_step(0, 8, 8)])}
     values = _check_cells.cell_values(per_rank)
-    assert (values["hooks_fired"], values["hooks_expected"]) == (8, 8) and values["worst"]["hooks"] == [1, 0]
+    measures = _measures(values)
+    assert (measures.hooks_fired, measures.hooks_expected) == (8, 8) and measures.worst["hooks"] == (1, 0)
     assert _check_cells.format_cell("hooks", values, _check_cells.cell_ok(values)["hooks"]) == "8/8 ok"
     frozen = _check_cells.cell_values({0: per_rank[0], 1: per_rank[0]})  # every rank frozen: 0/0 it is
-    assert (frozen["hooks_fired"], frozen["hooks_expected"]) == (0, 0)
+    assert (_measures(frozen).hooks_fired, _measures(frozen).hooks_expected) == (0, 0)
     missed = {**per_rank, 2: _case("fail", [_step(0, 4, 8)], [_hooks(0, 4, 8)])}
-    assert _check_cells.cell_values(missed)["worst"]["hooks"] == [2, 0]  # the furthest from expected wins
+    assert _measures(_check_cells.cell_values(missed)).worst["hooks"] == (2, 0)  # the furthest from expected wins
 
 
 def _numerics(message: str, kind: str = "grads-wrong") -> Failure:

@@ -10,9 +10,9 @@ deterministic for a given graph, so tests assert them exactly.
 
 What counts as a kernel: every op that is not a view (``OpOverload.is_view``: ``view``, ``t``,
 ``detach``, ``expand``, ...), which only make tensor metadata. Allocation-only ops (``zeros``,
-``new_empty_strided``) count: they are the extra work a split can add. Bytes allocated are the
-``nbytes`` of each output of a non-view op that shares no storage with an input (an in-place op's
-output is its input).
+``new_empty_strided``) count: they are the extra work a split can add. Bytes allocated are the bytes of
+the unique storages of a non-view op's outputs that are no input's storage (an in-place op's output is its
+input), counted by the one storage accountant, ``ppbackward.leaks._storage``.
 
 The three backwards of one microbatch are compared on fresh graphs of one stage, in one regime:
 ``"first"`` (every ``.grad`` empty, the first microbatch of a step) or ``"accumulating"`` (every
@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+from ppbackward.leaks._storage import storage_nbytes, unique_storages
 
 __all__ = ["REGIMES", "DeviceWork", "bench_work", "count", "stage_work"]
 
@@ -80,10 +82,9 @@ class _Counter(TorchDispatchMode):
         flops = flop_registry.get(packet)
         if flops is not None:
             self.flops += flops(*args, **(kwargs or {}), out_val=out)
-        inputs = {_storage(t) for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
-            if _storage(t) not in inputs:
-                self.allocated += t.untyped_storage().nbytes()
+        inputs = unique_storages(_tensors((args, kwargs)))
+        made = unique_storages(_tensors(out))
+        self.allocated += sum(storage_nbytes(st) for key, st in made.items() if key not in inputs)
         return out
 
 
@@ -99,13 +100,6 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
         elif isinstance(item, dict):
             todo.extend(item.values())
     return found
-
-
-def _storage(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # no storage (a subclass): its own
-        return id(t)
 
 
 def count(fn: Callable[[], Any]) -> DeviceWork:

@@ -46,16 +46,23 @@ import torch
 from ppbackward._tools.bench.impls import run_b, run_w
 from ppbackward._tools.harness.models import Stage, reset_grads
 from ppbackward._tools.memory import alive_bytes, saved_storages
-from ppbackward.leaks._storage import storage_key, storage_nbytes, unique_storages
+from ppbackward.leaks._storage import (
+    storage_key,
+    storage_nbytes,
+    tensor_storages,
+    unique_storage_bytes,
+    unique_storages,
+)
 
 __all__ = ["measure_hooked", "measure_split"]  # private module: what other modules use
 
 _Key = tuple[int, int]
 
 
-def _key(t: torch.Tensor) -> _Key:
-    st = t.untyped_storage()
-    return (storage_key(st), storage_nbytes(st))
+def _keys(t: torch.Tensor) -> tuple[_Key, ...]:
+    """``(storage key, bytes)`` of each storage holding ``t``'s data (the storage accountant's
+    ``tensor_storages``: a wrapper subclass brings its inner tensors', a tensor without storage none)."""
+    return tuple((storage_key(st), storage_nbytes(st)) for st in tensor_storages(t))
 
 
 class SavedRecorder:
@@ -64,7 +71,7 @@ class SavedRecorder:
     __slots__ = ("phase", "refs", "skip", "unpacked")
 
     def __init__(self, skip: frozenset[int] = frozenset()) -> None:
-        self.refs: list[tuple[weakref.ref, _Key]] = []
+        self.refs: list[tuple[weakref.ref, tuple[_Key, ...]]] = []
         self.unpacked: dict[str, set[_Key]] = {}
         self.phase = "forward"
         self.skip = skip  # storage keys not counted (parameters, stage input, output)
@@ -73,12 +80,12 @@ class SavedRecorder:
         if t.requires_grad and t.grad_fn is None:  # a parameter or the stage input
             return t
         a = t.detach()
-        self.refs.append((weakref.ref(a), _key(a)))
+        self.refs.append((weakref.ref(a), _keys(a)))
         return a
 
     def unpack(self, a: torch.Tensor) -> torch.Tensor:
         if not (a.requires_grad and a.grad_fn is None):
-            self.unpacked.setdefault(self.phase, set()).add(_key(a))
+            self.unpacked.setdefault(self.phase, set()).update(_keys(a))
         return a
 
     # only observes: the split treats the tensors as unhooked (Note [hooked saved tensors run once])
@@ -98,7 +105,7 @@ def _floor(impl: str, stage: Stage) -> tuple[int, int]:
     with rec.hooks():
         out = stage.model(stage.x)
     rec.skip = frozenset(unique_storages([*stage.params, stage.x, out]))
-    saved = rec.bytes(key for ref, key in rec.refs if ref() is not None)
+    saved = rec.bytes(key for ref, keys in rec.refs if ref() is not None for key in keys)
     rec.phase = "B"
     groups = run_b(impl, stage, out)
     rec.phase = "W"
@@ -125,12 +132,12 @@ class _CopyHooks:
         if t.requires_grad and t.grad_fn is None:
             return t
         copy = t.detach().clone()
-        self.copies.append((weakref.ref(copy), copy.untyped_storage().nbytes()))
+        self.copies.append((weakref.ref(copy), unique_storage_bytes([copy])[1]))
         return copy
 
     def unpack(self, copy: torch.Tensor) -> torch.Tensor:
         if self.phase == "W" and not (copy.requires_grad and copy.grad_fn is None):
-            self.read_in_w[id(copy)] = copy.untyped_storage().nbytes()
+            self.read_in_w[id(copy)] = unique_storage_bytes([copy])[1]
         return copy
 
     def alive_bytes(self) -> int:

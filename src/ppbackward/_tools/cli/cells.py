@@ -17,18 +17,25 @@ Private module, used by ``ppbackward._tools.cli.check``. Columns (Note [worst ce
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from typing import Any
 
-from ppbackward._tools.harness.diagnose import ORDER, diagnose
+from ppbackward._tools.harness.diagnose import ORDER, Finding, diagnose
 from ppbackward._tools.harness.records import CaseRecord, Failure, StepMeasures
 from ppbackward._tools.text_table import format_table
 
 __all__ = [  # private module: what other modules use
+    "Cell",
+    "Footnote",
+    "Measures",
+    "RankFailure",
+    "RankFinding",
     "by_kind",
     "cell_ok",
     "cell_values",
+    "footnotes",
     "format_cell",
+    "format_footnotes",
     "progress_status",
     "progress_status_of",
     "reason",
@@ -85,22 +92,68 @@ def _step_metrics(step: StepMeasures) -> dict[str, Any]:
     }
 
 
-def _findings(records: dict[int, CaseRecord]) -> list[dict[str, str]]:
-    """The kinds of failure over every rank, most telling first, each with one example ``rank r, ...``."""
-    found: dict[str, dict[str, str]] = {}
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """One failure of a case with the rank that recorded it.
+
+    Attributes:
+        rank (int): the rank.
+        failure (Failure): the failure, as recorded.
+    """
+
+    rank: int
+    failure: Failure
+
+    @property
+    def text(self) -> str:
+        """``rank 1, step 0: hooks: ...`` or ``rank 0, exception: ...`` (str): as ``--json`` lists it."""
+        return f"rank {self.rank}, {self.failure.text}"
+
+    @property
+    def shown(self) -> str:
+        """The first line of the failure without its rank, an exception without ``exception: `` (str)."""
+        f = self.failure
+        return (f.message if f.check == "exception" else f.text).splitlines()[0]
+
+    @property
+    def bare(self) -> str:
+        """The first line without rank nor step (str): ``hooks: ...``, an exception's or a case's message."""
+        f = self.failure
+        return (f.message if f.check in ("exception", "case") else f"{f.check}: {f.message}").splitlines()[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFinding:
+    """A kind of failure found in a case (``diagnose.Finding``) with the rank of its example.
+
+    Attributes:
+        rank (int): the rank whose failure is the example.
+        finding (Finding): the kind and its first failure on that rank.
+    """
+
+    rank: int
+    finding: Finding
+
+    @property
+    def example(self) -> RankFailure:
+        """The failure that shows the kind, with its rank (RankFailure)."""
+        return RankFailure(self.rank, self.finding.failure)
+
+    def to_json(self) -> dict[str, str]:
+        """``{"kind", "label", "line", "example"}`` (dict[str, str]), as ``--json`` writes it."""
+        kind = self.finding.kind
+        return {"kind": kind.key, "label": kind.label, "line": self.finding.line, "example": self.example.text}
+
+
+def _findings(records: dict[int, CaseRecord]) -> tuple[RankFinding, ...]:
+    """The kinds of failure over every rank, most telling first, each with one example and its rank; an
+    ``other`` failure is a kind of its own, told apart by its text."""
+    found: dict[str, RankFinding] = {}
     for rank, record in records.items():
         for finding in diagnose(record):
             key = finding.kind.key if finding.kind.key != "other" else finding.example
-            found.setdefault(
-                key,
-                {
-                    "kind": finding.kind.key,
-                    "label": finding.kind.label,
-                    "line": finding.line,
-                    "example": f"rank {rank}, {finding.example}",
-                },
-            )
-    return sorted(found.values(), key=lambda f: ORDER.get(f["kind"], len(ORDER)))
+            found.setdefault(key, RankFinding(rank, finding))
+    return tuple(sorted(found.values(), key=lambda f: ORDER.get(f.finding.kind.key, len(ORDER))))
 
 
 def _grads_why(records: dict[int, CaseRecord]) -> str | None:
@@ -119,8 +172,76 @@ def _grads_why(records: dict[int, CaseRecord]) -> str | None:
     return None
 
 
-def cell_values(per_rank: dict[int, CaseRecord | None]) -> dict[str, Any]:
-    """Aggregate one case's per-rank records into the table's metrics.
+@dataclasses.dataclass(frozen=True)
+class Measures:
+    """A measured row's values (Note [worst cell]): each column's worst over the ranks and steps.
+
+    Attributes:
+        garbage (int): tensors + autograd nodes in reference cycles.
+        bytes_freed_only_by_gc (int): bytes of saved activations freed only by a gc run.
+        bytes_held_after_step (int): bytes of saved activations alive after the step and a gc run.
+        max_abs_grad_err (float): max |grad - reference|.
+        hooks_fired, hooks_expected (int): the hook calls of the rank and step furthest from expected.
+        step_seconds (float): the slowest rank's mean step.
+        worst (dict[str, tuple[int, int]]): the (rank, step) each judged column comes from.
+        wrap (str): the case's wrapper.
+        actions (dict[str, dict[str, int]]): the compute actions of one step, summed over ranks.
+        grads_why (str | None): why ``max|dg|`` fails with nothing measured (:func:`_grads_why`).
+    """
+
+    garbage: int
+    bytes_freed_only_by_gc: int
+    bytes_held_after_step: int
+    max_abs_grad_err: float
+    hooks_fired: int
+    hooks_expected: int
+    step_seconds: float
+    worst: dict[str, tuple[int, int]]
+    wrap: str
+    actions: dict[str, dict[str, int]]
+    grads_why: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One case and backward of the table (one row's cells), typed; text only when rendered.
+
+    Attributes:
+        status (str): ``pass``, ``fail`` or ``skip``.
+        failures (tuple[RankFailure, ...]): every rank's failures, ranks in order.
+        findings (tuple[RankFinding, ...]): the kinds of failure, most telling first.
+        measures (Measures | None): the columns; ``None`` where no rank measured a step.
+        skipped (tuple[str, ...]): why the case was skipped (``status == "skip"``), sorted.
+    """
+
+    status: str
+    failures: tuple[RankFailure, ...] = ()
+    findings: tuple[RankFinding, ...] = ()
+    measures: Measures | None = None
+    skipped: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The row as ``--json``'s ``results`` hold it (dict[str, Any]; keys unchanged since the dicts)."""
+        if self.status == "skip":
+            return {"status": "skip", "failures": list(self.skipped)}
+        failed = [[f.rank, f.failure.step, f.failure.check, f.failure.kind] for f in self.failures]
+        findings = [f.to_json() for f in self.findings]
+        texts = [f.text for f in self.failures]
+        m = self.measures
+        if m is None:
+            return {"status": self.status, "failures": texts or ["no verdict"], "failed": failed, "findings": findings}
+        return {
+            "status": self.status, "garbage": m.garbage, "bytes_freed_only_by_gc": m.bytes_freed_only_by_gc,
+            "bytes_held_after_step": m.bytes_held_after_step, "max_abs_grad_err": m.max_abs_grad_err,
+            "hooks_fired": m.hooks_fired, "hooks_expected": m.hooks_expected, "step_seconds": m.step_seconds,
+            "worst": {column: list(where) for column, where in m.worst.items()}, "wrap": m.wrap,
+            "actions": m.actions, "failures": texts, "failed": failed, "grads_why": m.grads_why,
+            "findings": findings,
+        }
+
+
+def cell_values(per_rank: dict[int, CaseRecord | None]) -> Cell:
+    """Aggregate one case's per-rank records into its row (:class:`Cell`).
 
     Note [worst cell]: every column shows the worst rank and step for that column (the largest value;
     for ``hooks``, the rank and step whose count is furthest from expected, shown as fired/expected of
@@ -129,44 +250,36 @@ def cell_values(per_rank: dict[int, CaseRecord | None]) -> dict[str, Any]:
     parameter (a frozen stage: 0 hook calls expected) is the ``hooks`` cell only when every rank is one.
     """
     records = {rank: r for rank, r in per_rank.items() if r}
-    failures = [f"rank {rank}, {f.text}" for rank, r in records.items() for f in r.failures]
-    # what each failure is, in the order of ``failures``: [rank, step or None, check, kind]
-    failed = [[rank, f.step, f.check, f.kind] for rank, r in records.items() for f in r.failures]
+    failures = tuple(RankFailure(rank, f) for rank, r in records.items() for f in r.failures)
     status = {r.status for r in records.values()}
     steps = [(rank, StepMeasures.from_record(s)) for rank, r in records.items() for s in r.steps]
+    if not steps and status == {"skip"}:
+        return Cell("skip", skipped=tuple(sorted({r.reason or "" for r in records.values()})))
     findings = _findings(records)
     if not steps:
-        if status == {"skip"}:
-            return {"status": "skip", "failures": sorted({r.reason or "" for r in records.values()})}
-        return {"status": "fail", "failures": failures or ["no verdict"], "failed": failed, "findings": findings}
+        return Cell("fail", failures, findings)
+    return Cell("pass" if status == {"pass"} else "fail", failures, findings, _measures(records, steps))
+
+
+def _measures(records: dict[int, CaseRecord], steps: list[tuple[int, StepMeasures]]) -> Measures:
+    """The columns of a row from its ranks' measured ``steps`` ``(rank, measures)`` (Note [worst cell])."""
     worst: dict[str, tuple[int, int]] = {}
     best: dict[str, Any] = {}
     for rank, step in steps:
         for column, value in _step_metrics(step).items():
             if column not in best or value > best[column]:
                 best[column], worst[column] = value, (rank, step.step)
-    hooks_rank, hooks_step = worst["hooks"]
-    hooks = next(s for r, s in steps if r == hooks_rank and s.step == hooks_step)
+    hooks = next(s for r, s in steps if (r, s.step) == worst["hooks"])
     seconds: dict[int, list[float]] = {}
     for rank, step in steps:
         seconds.setdefault(rank, []).append(step.seconds)
-    return {
-        "status": "pass" if status == {"pass"} else "fail",
-        "garbage": best["garbage"],
-        "bytes_freed_only_by_gc": best["gc-only"],
-        "bytes_held_after_step": best["held"],
-        "max_abs_grad_err": best["max|dg|"],
-        "hooks_fired": hooks.hooks_fired,
-        "hooks_expected": hooks.hooks_expected,
-        "step_seconds": max(sum(s) / len(s) for s in seconds.values()),
-        "worst": {column: list(where) for column, where in worst.items()},
-        "wrap": next((r.wrap for r in records.values()), "none"),
-        "actions": _summed_actions(records),
-        "failures": failures,
-        "failed": failed,
-        "grads_why": _grads_why(records),
-        "findings": findings,
-    }
+    return Measures(
+        garbage=best["garbage"], bytes_freed_only_by_gc=best["gc-only"], bytes_held_after_step=best["held"],
+        max_abs_grad_err=best["max|dg|"], hooks_fired=hooks.hooks_fired, hooks_expected=hooks.hooks_expected,
+        step_seconds=max(sum(s) / len(s) for s in seconds.values()), worst=worst,
+        wrap=next((r.wrap for r in records.values()), "none"), actions=_summed_actions(records),
+        grads_why=_grads_why(records),
+    )
 
 
 def _summed_actions(records: dict[int, CaseRecord]) -> dict[str, dict[str, int]]:
@@ -182,122 +295,145 @@ def _summed_actions(records: dict[int, CaseRecord]) -> dict[str, dict[str, int]]
     return total
 
 
-def cell_ok(values: dict[str, Any]) -> dict[str, bool]:
-    """Whether each column of a measured row passes (``step`` is not judged)."""
-    checks = {check for _, _, check, _ in values["failed"]}
+def _measured(cell: Cell) -> Measures:
+    """``cell.measures``, for a row that has them (Measures)."""
+    if cell.measures is None:
+        raise ValueError("a row without measurement has no cells to judge")
+    return cell.measures
+
+
+def cell_ok(cell: Cell) -> dict[str, bool]:
+    """Whether each column of a measured row passes (``step`` is not judged): dict[str, bool] by column."""
+    m, checks = _measured(cell), {f.failure.check for f in cell.failures}
     return {
-        "garbage": values["garbage"] == 0,
-        "gc-only": values["bytes_freed_only_by_gc"] == 0,
-        "held": values["bytes_held_after_step"] == 0,
+        "garbage": m.garbage == 0,
+        "gc-only": m.bytes_freed_only_by_gc == 0,
+        "held": m.bytes_held_after_step == 0,
         "max|dg|": "numerics" not in checks and "replicas" not in checks,
-        "hooks": values["hooks_fired"] == values["hooks_expected"],
+        "hooks": m.hooks_fired == m.hooks_expected,
         "step": True,
-        "finding": values["status"] == "pass",
+        "finding": cell.status == "pass",
     }
 
 
-def format_cell(column: str, values: dict[str, Any], ok: bool) -> str:
-    """One cell's text: the value and ``ok``/``FAIL`` (``step`` is not judged). A failing ``max|dg|`` with
-    nothing measured says why instead of a misleading ``0.0e+00`` (``grads_why``, :func:`_grads_why`)."""
-    if column == "max|dg|" and not ok and values["max_abs_grad_err"] == 0 and values.get("grads_why"):
-        return f"{values['grads_why']} FAIL"
+def format_cell(column: str, cell: Cell, ok: bool) -> str:
+    """One cell's text (str): the value and ``ok``/``FAIL`` (``step`` is not judged). A failing ``max|dg|``
+    with nothing measured says why instead of a misleading ``0.0e+00`` (``grads_why``, :func:`_grads_why`)."""
+    m = _measured(cell)
+    if column == "max|dg|" and not ok and m.max_abs_grad_err == 0 and m.grads_why:
+        return f"{m.grads_why} FAIL"
     if column == "finding":
-        findings = values.get("findings") or []
-        return "-" if values["status"] == "pass" or not findings else findings[0]["label"]
+        return "-" if cell.status == "pass" or not cell.findings else cell.findings[0].finding.kind.label
     text = {
-        "garbage": lambda v: f"{v['garbage']}",
-        "gc-only": lambda v: f"{v['bytes_freed_only_by_gc']} B",
-        "held": lambda v: f"{v['bytes_held_after_step']} B",
-        "max|dg|": lambda v: f"{v['max_abs_grad_err']:.1e}",
-        "hooks": lambda v: f"{v['hooks_fired']}/{v['hooks_expected']}",
-        "step": lambda v: f"{v['step_seconds'] * 1e3:.0f} ms",
-    }[column](values)
+        "garbage": f"{m.garbage}",
+        "gc-only": f"{m.bytes_freed_only_by_gc} B",
+        "held": f"{m.bytes_held_after_step} B",
+        "max|dg|": f"{m.max_abs_grad_err:.1e}",
+        "hooks": f"{m.hooks_fired}/{m.hooks_expected}",
+        "step": f"{m.step_seconds * 1e3:.0f} ms",
+    }[column]
     return text if column == "step" else f"{text} {'ok' if ok else 'FAIL'}"
 
 
-def _behind(values: dict[str, Any]) -> int | None:
-    """The index in ``values["failures"]`` of the failure behind the first failing cell (Note [worst
-    cell]): the failure of that column's check at the cell's rank and step; the first failure when no
-    cell fails (an exception, caches); ``None`` for a row without failures."""
-    failed = values.get("failed") or []
-    if "garbage" in values:
-        oks = cell_ok(values)
+def _behind(cell: Cell) -> RankFailure | None:
+    """The failure behind the first failing cell (Note [worst cell]): the failure of that column's check at
+    the cell's rank and step; the first failure when no cell fails (an exception, caches); ``None`` for a
+    row without failures."""
+    if cell.measures is not None:
+        oks = cell_ok(cell)
         for column, check in _CHECKS.items():
             if oks[column]:
                 continue
-            rank, step = values["worst"][column]
-            match = next((i for i, f in enumerate(failed) if f[:3] == [rank, step, check]), None)
+            where = (*cell.measures.worst[column], check)
+            match = next((f for f in cell.failures if (f.rank, f.failure.step, f.failure.check) == where), None)
             if match is not None:
                 return match
-    return 0 if values.get("failures") else None
+    return cell.failures[0] if cell.failures else None
 
 
-def reason(values: dict[str, Any] | None) -> str:
-    """The failure behind the first failing cell of a case (:func:`_behind`), one line:
-    ``rank 1, step 0: hooks: ...``."""
-    if values is None:
-        return "no verdict"
-    index = _behind(values)
-    if index is None:
-        return "no measurement"
-    return values["failures"][index].replace("exception: ", "", 1).splitlines()[0]
+def reason(cell: Cell | None) -> str:
+    """The failure behind the first failing cell of a case (:func:`_behind`), one line (str):
+    ``rank 1, step 0: hooks: ...``; an exception without its ``exception: ``."""
+    behind = None if cell is None else _behind(cell)
+    if behind is None:
+        return "no verdict" if cell is None or cell.measures is None else "no measurement"
+    return f"rank {behind.rank}, {behind.shown}"
 
 
-def by_kind(failing: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """Footnotes for failing rows ``(row name, values)``: one block per kind of failure, in
-    ``ppbackward._tools.harness.diagnose.KINDS`` order, with its reason and public report, the rows that show it,
-    and one failure as recorded (the one behind a row's first failing cell, Note [worst cell], when it
-    is of that kind)."""
-    blocks: dict[str, dict[str, Any]] = {}
-    for name, values in failing:
-        findings = values.get("findings") or [{"kind": "other", "label": "", "line": reason(values), "example": ""}]
-        behind, index, failed = reason(values), _behind(values), values.get("failed") or []
-        for finding in findings:
-            key = finding["kind"] if finding["kind"] != "other" else finding["line"]
-            block = blocks.setdefault(key, {"line": finding["line"], "rows": [], "example": ""})
-            block["rows"].append(name)
-            if not block["example"]:
-                # the failure behind the first failing cell, as :func:`reason` shows it, where it is a
-                # check's of this kind; an exception is quoted as recorded (``exception: ...``)
-                same = (index is not None and index < len(failed) and failed[index][3] == finding["kind"]
-                        and failed[index][2] != "exception")
-                block["example"] = (behind if same else finding["example"]).splitlines()[0]
+@dataclasses.dataclass
+class Footnote:
+    """One kind of failure under the verdict: its ``line`` (str: label and reason, or an ``other``
+    failure's message), the ``rows`` that show it (list[str]) and one ``example`` (RankFailure | None)."""
+
+    line: str
+    rows: list[str]
+    example: RankFailure | None = None
+
+    @property
+    def quoted(self) -> RankFailure | None:
+        """The example where it says more than :attr:`line` (RankFailure | None): the one printed."""
+        return self.example if self.example is not None and self.example.shown != self.line else None
+
+
+def footnotes(failing: list[tuple[str, Cell | None]]) -> list[Footnote]:
+    """Footnotes for failing rows ``(row name, cell)``: one per kind of failure, in
+    ``ppbackward._tools.harness.diagnose.KINDS`` order, the rows that show it, and one failure as recorded
+    (the one behind a row's first failing cell, Note [worst cell], when it is a check's of that kind)."""
+    notes: dict[str, Footnote] = {}
+    for name, cell in failing:
+        behind = None if cell is None else _behind(cell)
+        kinds: list[tuple[str, str, RankFailure | None]] = [
+            (f.finding.kind.key, f.finding.line, f.example) for f in (cell.findings if cell else ())]
+        for key, line, example in kinds or [("other", reason(cell), None)]:
+            note = notes.setdefault(key if key != "other" else line, Footnote(line, []))
+            note.rows.append(name)
+            if note.example is None:
+                same = behind is not None and behind.failure.kind == key and behind.failure.check != "exception"
+                note.example = behind if same else example
+    return [note for _, note in sorted(notes.items(), key=lambda item: ORDER.get(item[0], len(ORDER)))]
+
+
+def format_footnotes(notes: list[Footnote]) -> list[str]:
+    """The footnotes' lines (list[str]): ``- line``, ``    in: rows``, ``    e.g. rank r, ...``."""
     lines: list[str] = []
-    for _kind, block in sorted(blocks.items(), key=lambda item: ORDER.get(item[0], len(ORDER))):
-        lines.append(f"- {block['line']}")
-        lines.append(f"    in: {', '.join(block['rows'])}")
-        shown = re.sub(r"^rank \d+, (exception: )?", "", block["example"])
-        if block["example"] and shown != block["line"]:
-            lines.append(f"    e.g. {block['example']}")
+    for note in notes:
+        lines += [f"- {note.line}", f"    in: {', '.join(note.rows)}"]
+        if note.quoted is not None:
+            lines.append(f"    e.g. {note.quoted.text.splitlines()[0]}")
     return lines
 
 
-def short_reason(values: dict[str, Any] | None) -> str:
-    """A row that has no measurement: ``skipped: why`` or ``FAIL: <kind>`` (the raw message for an
-    unknown kind, cut at 90 characters)."""
-    if values is not None and values["status"] == "skip":
-        return "skipped: " + (values.get("failures") or [""])[0]
-    findings = (values or {}).get("findings") or []
-    if findings and findings[0]["kind"] != "other":
-        return f"FAIL: {findings[0]['label']}"
-    first = re.sub(r"^rank \d+, (step \d+: )?", "", reason(values)).split(" (", 1)[0]
+def by_kind(failing: list[tuple[str, Cell | None]]) -> list[str]:
+    """:func:`format_footnotes` of :func:`footnotes` (list[str])."""
+    return format_footnotes(footnotes(failing))
+
+
+def short_reason(cell: Cell | None) -> str:
+    """A row that has no measurement (str): ``skipped: why`` or ``FAIL: <kind>`` (the failure as recorded,
+    without rank, step and any parenthesis, for an unknown kind, cut at 90 characters)."""
+    if cell is not None and cell.status == "skip":
+        return "skipped: " + (cell.skipped[0] if cell.skipped else "")
+    if cell is not None and cell.findings and cell.findings[0].finding.kind.key != "other":
+        return f"FAIL: {cell.findings[0].finding.kind.label}"
+    behind = None if cell is None else _behind(cell)
+    first = (reason(cell) if behind is None else behind.bare).split(" (", 1)[0]
     return "FAIL: " + (first if len(first) <= 90 else first[:87] + "...")
 
 
 def table(
-    results: dict[str, dict[str, dict[str, Any]]], rows: list[tuple[str, str]], backwards: tuple[str, ...],
+    results: dict[str, dict[str, Cell]], rows: list[tuple[str, str]], backwards: tuple[str, ...],
     markdown: bool = False,
 ) -> str:
-    """The table: one row per ``(case id, row label)`` and backward; a row without measurement spans the
-    metric columns with :func:`short_reason`. ``markdown``: GitHub-flavoured markdown (``check --markdown``)."""
+    """The table (str): one row per ``(case id, row label)`` and backward; a row without measurement spans
+    the metric columns with :func:`short_reason`. ``markdown``: GitHub-flavoured markdown (``check --markdown``)."""
     header = ["case", "backward", *COLUMNS]
     lines_: list[list[str]] = []
     for case, label in rows:
         for backward in backwards:
-            values = results[backward].get(case)
-            if values is None or "garbage" not in values:
-                lines_.append([label, backward, short_reason(values)])
+            cell = results[backward].get(case)
+            if cell is None or cell.measures is None:
+                lines_.append([label, backward, short_reason(cell)])
                 continue
-            oks = cell_ok(values)
-            lines_.append([label, backward, *(format_cell(c, values, oks[c]) for c in COLUMNS)])
+            oks = cell_ok(cell)
+            lines_.append([label, backward, *(format_cell(c, cell, oks[c]) for c in COLUMNS)])
     return format_table(header, lines_, markdown=markdown)

@@ -352,9 +352,9 @@ class _Progress:
     def done(self) -> None:
         counts: dict[str, int] = {}
         for status in self.statuses.values():
-            key = "FAIL" if status.startswith("FAIL") else status
+            key = status if status in ("pass", "skip") else "FAIL"  # else: "FAIL ..." (progress_status)
             counts[key] = counts.get(key, 0) + 1
-        failed = [f"{case} ({status})" for case, status in self.statuses.items() if status.startswith("FAIL")]
+        failed = [f"{case} ({status})" for case, status in self.statuses.items() if status not in ("pass", "skip")]
         summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no case ran"
         tail = f"; failed: {', '.join(failed)}" if failed else ""
         print(("\r" if self.live else "") + f"{self.label}: {summary}{tail} ({self.elapsed()})", flush=True)
@@ -376,7 +376,7 @@ def _run_backward(
         progress.done()
 
 
-def _collect(result: Any) -> dict[str, dict[str, Any]]:
+def _collect(result: Any) -> dict[str, cells.Cell]:
     return {case_id: cells.cell_values(result.case(case_id)) for case_id in result.case_ids()}
 
 
@@ -425,21 +425,36 @@ class _ScenarioRun:
 
     scenario: Any
     launches: dict[str, Any]
-    results: dict[str, dict[str, dict[str, Any]]]
+    results: dict[str, dict[str, cells.Cell]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LaunchFailure:
+    """A launch that failed itself (not one of its cases): its ``scenario`` and ``backward`` (str), and the
+    first line of its first problem, ``message`` (str)."""
+
+    scenario: str
+    backward: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.scenario}: {self.message}"
 
 
 @dataclasses.dataclass
 class _Tally:
-    """What the tables found, for the verdict."""
+    """What the tables found, for the verdict: torch's failing rows ``(row name, cell)``, ppbackward's
+    failing cases, the launches that failed, and the cases ppbackward ran and skipped."""
 
-    upstream_failing: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    upstream_failing: list[tuple[str, cells.Cell | None]] = dataclasses.field(default_factory=list)
     ours_bad: list[str] = dataclasses.field(default_factory=list)
-    launch_failed: list[str] = dataclasses.field(default_factory=list)
+    launch_failed: list[_LaunchFailure] = dataclasses.field(default_factory=list)
     ours_ran: int = 0
     skipped: int = 0
 
-    def launch_failures(self, backward: str) -> list[str]:
-        return [p.removeprefix(f"{backward} ") for p in self.launch_failed if p.startswith(f"{backward} ")]
+    def launch_failures(self, backward: str) -> list[_LaunchFailure]:
+        """The failed launches of ``backward`` (list[_LaunchFailure]), scenarios in order."""
+        return [f for f in self.launch_failed if f.backward == backward]
 
 
 def _launch_all(args: argparse.Namespace, scenarios: list[Any], only: list[str] | None, logs: Path,
@@ -464,17 +479,23 @@ def _tally_scenario(run: _ScenarioRun, only: list[str] | None, tally: _Tally) ->
     for backward, result in launches.items():
         problems = result.launch_problems()
         if problems:
-            tally.launch_failed.append(f"{backward} {scenario.name}: {problems[0].splitlines()[0]}")
+            tally.launch_failed.append(_LaunchFailure(scenario.name, backward, problems[0].splitlines()[0]))
     ours = results["ppbackward"]
-    ran = [c for c in cases if ours.get(c, {}).get("status") != "skip"]
-    bad = [c for c in cases if ours.get(c, {}).get("status") not in ("pass", "skip")]
+    ran = [c for c in cases if _status(ours, c) != "skip"]
+    bad = [c for c in cases if _status(ours, c) not in ("pass", "skip")]
     tally.ours_ran += len(ran)
     tally.skipped += len(cases) - len(ran)
     tally.ours_bad += [f"{scenario.name}/{c}" for c in bad]
     for case in cases:
-        values = results["upstream"].get(case, {})
-        if values.get("status") not in ("pass", "skip"):
-            tally.upstream_failing.append((f"{scenario.name} {_row_label(case, scenario)}", values))
+        if _status(results["upstream"], case) not in ("pass", "skip"):
+            row = f"{scenario.name} {_row_label(case, scenario)}"
+            tally.upstream_failing.append((row, results["upstream"].get(case)))
+
+
+def _status(cells_: dict[str, cells.Cell], case: str) -> str | None:
+    """The status of ``case`` in one backward's cells, ``None`` where it has none (str | None)."""
+    cell = cells_.get(case)
+    return None if cell is None else cell.status
 
 
 def _print_scenario(run: _ScenarioRun, only: list[str] | None) -> None:
@@ -487,7 +508,7 @@ def _print_scenario(run: _ScenarioRun, only: list[str] | None) -> None:
         if result.launch_problems():
             print(f"{backward}: the launch itself failed:\n{result.format_launch()}\n")
     ours = results["ppbackward"]
-    bad = [c for c in cases if ours.get(c, {}).get("status") not in ("pass", "skip")]
+    bad = [c for c in cases if _status(ours, c) not in ("pass", "skip")]
     if bad and not launches["ppbackward"].launch_problems():
         print("ppbackward failures:\n" + launches["ppbackward"].format_failures() + "\n")
 
@@ -503,10 +524,10 @@ def _merge_lines(runs: list[_ScenarioRun], only: list[str] | None) -> list[str]:
     lines = []
     for run in runs:
         cases = []
-        for case, values in run.results["ppbackward"].items():
+        for case, cell in run.results["ppbackward"].items():
             name = case.split("/")[0]
             rule = schedules.RULES.get(name)
-            acts = values.get("actions") or {}
+            acts = {} if cell.measures is None else cell.measures.actions
             if (only is None or name in only) and rule is not None and rule.split_backward and acts:
                 lowered, planned = acts["lowered"], acts["planned"]
                 cases.append(f"{_row_label(case, run.scenario)} {lowered['B'] - planned['B']}/{planned['I']}")
@@ -522,12 +543,13 @@ def _print_upstream_footnotes(tally: _Tally, logs: Path, keep: bool) -> None:
     if not tally.upstream_failing:
         return
     print("\ntorch's own backward failed, by kind (why, and the public report; the rows; one failure as recorded):")
-    footnotes = cells.by_kind(tally.upstream_failing)
-    print("\n".join(footnotes))
+    footnotes = cells.footnotes(tally.upstream_failing)
+    print("\n".join(cells.format_footnotes(footnotes)))
+    quoted = [note.quoted.failure for note in footnotes if note.quoted is not None]
     notes = []
-    if any(" B pinned)" in line for line in footnotes):
+    if any(f.check == "garbage" for f in quoted):  # its message gives the cycles' bytes as "(N B pinned)"
         notes.append('"B pinned": bytes of the tensors found in the cycles')
-    if any("exception: " in line for line in footnotes):
+    if any(f.check == "exception" for f in quoted):  # quoted as "rank r, exception: ..."
         where = f"{logs}/<scenario>" if keep else "--logs DIR keeps them in <DIR>/<scenario>"
         notes.append(f"full tracebacks: {where}/upstream/rank<r>.json, cases[].error")
     if notes:
@@ -571,7 +593,7 @@ def _write_json(path: str, args: argparse.Namespace, runs: list[_ScenarioRun], m
                 "dp": r.scenario.dp,
                 "models": list(r.scenario.models),
                 "wraps": list(r.scenario.wraps),
-                "results": r.results,
+                "results": {b: {c: cell.to_json() for c, cell in by_case.items()} for b, by_case in r.results.items()},
                 "launch_problems": {b: launch.launch_problems() for b, launch in r.launches.items()},
             }
             for r in runs
