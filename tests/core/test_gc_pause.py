@@ -44,18 +44,18 @@ def _inside_work() -> bool:
 @contextlib.contextmanager
 def _collections_started() -> Iterator[list[int]]:
     """Count the collections started inside B's and W's work (``_backward_input``, ``_weight_work``,
-    ``run_weight_work``)
-    in the block, with the collector enabled and a young-generation threshold of 200 allocations (CPython's
-    default is 700: W, down to the weight matmuls, no longer makes that many objects in one microbatch of
-    this stage), from allocation counts of 0 (a collection first). What B keeps for W may start one just
-    after B returns: not counted."""
+    ``run_weight_work``) in the block, with the collector enabled and a young-generation threshold of 50
+    allocations (CPython's default is 700: W, down to the weight matmuls and little Python, makes about 300
+    objects in one microbatch of this stage; at 200 the control's count in W was one, or none where the count B
+    left made the collection start just before W's work), from allocation counts of 0 (a collection first). What
+    B keeps for W may start one just after B returns: not counted."""
     started = [0]
 
     def count(phase: str, _info: dict) -> None:
         started[0] += phase == "start" and _inside_work()
 
     threshold, enabled = gc.get_threshold(), gc.isenabled()
-    gc.set_threshold(200, 10, 10)
+    gc.set_threshold(50, 10, 10)
     gc.enable()
     full_collect()  # every generation's count starts from 0
     gc.callbacks.append(count)
