@@ -267,10 +267,11 @@ def test_garbage_probe_keeps_the_chains_as_text_and_leaves_no_graph_folder(tmp_p
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    with probes.garbage_probe() as garbage:
+    with probes.garbage_probe() as found:
         holder: list = [torch.ones(3, requires_grad=True) * 2]
         holder.append(holder)  # a cycle holding a tensor with a graph
         del holder
+    (garbage,) = found
     assert garbage.tensors == 1 and not garbage.ok
     assert garbage.chains and garbage.chains[0].startswith("[0] Tensor float32[3]")
     assert list(tmp_path.iterdir()) == []

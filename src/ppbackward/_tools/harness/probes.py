@@ -89,7 +89,6 @@ __all__ = [
     "ActivationProbe",
     "CachesProbe",
     "GarbageProbe",
-    "GarbageResult",
     "HookCounter",
     "HooksProbe",
     "LifetimeProbe",
@@ -123,44 +122,28 @@ KEPT_BY_DESIGN = {
 # garbage
 
 
-@dataclasses.dataclass
-class GarbageResult:
-    tensors: int = 0
-    nodes: int = 0
-    tensor_bytes: int = 0
-    garbage_objects: int = 0
-    garbage_types: dict[str, int] = dataclasses.field(default_factory=dict)
-    chains: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.tensors == 0 and self.nodes == 0
-
-    def to_record(self) -> GarbageRecord:
-        """The step's garbage record (``rank<r>.json``)."""
-        return GarbageRecord(
-            self.tensors, self.nodes, self.tensor_bytes, self.garbage_objects, dict(self.garbage_types),
-            list(self.chains),
-        )
-
-
 @contextlib.contextmanager
-def garbage_probe(max_chains: int = 2) -> Iterator[GarbageResult]:
-    """``check_tensor_leaks`` around the block; the result is filled on exit.
+def garbage_probe(max_chains: int = 2) -> Iterator[list[GarbageRecord]]:
+    """``check_tensor_leaks`` around the block; on exit the yielded list gets the step's
+    :class:`~ppbackward._tools.harness.records.GarbageRecord`.
 
     Strict semantics, but the leak is returned, not raised: the worker turns a non-zero count into a
     failure and keeps running the remaining cases. The chains are kept as text; the graph files the
     checker wrote for them (into a fresh temporary folder) are deleted, as nothing reads them.
     """
-    result = GarbageResult()
+    found: list[GarbageRecord] = []
     with check_tensor_leaks(strict=False, max_chains=max_chains) as report:
-        yield result
-    result.tensors = int(report.num_tensors)
-    result.nodes = int(report.num_nodes)
-    result.tensor_bytes = int(report.tensor_bytes)
-    result.garbage_objects = int(report.num_garbage)
-    result.garbage_types = dict(report.garbage_types)  # other garbage (torch's own cycles) is only counted
-    result.chains = [str(c) for c in report.chains][:max_chains]
+        yield found
+    found.append(
+        GarbageRecord(
+            int(report.num_tensors),
+            int(report.num_nodes),
+            int(report.tensor_bytes),
+            int(report.num_garbage),
+            dict(report.garbage_types),  # other garbage (torch's own cycles) is only counted
+            [str(c) for c in report.chains][:max_chains],
+        )
+    )
     if report.output_dir is not None:
         shutil.rmtree(report.output_dir, ignore_errors=True)
 
@@ -493,15 +476,14 @@ class GarbageProbe(Probe):
 
     def __init__(self) -> None:
         self._stack = contextlib.ExitStack()
-        self._result: GarbageResult | None = None
+        self._found: list[GarbageRecord] = []
 
     def before(self, step: StepRun) -> None:
-        self._result = self._stack.enter_context(garbage_probe())
+        self._found = self._stack.enter_context(garbage_probe())
 
     def finish(self, step: StepRun) -> tuple[GarbageRecord, list[Failure]]:
         self._stack.close()  # check_tensor_leaks collects and counts here
-        assert self._result is not None
-        garbage = self._result.to_record()
+        garbage = self._found[0]
         if garbage.ok:
             return garbage, []
         return garbage, [Failure("garbage", "reference-cycle",
