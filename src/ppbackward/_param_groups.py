@@ -97,6 +97,21 @@ class WeightWork(NamedTuple):
 _KEYS = ("params", "intermediates", "grads")
 
 
+class _Entries(tuple):
+    """What ``group[key]`` reads: a tuple whose item writes fail with what to do instead (torch's entries
+    are lists; changing an item of a copy would change nothing W reads)."""
+
+    __slots__ = ()
+
+    def __setitem__(self, index: object, value: object) -> None:
+        raise TypeError(
+            "param group entries are read-only copies: write the whole list, group['grads'] = [...] (only "
+            "'grads' can be written; Note [param groups read like torch's])"
+        )
+
+    __delitem__ = __setitem__
+
+
 class ParamGroup:
     """One param group ready for W; reads and writes like one of torch's param-group dicts.
 
@@ -137,6 +152,7 @@ class ParamGroup:
     __slots__ = (
         "_captured",
         "_claimed",
+        "_index",
         "_leaves",
         "_nodes",
         "_replaced",
@@ -168,18 +184,19 @@ class ParamGroup:
         self._written: list | None = None
         self._written_versions: list[tuple[torch.Tensor, int]] = []
         self._claimed = False  # set by W's claim: no write after it
+        self._index: int | None = None  # its place in its ParamGroups, for error messages
 
     def __getitem__(self, key: str) -> tuple:
         # tuples, not lists: changing an item of what was read (``group["grads"][0] = ...``) would change
-        # nothing W reads; a tuple refuses it, and ``group["grads"] = [...]`` is the write
+        # nothing W reads; the tuple refuses it, saying so, and ``group["grads"] = [...]`` is the write
         if key == "params":
-            return tuple(self._leaves)
+            return _Entries(self._leaves)
         if key == "intermediates":
-            return tuple(inter.node for inter in self._nodes)
+            return _Entries(inter.node for inter in self._nodes)
         if key == "grads":
             if self._written is not None:
-                return tuple(self._written)
-            return tuple(self._captured.get(inter.node) for inter in self._nodes)
+                return _Entries(self._written)
+            return _Entries(self._captured.get(inter.node) for inter in self._nodes)
         raise KeyError(f"ParamGroup[{key!r}]: a param group has the keys {', '.join(map(repr, _KEYS))}")
 
     def __setitem__(self, key: str, value: object) -> None:
@@ -188,16 +205,20 @@ class ParamGroup:
                 f"ParamGroup[{key!r}] = ...: only 'grads' can be written (W accumulates into the group's "
                 "parameters through the intermediates B found; Note [param groups read like torch's])"
             )
-        written = _checked_grads(value, self._nodes, self._replaced, self._captured)
+        written = _checked_grads(value, self._nodes, self._replaced, self._captured, self._label())
         with _CLAIM_LOCK:  # Note [captured gradients are checked at W]: W has read what it checks
             if self._claimed:
                 raise StageBackwardError(
-                    "param_group['grads'] = ...: stage_backward_weight has started on these param groups (a "
-                    "hook of it, or another thread); write the gradients before W"
+                    f"{self._label()}['grads'] = ...: stage_backward_weight has started on these param groups "
+                    "(a hook of it, or another thread); write the gradients before W"
                 )
             self._written = written
             # as B's own gradients: the versions now, compared when W reads them
             self._written_versions = [(g, g._version) for entry in written for g in entry or () if g is not None]
+
+    def _label(self) -> str:
+        """How errors name this group: ``param_groups[i]`` within its ``ParamGroups``."""
+        return "param_group" if self._index is None else f"param_groups[{self._index}]"
 
     def get(self, key: str, default: object = None) -> object:
         return self[key] if key in _KEYS else default
@@ -261,22 +282,28 @@ class ParamGroup:
             yield c.grad
 
 
-def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict) -> list:
-    """``value`` as W will use it, or a :class:`StageBackwardError` naming the entry (Note [param groups
-    read like torch's])."""
+def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict, group: str) -> list:
+    """``value`` as W will use it, or a :class:`StageBackwardError` naming the entry of ``group`` (how the
+    group is named: ``param_groups[i]``) (Note [param groups read like torch's])."""
     if not isinstance(value, (list, tuple)):
         raise BadType(
-            f"param_group['grads']: expected a list with one entry per intermediate, got {type(value).__name__}"
+            f"{group}['grads']: expected a list with one entry per intermediate, got {type(value).__name__}"
         )
     if len(value) > len(nodes):
+        if not nodes:
+            raise BadValue(
+                f"{group}['grads']: {len(value)} entries for a group with no intermediate W computes from: "
+                "stage_backward_input computed its weights' gradients itself (norms, biases, elementwise scales: "
+                "Note [cheap weight gradients in B]); there is nothing to write"
+            )
         raise BadValue(
-            f"param_group['grads']: {len(value)} entries for {len(nodes)} intermediate(s) "
+            f"{group}['grads']: {len(value)} entries for {len(nodes)} intermediate(s) "
             f"({', '.join(inter.node.name() for inter in nodes)})"
         )
     out: list = []
     for i, (entry, inter) in enumerate(zip(value, nodes)):
         node = inter.node
-        path = f"param_group['grads'][{i}]"
+        path = f"{group}['grads'][{i}]"
         if entry is None:
             out.append(None)
             continue
@@ -332,6 +359,8 @@ class ParamGroups:
         pinned: list | None = None,
     ) -> None:
         self._groups = groups
+        for i, group in enumerate(groups):
+            group._index = i
         self._weights = weights
         self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
         self._pinned = pinned or []  # Note [outputs detached after B] (ppbackward._saved)
@@ -520,7 +549,7 @@ def _changed_gradient(
         for i, entry in enumerate(group.written or ()):
             for j, g in enumerate(entry or ()):
                 if g is grad:
-                    where = f"the gradient written into param_group['grads'][{i}][{j}]"
+                    where = f"the gradient written into {group._label()}['grads'][{i}][{j}]"
     if during_w:
         return StageBackwardError(
             f"param_groups: {where} ({grad.dtype} {list(grad.shape)}) was modified in place during "

@@ -197,6 +197,14 @@ def test_bare_command_is_a_usage_error_on_stderr_and_help_is_not(capsys):
     assert "check" in out and "bench" in out and err == ""
 
 
+def test_version_names_ppbackward_and_torch(capsys):
+    import ppbackward
+
+    assert main(["--version"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"ppbackward {ppbackward.__version__} (torch {torch.__version__})\n" and err == ""
+
+
 def test_console_script_runs():
     proc = subprocess.run([sys.executable, "-m", "ppbackward", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: ppbackward {check,bench}" in proc.stdout

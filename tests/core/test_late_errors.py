@@ -113,9 +113,35 @@ def test_a_written_entry_without_any_gradient_is_refused():
     caller's loop silently); None keeps what B captured."""
     mod = _stage()
     _, groups = _b(mod, torch.ones(2, 3))
-    with pytest.raises(ValueError, match=r"param_group\['grads'\]\[0\]: no gradient for AddmmBackward0"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['grads'\]\[0\]: no gradient for AddmmBackward0"):
         groups[0]["grads"] = [(None,)]
     groups[0]["grads"] = [None]  # keeps B's
+    pb.stage_backward_weight(mod.parameters(), groups)
+    assert all(p.grad is not None for p in mod.parameters())
+
+
+def test_changing_an_item_of_a_read_entry_says_to_write_the_whole_key():
+    """torch's entries are lists; ours are read-only copies, and changing an item of one says what to do."""
+    mod = _stage()
+    _, groups = _b(mod, torch.ones(2, 3))
+    grads = groups[0]["grads"]
+    assert grads == tuple(grads) and isinstance(grads, tuple)
+    with pytest.raises(TypeError, match=r"write the whole list, group\['grads'\] = \[\.\.\.\]"):
+        grads[0] = None
+    pb.stage_backward_weight(mod.parameters(), groups)
+
+
+def test_writing_grads_of_a_group_b_finished_names_it_and_says_why():
+    """A LayerNorm's group has no intermediate W computes from (B computed its gradients): a write into it
+    names the group and says there is nothing to write."""
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    _, groups = _b(mod, torch.ones(2, 3))
+    finished = [i for i, group in enumerate(groups) if not group["intermediates"]]
+    assert finished, "the LayerNorm's group"
+    i = finished[0]
+    with pytest.raises(ValueError, match=rf"param_groups\[{i}\]\['grads'\]: 1 entries for a group with no "):
+        groups[i]["grads"] = [(torch.ones(2, 6),)]
     pb.stage_backward_weight(mod.parameters(), groups)
     assert all(p.grad is not None for p in mod.parameters())
 

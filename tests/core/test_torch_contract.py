@@ -178,7 +178,8 @@ def test_difference_written_grads_are_checked_when_written():
     naming the entry, and W afterwards still uses B's own gradients."""
     mod = _stage()
     _, groups = _b(pb, _fixed_input(), mod)
-    with pytest.raises(pb.StageBackwardError, match=r"param_group\['grads'\]\[0\]\[0\]: grad shape \(3, 5\)"):
+    message = r"param_groups\[0\]\['grads'\]\[0\]\[0\]: grad shape \(3, 5\)"
+    with pytest.raises(pb.StageBackwardError, match=message):
         groups[0]["grads"] = [(torch.zeros(3, 5),)]
     with pytest.raises(pb.StageBackwardError, match=r"2 entries for 1 intermediate"):
         groups[0]["grads"] = [None, None]
@@ -239,6 +240,27 @@ def test_difference_w_returns_the_grads_after_accumulation():
         theirs = _stage()
         _, groups = _b(upstream, x.detach().clone().requires_grad_(), theirs)
         assert upstream.stage_backward_weight(theirs.parameters(), groups) == (None,) * 4  # the values before W
+
+
+def test_difference_leaves_outside_weights_are_accumulated_in_w():
+    """Given only the first layer's parameters as ``weights``, torch's split leaves the last layer without a
+    gradient; ppbackward accumulates every leaf the outputs reach, as a full backward does."""
+    mod = _stage()
+    first = list(mod[0].parameters())
+    x = torch.randn(3, 4, requires_grad=True)
+    _, groups = pb.stage_backward_input((mod(x),), (torch.ones(3, 4),), [x], first)
+    pb.stage_backward_weight(first, groups)
+    ref = _stage()
+    ref(x.detach()).backward(torch.ones(3, 4))
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
+    if TORCH_2_13:
+        theirs = _stage()
+        theirs_first = list(theirs[0].parameters())
+        y = x.detach().clone().requires_grad_()
+        _, groups = upstream.stage_backward_input((theirs(y),), (torch.ones(3, 4),), [y], theirs_first)
+        upstream.stage_backward_weight(theirs_first, groups)
+        assert [p.grad is not None for p in theirs.parameters()] == [True, True, False, False]
 
 
 def test_difference_a_view_output_is_left_attached():

@@ -12,7 +12,7 @@ import sys
 
 __all__ = ["main"]
 
-_USAGE = """usage: ppbackward {check,bench} [options]
+_USAGE = """usage: ppbackward {check,bench} [options] | --version
 
   check   run every pipeline schedule of the installed torch under torchrun, with torch's own stage
           backward and with ppbackward; print leaks, activation lifetime, grads and hooks per schedule
@@ -29,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args[0] in ("-h", "--help"):
         print(_USAGE)
+        return 0
+    if args[0] == "--version":
+        import torch
+
+        import ppbackward
+
+        print(f"ppbackward {ppbackward.__version__} (torch {torch.__version__})")
         return 0
     command, rest = args[0], args[1:]
     if command == "check":
