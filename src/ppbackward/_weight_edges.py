@@ -84,10 +84,9 @@ def _conform(grad: torch.Tensor, edge: GradientEdge) -> torch.Tensor:
 # one-element tensor, both made once per device and kept: a view is a metadata op, and the engine only
 # captures at the leaf (it is among the call's ``inputs``), so the call dispatches no kernel besides the
 # intermediates' own (a fresh ``zeros`` + ``clone`` + ``ones_like`` per call did; docs/performance.md, "W's
-# engine entries"). Neither
-# tensor is ever written: the leaf's gradient is captured, not accumulated, and the view's node passes
-# the root gradient on unchanged to that capture. Each call makes its own view node, so threads running
-# W at once never share a hook.
+# engine entries"). Neither tensor is ever written: the leaf's gradient is captured, not accumulated, and
+# the view's node passes the root gradient on unchanged to that capture. Each call makes its own view node,
+# so threads running W at once never share a hook.
 _ANCHORS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -112,10 +111,10 @@ def weight_edge_grads(calls: list[NodeCall]) -> list[list]:
     skipped, so W does only the deferred weight work (e.g. ``grad_out^T @ input`` of a linear
     layer), never re-runs a node of the input side and never walks it. The call is an
     ``autograd.grad`` from a view of a one-element anchor, whose ``ViewBackward0`` node (W's own,
-    made for this call; Note [W's anchor runs no kernel]) has a pre-hook that calls the nodes (:class:`_Job`; a custom
-    ``autograd.Function`` did this before, slower: docs/performance.md, "W's engine entries"); it accumulates
-    nothing, and the
-    hook is removed when the call returns, whatever happens. No hook touches a node of the stage.
+    made for this call; Note [W's anchor runs no kernel]) has a pre-hook that calls the nodes
+    (:class:`_Job`; a custom ``autograd.Function`` did this before, slower: docs/performance.md, "W's engine
+    entries"); it accumulates nothing, and the hook is removed when the call returns, whatever happens. No
+    hook touches a node of the stage.
 
     Returns:
         For each call, what the node returned (aligned with its ``next_functions``), as the node
