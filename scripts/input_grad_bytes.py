@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
 import ppbackward
+from ppbackward.leaks._heap import instances_of
 
 D, BATCH, MICROBATCHES = 256, 32, 8
 
@@ -44,8 +45,8 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _input_grad_bytes(params: set[int]) -> int:
     seen, total = set(), 0
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and id(obj) not in params and obj.grad is not None:
+    for obj in instances_of(torch.Tensor):  # Note [heap scans beside other threads]
+        if id(obj) not in params and obj.grad is not None:
             storage = obj.grad.untyped_storage()
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())

@@ -49,11 +49,12 @@ def collector_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def automatic_gc_paused() -> Iterator[None]:
+def automatic_gc_paused(always: bool = False) -> Iterator[None]:
     """The automatic collector off for the block, then as it was (Note [no collection inside B and W]);
-    nothing with ``PPBACKWARD_PAUSE_GC=0``."""
+    nothing with ``PPBACKWARD_PAUSE_GC=0`` unless ``always`` (the leak tools' heap scans, Note [heap
+    scans beside other threads] in ``ppbackward.leaks._heap``, need the pause whatever the setting)."""
     global _depth, _disabled_here
-    if not PAUSE:
+    if not (PAUSE or always):
         yield
         return
     entered = False

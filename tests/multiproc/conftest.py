@@ -73,9 +73,13 @@ from tests.multiproc.multiproc_specs import LAUNCHES, launches_of
 # Most of the suite's other tests are single-threaded Python and torch's zero-bubble failures in the
 # ``upstream-*`` launches leave their ranks waiting out per-case timeouts: overlapping the two uses the
 # second core and the waits (about a minute off the suite on 2 idle cores). Running concurrently with
-# other work is safe by design: the launcher's hang clock measures progress, not wall-clock time, and
-# the workers' gloo timeouts scale with the start-up they measure (Note [hang clock] in
-# ``ppbackward._tools.harness.launch``, Note [timeouts scale with start-up] in the worker).
+# other work rests on three things: the launcher's hang clock measures progress, not wall-clock time,
+# and the workers' gloo timeouts scale with the start-up they measure (Note [hang clock] in
+# ``ppbackward._tools.harness.launch``, Note [timeouts scale with start-up] in the worker); and no test
+# of this process scans the heap in a way that breaks this thread. A loop over ``gc.get_objects()`` or
+# ``gc.get_referrers()`` in the main thread once made this thread's ``tuple(...)`` calls fail with
+# ``SystemError`` (issue 39): the leak tools and the tests scan through ``ppbackward.leaks._heap`` (Note
+# [heap scans beside other threads]), and ``tests/docs`` refuses a bare heap scan anywhere else.
 
 
 class _Launches:

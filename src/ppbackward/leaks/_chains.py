@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ppbackward._saved import saved_tensors
+from ppbackward.leaks._heap import referrers_of
 from ppbackward.leaks._storage import unique_storage_bytes
 
 __all__ = [  # private module: what other modules use
@@ -245,11 +246,18 @@ def write_graph(chain: list[Any], path: str) -> str | None:
 
 # Note [holder chains]: what a *live* reference holds after a step (a training loop keeping the step's
 # outputs on ``self``) is not garbage, so the closed-set search above does not apply. The chain is then
-# searched backwards over ``gc.get_referrers`` (a heap scan per step, acceptable in a report): from the
-# object to a module, a frame, or an object nothing visible refers to (typically held by a local variable
-# of a running function, which the gc does not see). The search's own containers and frames are skipped,
-# and an instance ``__dict__`` is folded into its object (``Loop via .outputs``, not ``dict ... via
-# .__dict__``).
+# searched backwards over the referrers (a heap scan per step, acceptable in a report; through
+# ``_heap.referrers_of``, which never hands out a tuple another thread may still be building: Note [heap
+# scans beside other threads]): from the object to a module, a frame, or an object nothing visible
+# refers to. A running function's local variables are not seen by the collector (its frame is no
+# container to ``gc.get_referrers`` while it runs, from Python 3.11 on). On Python 3.13+ the frames of
+# every thread's stack are searched too: a list local to a test function ends the chain at that
+# function's frame, ``via .f_locals['name']``. Not on 3.11 and 3.12: there ``frame.f_locals`` copies
+# the locals into a dict the frame keeps, which would hold the very tensor the report is about after the
+# caller's ``del`` (3.13's ``f_locals`` is a view, PEP 667; on 3.9 and 3.10 the collector sees running
+# frames itself). A chain that ends at an object nothing visible refers to says so on its last line.
+# The search's own containers and frames, and this package's frames, are skipped, and an instance
+# ``__dict__`` is folded into its object (``Loop via .outputs``, not ``dict ... via .__dict__``).
 
 
 def _is_root(obj: Any) -> bool:
@@ -264,16 +272,36 @@ def holder_chain(obj: Any, max_depth: int = 12) -> list[Any]:
     queue = deque([obj])
     parent: dict[int, Any] = {id(obj): None}
     depth = {id(obj): 0}
-    skip = {id(sys._getframe()), id(queue), id(parent), id(depth)}  # the frame is not kept: no cycle
+    locals_of = _frames_by_local()
+    skip = {id(sys._getframe()), id(queue), id(parent), id(depth), id(locals_of)}  # frame not kept: no cycle
     try:
-        return _search(obj, queue, parent, depth, skip, max_depth)
+        return _search(obj, queue, parent, depth, skip, locals_of, max_depth)
     finally:
         queue.clear()
         parent.clear()  # it refers to every object met: dropped at once, never left to the gc
+        locals_of.clear()
+
+
+def _frames_by_local() -> dict[int, list[types.FrameType]]:
+    """``{id(value): [frames whose local variable is value]}`` over every thread's running frames but
+    this package's, on Python 3.13+ (else empty: Note [holder chains]); the values stay alive through
+    their frames meanwhile."""
+    found: dict[int, list[types.FrameType]] = {}
+    if sys.version_info < (3, 13):
+        return found
+    for top in sys._current_frames().values():
+        frame: types.FrameType | None = top
+        while frame is not None:
+            if not _is_own_frame(frame):
+                for value in frame.f_locals.values():
+                    found.setdefault(id(value), []).append(frame)
+            frame = frame.f_back
+    return found
 
 
 def _search(
-    obj: Any, queue: deque[Any], parent: dict[int, Any], depth: dict[int, int], skip: set[int], max_depth: int
+    obj: Any, queue: deque[Any], parent: dict[int, Any], depth: dict[int, int], skip: set[int],
+    locals_of: dict[int, list[types.FrameType]], max_depth: int,
 ) -> list[Any]:
     skip.add(id(sys._getframe()))
     deepest = obj
@@ -283,7 +311,7 @@ def _search(
             return _path(cur, parent)
         if depth[id(cur)] >= max_depth:
             continue
-        referrers = gc.get_referrers(cur)
+        referrers = referrers_of(cur) + locals_of.get(id(cur), [])
         skip.add(id(referrers))
         found = False
         for ref in referrers:
@@ -299,10 +327,11 @@ def _search(
     return _path(deepest, parent)
 
 
-def _end_rank(obj: Any, depth: dict[int, int]) -> tuple[bool, int]:
-    """Which dead end names the holder best: an object of a user's class (not an iterator or a container
-    of the interpreter's), then the furthest from the start."""
-    return type(obj).__module__ != "builtins", depth[id(obj)]
+def _end_rank(obj: Any, depth: dict[int, int]) -> tuple[bool, bool, int]:
+    """Which dead end names the holder best: any object that holds the start (a list local to a function
+    rather than the tensor itself), then an object of a user's class (not an iterator or a container of
+    the interpreter's), then the furthest from the start."""
+    return depth[id(obj)] > 0, type(obj).__module__ != "builtins", depth[id(obj)]
 
 
 def _is_own_frame(obj: Any) -> bool:
@@ -324,6 +353,11 @@ def format_holders(chain: list[Any]) -> str:
     for i in range(1, len(folded)):
         label = _edge_label(folded[i], folded[i - 1])
         lines.append(f"  <- [{i}] {_describe(folded[i])}" + (f" via {label}" if label else ""))
+    if not _is_root(folded[-1]):
+        lines.append(
+            f"  (nothing the gc sees refers to [{len(folded) - 1}]: a local variable of a running function"
+            " or C code holds it; Python 3.13+ names the function)"
+        )
     return "\n".join(lines)
 
 

@@ -45,6 +45,7 @@ from ppbackward.leaks._activations import (
     SavedActivation,
 )
 from ppbackward.leaks._chains import format_holders, holder_chain
+from ppbackward.leaks._heap import instances_of
 from ppbackward.leaks._node_watches import LifeWatches
 from ppbackward.leaks._saved_hooks import OpMode, hooks_enabled, peek_sequence_nr, top_hooks, unpack
 from ppbackward.leaks._storage import storage_key, tensor_storages
@@ -336,16 +337,14 @@ class ActivationTracker:
         chains] in ``_chains.py``): an output kept past its step holds its whole graph, saved tensors
         included. At most ``limit`` chains, in gc order."""
         key = self._nodes._key
-        starts: list[torch.Tensor] = []
-        objects = gc.get_objects()
-        for obj in objects:
-            if issubclass(type(obj), torch.Tensor) and _made_in_block(obj, key):  # type(): no __class__ lookup
-                starts.append(obj)
-                if len(starts) >= limit:
-                    break
-        del objects, obj
-        chains = [format_holders(holder_chain(t)) for t in starts]
-        del starts
+        tensors = instances_of(torch.Tensor)  # Note [heap scans beside other threads] in _heap.py
+        starts = [t for t in tensors if _made_in_block(t, key)][:limit]
+        del tensors
+        chains = []
+        while starts:  # the search must not find this list: each start leaves it before its search
+            start = starts.pop(0)
+            chains.append(format_holders(holder_chain(start)))
+            del start
         return chains
 
     def _snapshot(self, record: _Record) -> SavedActivation:

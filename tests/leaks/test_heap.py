@@ -1,0 +1,218 @@
+"""The leak tools' heap scans beside other threads (Note [heap scans beside other threads] in
+``ppbackward.leaks._heap``).
+
+CPython tracks a tuple before its items are set; a scan that holds it while its builder resumes makes the
+builder fail with ``SystemError: ... bad argument to internal function``. Each race test runs a naive scan
+first, as the negative control that must make the builder fail, then ppbackward's scans, which must not.
+Interleaving is forced by events and the smallest switch interval, not by time: the main thread scans
+only after the builder finished another tuple.
+"""
+
+from __future__ import annotations
+
+import ast
+import gc
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ppbackward.leaks import track_activations
+from ppbackward.leaks._heap import instances_of, referrers_of
+
+
+class _Marker:
+    """Instances of it are what the scans look for; the builder's tuples hold the class itself."""
+
+
+_SCANS = 100  # scans of ppbackward's that must leave the builder unharmed
+_NAIVE_SCANS = 20_000  # at most, before the naive scan is declared harmless (it fails within a few hundred)
+
+
+class _Builder:
+    """A thread building ``tuple(generator)`` over and over, the shape ``typing.get_type_hints`` has."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.built = 0
+        self.finished_one = threading.Event()
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, name="tuple-builder", daemon=True)
+
+    def _run(self) -> None:
+        items = (_Marker, int, str, _Marker, float, bytes, _Marker, dict, list, set, _Marker, object, type)
+        try:
+            while not self.stop:
+                tuple(c for c in items)
+                self.built += 1
+                self.finished_one.set()
+        except BaseException as e:  # SystemError is the race (here or in Event.set's own tuples)
+            self.error = e
+        finally:
+            self.stop = True
+            self.finished_one.set()
+
+    def next_tuple(self) -> None:
+        """Wait until the builder finished another tuple (or failed)."""
+        self.finished_one.clear()
+        if not self.stop:
+            assert self.finished_one.wait(120), "the builder thread stopped making progress"
+
+
+@contextmanager
+def _builder() -> Iterator[_Builder]:
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often: the race at its most likely
+    builder = _Builder()
+    builder.thread.start()
+    try:
+        yield builder
+    finally:
+        builder.stop = True
+        builder.thread.join(120)
+        sys.setswitchinterval(previous)
+        assert not builder.thread.is_alive()
+
+
+def _scan_beside_builder(scan: Callable[[], Any], times: int) -> _Builder:
+    with _builder() as builder:
+        for _ in range(times):
+            builder.next_tuple()
+            if builder.error is not None:
+                break
+            scan()
+    return builder
+
+
+def _naive_get_objects() -> None:
+    for obj in gc.get_objects():  # the list alive while the loop runs bytecode: the hazard
+        if type(obj) is _Marker:
+            pass
+
+
+def _naive_get_referrers() -> None:
+    for obj in gc.get_referrers(_Marker):
+        if isinstance(obj, tuple):
+            pass
+
+
+@pytest.mark.parametrize(
+    ("naive", "ours"),
+    [(_naive_get_objects, lambda: instances_of(_Marker)), (_naive_get_referrers, lambda: referrers_of(_Marker))],
+    ids=["get_objects", "get_referrers"],
+)
+def test_a_scan_beside_a_thread_building_tuples_leaves_that_thread_unharmed(naive, ours):
+    keep = [_Marker() for _ in range(3)]
+    control = _scan_beside_builder(naive, _NAIVE_SCANS)
+    assert isinstance(control.error, SystemError), "the negative control: a naive scan breaks the builder"
+    assert "bad argument to internal function" in str(control.error)
+    builder = _scan_beside_builder(ours, _SCANS)
+    assert builder.error is None
+    assert builder.built >= _SCANS
+    assert len(instances_of(_Marker)) == len(keep) == 3
+
+
+def test_the_tracker_report_and_its_holder_chains_beside_a_thread_building_tuples():
+    """``report()`` scans for the block's live tensors and searches what holds them: the two scans
+    that broke the suite's background thread (issue 39)."""
+    w = torch.randn(4, requires_grad=True)
+    kept: list[torch.Tensor] = []
+    with track_activations() as tracker:
+        kept.append((w * 2).exp().sum())
+
+    def report() -> None:
+        rep = tracker.report()
+        assert len(rep.held_by) == 1
+
+    builder = _scan_beside_builder(report, 20)
+    assert builder.error is None and builder.built >= 20
+
+
+def test_a_tuple_under_construction_is_never_handed_out():
+    """Deterministic, one thread: the scan runs inside ``tuple(generator)`` while the tuple holds the
+    marker; keeping what the scan returned past the tuple's next resize must not break it."""
+    marker = _Marker()
+    kept: list[list[Any]] = []
+
+    def items(scan: Callable[[Any], list[Any]]) -> Iterator[Any]:
+        yield marker
+        kept.append(scan(marker))  # kept until after the tuple grows (20 more items) and is cut back
+        yield from range(20)
+
+    with pytest.raises(SystemError, match="bad argument to internal function"):
+        tuple(items(gc.get_referrers))  # the negative control
+    kept.clear()
+    built = tuple(items(referrers_of))
+    assert len(built) == 21 and not any(type(r) is tuple for r in kept[0])
+
+
+def test_referrers_keep_tuples_something_holds_and_instances_are_exact():
+    marker = _Marker()
+    holder = {"pair": (marker, 1)}  # a tuple whose one holder is a dict: kept
+    assert [r for r in referrers_of(marker) if type(r) is tuple] == [holder["pair"]]
+    before = len(instances_of(_Marker))
+    more = [_Marker(), _Marker()]
+    assert len(instances_of(_Marker)) == before + len(more)
+    del more
+    assert len(instances_of(_Marker)) == before
+
+
+@pytest.mark.parametrize("cls", [object, tuple, torch.autograd.graph.Node])
+def test_instances_of_refuses_classes_it_cannot_scan_safely(cls):
+    with pytest.raises(TypeError, match="instances_of"):
+        instances_of(cls)
+
+
+def test_a_chain_to_a_local_variable_says_so():
+    """A tensor held by a list local to a running function: on Python 3.13+ the chain ends at that
+    function's frame; before, nothing the gc sees holds the list, and the chain's last line says so."""
+    w = torch.randn(4, requires_grad=True)
+    local_list: list[torch.Tensor] = []
+    with track_activations() as tracker:
+        local_list.append((w * 2).exp().sum())
+    (chain,) = tracker.report().held_by
+    lines = chain.splitlines()
+    assert lines[1] == "  <- [1] list (len 1) via [0]"
+    if sys.version_info >= (3, 13):
+        assert "frame of test_a_chain_to_a_local_variable_says_so" in lines[2]
+        assert "via .f_locals['local_list']" in lines[2]
+    else:
+        assert lines[2] == (
+            "  (nothing the gc sees refers to [1]: a local variable of a running function or C code holds it;"
+            " Python 3.13+ names the function)"
+        )
+    local_list.clear()
+    assert tracker.report().held_by == []  # the report itself kept nothing alive
+
+
+def _bare_heap_scans(path: Path) -> list[str]:
+    """``file:line`` of every call of ``gc.get_objects`` / ``gc.get_referrers`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if (
+            isinstance(func, ast.Attribute) and func.attr in ("get_objects", "get_referrers")
+            and isinstance(func.value, ast.Name) and func.value.id == "gc"
+        ):
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_no_heap_scan_outside_the_safe_one(tmp_path):
+    """The suite's background thread and a user's threads break on any scan that keeps its list while
+    Python runs; so the project's code scans only through ``_heap`` (its negative controls aside)."""
+    root = Path(__file__).resolve().parents[2]
+    allowed = {root / "src/ppbackward/leaks/_heap.py", Path(__file__).resolve()}
+    files = [p for d in ("src", "tests", "scripts", "benchmarks") for p in sorted((root / d).rglob("*.py"))]
+    assert len(files) > 100
+    assert [hit for p in files if p not in allowed for hit in _bare_heap_scans(p)] == []
+    planted = tmp_path / "planted.py"  # negative control: the finder sees a bare scan
+    planted.write_text("import gc\nfor o in gc.get_objects():\n    pass\n", encoding="utf-8")
+    assert _bare_heap_scans(planted) == [f"{planted}:2"]
