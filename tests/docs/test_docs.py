@@ -236,6 +236,33 @@ def test_pages_name_features_not_issue_numbers(page):
     assert not mentions, "say what the feature is, not its issue number:\n" + "\n".join(mentions)
 
 
+# `pip install ppbackward`, `pip install 'ppbackward[plot]'`: ppbackward is not on the package index
+_INDEX_INSTALL = re.compile(r"pip install\s+(?:-U\s+)?['\"]?ppbackward\b")
+
+
+def _index_installs(path: Path) -> list[str]:
+    """``file:line: text`` of every line that installs ppbackward from the package index, but the one
+    that says it fails."""
+    return [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if _INDEX_INSTALL.search(line) and "` fails" not in line
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_page_installs_ppbackward_from_the_package_index(page):
+    """A newcomer's try: ``pip install ppbackward`` and ``pip install 'ppbackward[plot]'`` as the README
+    wrote them fail; a clone (``pip install -e '.[plot]'``) or a built wheel is the way."""
+    found = _index_installs(page)
+    assert not found, "ppbackward is not on the package index (README, Install):\n" + "\n".join(found)
+
+
+def test_no_message_of_the_commands_installs_ppbackward_from_the_package_index():
+    found = [hit for path in sorted((ROOT / "src").rglob("*.py")) for hit in _index_installs(path)]
+    assert not found, "ppbackward is not on the package index (README, Install):\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_fence_says_its_language(page):
     untagged = [b.id for b in _scan(page)[0] if not b.lang]

@@ -124,7 +124,7 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", metavar="DIR",
         help="with --split: write PNGs to DIR: the split's cost against the stage's size, and each replayed "
-        "schedule step per rank (needs matplotlib: pip install 'ppbackward[plot]')",
+        "schedule step per rank (needs matplotlib: pip install matplotlib, or in a clone pip install -e '.[plot]')",
     )
 
 
@@ -171,7 +171,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         if problem:
             parser.error(f"{flag} {folder}: {problem}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        parser.error("--plot: needs matplotlib, which is not installed: pip install 'ppbackward[plot]'")
+        parser.error(
+            "--plot: needs matplotlib, which is not installed: pip install matplotlib "
+            "(in a clone, the plot extra: pip install -e '.[plot]')"
+        )
     from ppbackward._tools.harness import models as _models  # the zoo: the parse needs no measurement module
 
     try:

@@ -208,7 +208,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[Any], list[str] | None]:
         # the workers let torch infer stage shapes (its default), whose object send/recv calls Tensor.numpy()
         raise CheckError(
             "ppbackward check needs numpy (torch's stage shape inference sends objects through "
-            "recv_object_list, which calls Tensor.numpy()): pip install 'ppbackward[check]'"
+            "recv_object_list, which calls Tensor.numpy()): pip install numpy (in a clone, the check extra: "
+            "pip install -e '.[check]')"
         )
     if args.merge_bw:
         from ppbackward import UnsupportedTorchError
