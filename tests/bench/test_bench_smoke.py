@@ -365,6 +365,18 @@ def test_plot_without_matplotlib_refuses_in_one_line_naming_the_extra(capsys, mo
     )
 
 
+def test_split_prints_a_progress_line_per_configuration_on_stderr(capsys):
+    """A newcomer's ``bench --split`` ran 141 s without a word: each configuration now says it starts."""
+    rc = main(["--split", "--configs", "2x16x4,2x32x4", "--repeats", "1", "--budget", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.startswith("ppbackward bench --split  ")
+    lines = [line for line in err.splitlines() if line.startswith("bench --split: ")]
+    assert [line.split(" (elapsed ")[0] for line in lines] == [
+        "bench --split: configuration 1/2: L2 d16 s4 (2x16x4)", "bench --split: configuration 2/2: L2 d32 s4 (2x32x4)",
+    ]
+    assert all(line.endswith(" s)") for line in lines)
+
+
 def test_plots_are_written_and_read_back(tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib.image

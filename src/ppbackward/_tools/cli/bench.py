@@ -53,8 +53,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--configs",
         default="all",
-        help="'all' (4,16 layers x d 64,256 x seq 16,128) or a comma-separated list of "
-        "LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all)",
+        help="'all' (4,16 layers x d 64,256 x seq 16,128; with --split, its own six) or a comma-separated list "
+        "of LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all)",
     )
     p.add_argument(
         "--repeats", type=int, default=None, help="max timed repeats per config (default 100; 20 with --quick)"
@@ -96,8 +96,9 @@ def _add_split_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--split", action="store_true",
         help="only the cost of splitting the backward: B, W, B+W against one full backward per microbatch-stage "
-        "on --configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and "
-        "with --schedule the real torchrun step; targets and verdicts",
+        "on --configs (default here: six, from host-bound to compute-bound: "
+        "4x16x4,4x128x16,4x256x16,16x64x16,16x256x16,4x512x64; a progress line per configuration on stderr), "
+        "the replayed zero-bubble steps, and with --schedule the real torchrun step; targets and verdicts",
     )
     p.add_argument(
         "--one-rank-step", action="store_true",
