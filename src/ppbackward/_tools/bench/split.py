@@ -345,7 +345,7 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     from ppbackward._tools.bench import report as _report
     from ppbackward._tools.harness import models as _models
 
-    configs = list(CONFIGS) if args.configs == "all" else _models.parse_configs(args.configs)
+    configs = list(CONFIGS) if args.configs in (None, "all") else _models.parse_configs(args.configs)
     if args.quick:
         configs = [Config(4, 64, 16)]
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 60)

@@ -52,9 +52,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     """What is measured and for how long: ``--configs``, ``--repeats``, ``--budget``, ``--json``, ``--quick``."""
     p.add_argument(
         "--configs",
-        default="all",
+        default=None,
         help="'all' (4,16 layers x d 64,256 x seq 16,128; with --split, its own six) or a comma-separated list "
-        "of LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all)",
+        "of LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all; with --trace and without --split: none, "
+        "the schedule step only)",
     )
     p.add_argument(
         "--repeats", type=int, default=None, help="max timed repeats per config (default 100; 20 with --quick)"
@@ -120,7 +121,9 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
         "--trace", metavar="DIR",
         help="with --schedule: write one Chrome trace per schedule variant to DIR (open in Perfetto or "
         "chrome://tracing): one process per rank, a slice per F, full backward, B, W, wait and the rest; with "
-        "--split the replayed step (ideal, measured, merged) beside it",
+        "--split the replayed step (ideal, measured, merged) beside it. Tracing alone is quick: without --split, "
+        "--trace runs the schedule step only (its tables and the traces) unless --configs asks for the "
+        "one-process tables too (--configs all: the whole benchmark, minutes)",
     )
     p.add_argument(
         "--plot", metavar="DIR",
@@ -143,6 +146,7 @@ class _Request(NamedTuple):
     profile_config: Any
     repeats: int
     budget: float | None  # None: --quick (no time budget, the repeat count alone)
+    step_only: bool  # --trace without --split or --configs: the schedule step alone, no one-process tables
 
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Request:
@@ -178,15 +182,19 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         )
     from ppbackward._tools.harness import models as _models  # the zoo: the parse needs no measurement module
 
+    step_only = bool(args.trace) and not args.split and args.configs is None
+    asked = "all" if args.configs is None else args.configs
     try:
         if args.split:  # --split reads its own configurations (ppbackward._tools.bench.split.CONFIGS for 'all')
-            configs = [] if args.configs == "all" else _models.parse_configs(args.configs)
+            configs = [] if asked == "all" else _models.parse_configs(asked)
+        elif step_only:
+            configs = []
         else:
-            configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(args.configs)
+            configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(asked)
         profile_config = _models.parse_configs(args.profile_config)[0]
     except ValueError as e:
         parser.error(str(e))
-    return _Request(configs, profile_config, repeats, None if args.quick else args.budget)
+    return _Request(configs, profile_config, repeats, None if args.quick else args.budget, step_only)
 
 
 def _git_commit() -> str | None:
@@ -307,13 +315,15 @@ def _measure(args: argparse.Namespace, request: _Request, argv: list[str]) -> tu
     from ppbackward._tools.bench.timing import loadavg as _loadavg
 
     report: dict[str, Any] = {"meta": _meta(argv), "configs": []}
+    if request.step_only:
+        _log("bench: --trace: the schedule step only (--configs all adds the one-process tables)")
     for cfg in request.configs:
         report["configs"].append(_measure_config(cfg, request))
-    if not args.no_scaling:
+    if not (args.no_scaling or request.step_only):
         _log("bench: graph analysis scaling ...")
         depths = _scaling.QUICK_DEPTHS if args.quick else _scaling.DEPTHS
         report["analysis_scaling"] = _scaling.measure(depths, repeats=3 if args.quick else 15)
-    if not (args.quick or args.no_profile):
+    if not (args.quick or args.no_profile or request.step_only):
         from ppbackward._tools.bench import profile as _profile
 
         _log(f"bench: profile {args.profile_config} ...")
@@ -348,9 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     request = _validate(parser, args)
 
-    # torch.profiler (allocator counts, profile) logs every start and stop to stderr unless told not to
-    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
-    import torch
+    import torch  # torch.profiler's chatter (allocator counts, profile): Note [quiet profiler] in bench.quiet
 
     if args.split:
         from ppbackward._tools.bench import split as _split
@@ -365,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         report, failed = _measure(args, request, argv)
     finally:
         torch.set_num_threads(threads)
-    print(_report.format_text(report))
+    print(_report.format_text(report, _report.STEP_SECTIONS if request.step_only else _report.SECTIONS))
     problem = _report.summary_line(report)
     if problem:
         print(problem)
