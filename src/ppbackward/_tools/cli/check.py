@@ -665,7 +665,8 @@ def _markdown(
         "per case" + ("; ppbackward with merge_bw=True" if args.merge_bw else ""),
     ]
     if tally.upstream_failing:
-        parts += ["", "### torch's own backward failed, by kind", "", *cells.by_kind(tally.upstream_failing)]
+        kinds = cells.by_kind(tally.upstream_failing, markdown=True)
+        parts += ["", "### torch's own backward failed, by kind", "", *kinds]
     parts += ["", "### Memory between B and W", "", "```text", *memory, "```", "", "### Cells"]
     for run in runs:
         results = run.results
