@@ -20,12 +20,23 @@ Note [exact originals]: the first :func:`install` records the objects found in b
 ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (the lowering every runtime schedule runs
 when it is built) is wrapped so that each B directly followed by its own W runs as one full backward
 (Note [merged B and W] in ``ppbackward._merge``); the method found is recorded and put back exactly.
+
+Note [install says so]: nothing else tells a user that ppbackward is in place, so the first :func:`install`
+that patches torch in a process logs one ``INFO`` record on the ``ppbackward`` logger (:data:`LOGGER`):
+ppbackward's version, torch's, the adapter and ``merge_bw``. Once per process (an ``uninstall`` and a new
+``install`` log nothing more), and on rank 0 only, so that a job of N ranks logs it once: the rank of an
+initialised ``torch.distributed``, else the ``RANK`` variable that torchrun sets (absent: a single process,
+rank 0). Logging decides where it goes, as it does for torchtitan's own ``INFO`` lines: nowhere until the
+program configures logging at ``INFO``; ``python -m ppbackward.run`` shows it on stderr when nothing is
+configured yet (``ppbackward.run``, Note [run shows the install]).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
+import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -41,7 +52,9 @@ from ppbackward._compat import (
     select_adapter,
 )
 
-__all__ = ["NAMES", "active_adapter", "install", "installed", "is_installed", "merge_bw_enabled", "uninstall"]
+__all__ = [
+    "LOGGER", "NAMES", "active_adapter", "install", "installed", "is_installed", "merge_bw_enabled", "uninstall",
+]
 
 #: The names ``install`` replaces, in both modules of ``_MODULES``.
 NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
@@ -50,6 +63,9 @@ _lock = threading.Lock()
 _originals: dict[tuple[str, str], Any] = {}  # (module, name) -> torch's object
 _active: list[Adapter] = []  # the adapter in place while installed (zero or one entry)
 _merge_original: list[Any] = []  # torch's _prepare_schedule_with_comms while merge_bw is on (0 or 1 entry)
+#: The logger of the one record :func:`install` logs (Note [install says so]).
+LOGGER = logging.getLogger("ppbackward")
+_announced: list[bool] = []  # [True] once this process logged its install (Note [install says so])
 
 
 def _modules() -> list[Any]:
@@ -113,6 +129,7 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
         _originals.update(found)
         _active.append(adapter)
         _set_merge(bool(merge_bw))
+    _announce(adapter, bool(merge_bw))
     if adapter.untested:
         how = f"{ALLOW_UNTESTED_ENV}=1" if from_env else "allow_untested=True"
         warnings.warn(
@@ -122,6 +139,29 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
             UntestedTorchWarning,
             stacklevel=2,
         )
+
+
+def _rank_zero() -> bool:
+    """Whether this process is rank 0: of an initialised ``torch.distributed``, else by ``RANK`` (torchrun
+    sets it; absent: one process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0").strip() in ("0", "")
+
+
+def _announce(adapter: Adapter, merge_bw: bool) -> None:
+    """Log that ppbackward is in place: once per process, on rank 0 (Note [install says so])."""
+    if _announced or not _rank_zero():
+        return
+    _announced.append(True)
+    from ppbackward import __version__
+
+    LOGGER.info(
+        "ppbackward %s installed: torch %s's pipeline stages run ppbackward's stage backward (%s, merge_bw %s)",
+        __version__, adapter.version, adapter.name, "on" if merge_bw else "off",
+    )
 
 
 def uninstall() -> None:

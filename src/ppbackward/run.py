@@ -23,6 +23,15 @@ ppbackward does not know, or ``--merge-bw`` on a torch without the schedule lowe
 (:class:`ppbackward.UnsupportedTorchError`) -- is one line on stderr and exit code 3 before the target
 runs; a usage error is exit code 2.
 
+Note [run shows the install]: :func:`ppbackward.install` logs one ``INFO`` record on the ``ppbackward``
+logger, on rank 0 (Note [install says so] in ``ppbackward._install``), which logging shows nowhere until
+the program configures it, and the target has not run yet when the launcher installs. So while it installs,
+the launcher gives that logger a handler on stderr (the bare message) and the ``INFO`` level, unless the
+root logger or that logger already has a handler (then the configuration in place decides), and takes
+both away again before the target starts: the target's own logging set-up (torchtitan's ``init_logger``,
+``logging.basicConfig``) finds logging as it would without the launcher. Under torchrun every rank
+installs and rank 0 alone prints the line.
+
 Launchers that start their own worker processes (not through ``python -m ppbackward.run``) get no
 ppbackward in those workers: there is deliberately no environment switch that installs it at interpreter
 start-up (see ``docs/torchtitan.md``, "Launchers that start their own workers"); such a worker calls
@@ -31,10 +40,13 @@ start-up (see ``docs/torchtitan.md``, "Launchers that start their own workers");
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import runpy
 import sys
 import traceback
+from collections.abc import Iterator
 
 __all__ = ["main"]
 
@@ -42,8 +54,8 @@ USAGE = "usage: python -m ppbackward.run [--merge-bw] (SCRIPT | -m MODULE) [ARGS
 HELP = (
     f"{USAGE}\n\n"
     "Install ppbackward (ppbackward.install()), then run SCRIPT, or MODULE with -m, as __main__ with ARGS, as\n"
-    "python would; under torchrun every rank does. Exit code: the target's; 2 usage error; 3 ppbackward refuses\n"
-    "this torch (one line, nothing ran).\n\n"
+    "python would; under torchrun every rank does, and rank 0 says so in one line on stderr. Exit code: the\n"
+    "target's; 2 usage error; 3 ppbackward refuses this torch (one line, nothing ran).\n\n"
     "  --merge-bw  install(merge_bw=True): in zero-bubble schedules the target builds, each B directly followed\n"
     "              by its own W runs as one full backward (docs/api.md, docs/performance.md)"
 )
@@ -69,12 +81,34 @@ def _parse(argv: list[str]) -> tuple[str, str, list[str]] | str:
     return "script", first, argv[1:]
 
 
+@contextlib.contextmanager
+def _install_shown() -> Iterator[None]:
+    """The ``ppbackward`` logger on stderr at ``INFO`` for the block, where nothing is configured
+    (Note [run shows the install])."""
+    logger = logging.getLogger("ppbackward")
+    if logging.getLogger().handlers or logger.handlers:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _install(merge_bw: bool) -> str | None:
-    """Install ppbackward; the refusal's one-line reason, or ``None`` once installed."""
+    """Install ppbackward (its log line shown: Note [run shows the install]); the refusal's one-line reason,
+    or ``None`` once installed."""
     from ppbackward import UnsupportedTorchError, install
 
     try:
-        install(merge_bw=merge_bw)
+        with _install_shown():
+            install(merge_bw=merge_bw)
     except UnsupportedTorchError as exc:
         return str(exc).splitlines()[0]
     return None

@@ -26,6 +26,15 @@ def test_help_names_no_issue_number():
     assert "--split only the cost of splitting the backward: B, W, B+W" in " ".join(text.split())
 
 
+def test_split_help_names_the_configurations_split_runs():
+    """A newcomer's ``bench --split`` ran six configurations where its help said four."""
+    from ppbackward._tools.bench.split import CONFIGS
+
+    text = " ".join(_help().split())
+    assert len(CONFIGS) == 6 and "(default here: six, from host" in text
+    assert ": " + ",".join(c.name for c in CONFIGS) + ";" in text
+
+
 def test_options_in_their_order():
     flags = [a.option_strings[-1] for a in _parser()._actions]
     assert flags == [

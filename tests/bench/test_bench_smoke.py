@@ -359,7 +359,80 @@ def test_plot_without_matplotlib_refuses_in_one_line_naming_the_extra(capsys, mo
     with pytest.raises(SystemExit):
         main(["--split", "--plot", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.endswith("--plot: needs matplotlib, which is not installed: pip install 'ppbackward[plot]'")
+    assert err.endswith(  # ppbackward is not on the package index: 'ppbackward[plot]' would fail
+        "--plot: needs matplotlib, which is not installed: pip install matplotlib "
+        "(in a clone, the plot extra: pip install -e '.[plot]')"
+    )
+
+
+def _made_up_step() -> dict:
+    """``golden/report.json``'s made-up schedule step, with one slice per rank (it has none)."""
+    from pathlib import Path
+
+    sched = json.loads((Path(__file__).parent / "golden" / "report.json").read_text())["schedule"]
+    grads_match = sched.pop("grads_match")  # the last field, as the bench writes it
+    sched["slices_ms"] = {name: [[["F", 0.0, 1.0, 0, 0]]] * sched["ranks"] for name in sched["variants"]}
+    sched["grads_match"] = grads_match
+    return sched
+
+
+def test_trace_alone_runs_the_schedule_step_only(tmp_path, monkeypatch, capsys):
+    """A newcomer's ``bench --schedule --trace DIR`` ran the whole one-process benchmark (10 minutes) before
+    the traced step; now the step alone runs, and only its sections are printed."""
+    from ppbackward._tools.bench import profile as _profile
+    from ppbackward._tools.bench import scaling as _scaling
+    from ppbackward._tools.cli import bench as _cli
+
+    sched = _made_up_step()
+    measured = []
+
+    def step(args):
+        measured.append(args.schedule_repeats)
+        return sched, False
+
+    monkeypatch.setattr(_cli, "_measure_schedule", step)
+    for module, name in ((_cli, "_measure_config"), (_scaling, "measure"), (_profile, "where_time_goes")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("a one-process table was measured"))
+    assert main(["--schedule", "--trace", str(tmp_path / "traces"), "--json", str(tmp_path / "r.json")]) == 0
+    out, err = capsys.readouterr()
+    assert measured == [8]
+    written = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert written == sorted(v.replace("/", "-") + ".json" for v in sched["variants"])
+    assert "bench: --trace: the schedule step only (--configs all adds the one-process tables)" in err
+    assert out.startswith("ppbackward bench  ") and "\nSchedule step (torchrun 2 ranks" in out
+    assert "\nTime: backward only" not in out and "\nAllocator:" not in out and "\nTargets (" in out
+    assert json.loads((tmp_path / "r.json").read_text())["configs"] == []
+
+
+@pytest.mark.parametrize(
+    "args, step_only, n_configs",
+    [
+        (["--schedule", "--trace", "T"], True, 0),
+        (["--schedule", "--trace", "T", "--quick"], True, 0),  # --quick: 2 repeats of the step, no table
+        (["--schedule", "--trace", "T", "--configs", "all"], False, 8),  # the tables asked for: all of them
+        (["--schedule", "--trace", "T", "--configs", "4x64x16"], False, 1),
+        (["--split", "--schedule", "--trace", "T"], False, 0),  # --split measures its own six, as always
+        (["--schedule"], False, 8),
+    ],
+)
+def test_trace_runs_the_one_process_tables_only_when_configs_asks_for_them(tmp_path, args, step_only, n_configs):
+    from ppbackward._tools.cli.bench import _parser, _validate
+
+    parser = _parser()
+    request = _validate(parser, parser.parse_args([str(tmp_path / a) if a == "T" else a for a in args]))
+    assert (request.step_only, len(request.configs)) == (step_only, n_configs)
+
+
+def test_split_prints_a_progress_line_per_configuration_on_stderr(capsys):
+    """A newcomer's ``bench --split`` ran 141 s without a word: each configuration now says it starts."""
+    rc = main(["--split", "--configs", "2x16x4,2x32x4", "--repeats", "1", "--budget", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.startswith("ppbackward bench --split  ")
+    lines = [line for line in err.splitlines() if line.startswith("bench --split: ")]
+    assert [line.split(" (elapsed ")[0] for line in lines] == [
+        "bench --split: configuration 1/2: L2 d16 s4 (2x16x4)", "bench --split: configuration 2/2: L2 d32 s4 (2x32x4)",
+    ]
+    assert all(line.endswith(" s)") for line in lines)
 
 
 def test_plots_are_written_and_read_back(tmp_path):

@@ -133,7 +133,8 @@ def test_check_without_numpy_names_the_extra(monkeypatch, capsys):
     if torch_release()[:2] < (2, 6):  # static metadata there: numpy is not needed
         pytest.skip("torch before 2.6 runs the check with static metadata")
     assert _check.main([]) == 2
-    assert "pip install 'ppbackward[check]'" in capsys.readouterr().err
+    err = capsys.readouterr().err  # ppbackward is not on the package index: 'ppbackward[check]' would fail
+    assert "pip install numpy (in a clone, the check extra: pip install -e '.[check]')" in err
 
 
 def test_schedule_names_are_stripped_before_they_reach_the_workers():
@@ -269,6 +270,29 @@ def test_footnotes_group_failures_by_kind_with_reason_report_rows_and_one_exampl
     assert lines[hooks_at + 1] == "    in: a S2"
     assert lines[hooks_at + 2] == "    e.g. rank 1, step 0: hooks: fired 0 times, expected 8"
     assert lines[-2:] == ["- ValueError: something nobody has seen", "    in: b S1"]  # unknown kinds last, as recorded
+
+
+def test_markdown_footnotes_put_in_and_e_g_on_lines_of_their_own():
+    """A newcomer's ``check --markdown`` report: under each kind, the ``in:`` and ``e.g.`` lines merged into one
+    paragraph once rendered (an indented line without a list marker continues the paragraph above it in
+    Markdown). They are now items of a list nested in the kind's item; the terminal keeps its layout."""
+    import argparse
+
+    raised = {0: _case("error", failures=[_raised(
+        "shared-parameter", "RuntimeError: Trying to backward through the graph a second time (or directly ...)")])}
+    hooks = {1: _case("fail", [_step(0, 0, 8)], [Failure("hooks", "hooks-skipped", "fired 0 times, expected 8", 0)])}
+    rows = [(name, _check_cells.cell_values(r)) for name, r in (("a S1", raised), ("a S2", hooks))] + [("a S3", None)]
+    tally = _check._Tally(upstream_failing=rows)
+    report = _check._markdown(argparse.Namespace(steps=1, merge_bw=False), [], None, tally, "VERDICT: x", False, [])
+    section = report.split("### torch's own backward failed, by kind\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert section[0].startswith("- shared parameter: W backprops twice: ")
+    assert section[1:3] == ["  - in: a S1", "  - e.g. rank 0, exception: RuntimeError: Trying to backward through "
+                            "the graph a second time (or directly ...)"]
+    assert section[4:6] == ["  - in: a S2", "  - e.g. rank 1, step 0: hooks: fired 0 times, expected 8"]
+    assert section[6:] == ["- no verdict", "  - in: a S3"]
+    assert all(line.startswith(("- ", "  - ")) for line in section), section  # no line continues a paragraph
+    assert _check_cells.by_kind(rows)[1:3] == ["    in: a S1", "    e.g. rank 0, exception: RuntimeError: Trying to "
+                                               "backward through the graph a second time (or directly ...)"]
 
 
 def test_footnotes_of_rows_without_a_verdict_name_it_and_quote_nothing():

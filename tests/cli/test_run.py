@@ -26,7 +26,7 @@ _TIMEOUT_S = 240
 # What a target reports about the process it runs in: one JSON line on stdout (or into $PROBE_OUT/<rank>).
 PROBE = textwrap.dedent(
     """
-    import json, os, sys
+    import json, logging, os, sys
     import ppbackward
     import torch.distributed.pipelining._backward as b
     import torch.distributed.pipelining.stage as s
@@ -39,6 +39,8 @@ PROBE = textwrap.dedent(
                    and b.stage_backward_weight is ppbackward.stage_backward_weight,
         "rank": os.environ.get("RANK"),
         "merging": ppbackward._install.merge_bw_enabled(),
+        "logging": [len(logging.getLogger().handlers), len(logging.getLogger("ppbackward").handlers),
+                    logging.getLogger("ppbackward").level],
     }
     out = os.environ.get("PROBE_OUT")
     if out:
@@ -91,6 +93,34 @@ def test_script_runs_as_main_with_ppbackward_installed(probe, tmp_path):
                       "installed": True, "swapped": True, "merging": False}
     plain = _report(_python(str(probe), *args, cwd=tmp_path))  # what `python SCRIPT` gives
     assert (plain["argv"], plain["path0"], plain["installed"]) == (report["argv"], report["path0"], False)
+
+
+INSTALLED = f"ppbackward {ppbackward.__version__} installed: torch "  # Note [install says so]
+
+
+def test_the_launcher_says_ppbackward_is_installed_and_leaves_logging_as_it_found_it(probe, tmp_path):
+    """A newcomer could not tell that ``python -m ppbackward.run`` did anything: it prints one line on stderr
+    (install's log record, Note [run shows the install]); the target then finds logging unconfigured."""
+    result = _python("-m", "ppbackward.run", str(probe), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(INSTALLED) and line.endswith(", merge_bw off)"), line
+    assert "'s pipeline stages run ppbackward's stage backward (" in line
+    assert _report(result)["logging"] == [0, 0, 0]  # no handler left behind, the level NOTSET again
+    merged = _python("-m", "ppbackward.run", "--merge-bw", str(probe), cwd=tmp_path)
+    assert merged.stderr.splitlines()[0].endswith(", merge_bw on)"), merged.stderr
+
+
+def test_the_launcher_leaves_the_line_to_a_logging_configuration_in_place(probe, tmp_path):
+    """Where the root logger has a handler already, its level decides: WARNING shows nothing, INFO shows it."""
+    for level, shown in (("WARNING", False), ("INFO", True)):
+        code = (f"import logging, sys, runpy; logging.basicConfig(level=logging.{level}); "
+                f"sys.argv = ['ppbackward.run', {str(probe)!r}]; "
+                "runpy.run_module('ppbackward.run', run_name='__main__')")
+        result = _python("-c", code, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert (f"INFO:ppbackward:{INSTALLED}" in result.stderr) == shown, result.stderr
+        assert result.stderr.count(INSTALLED) == int(shown)
 
 
 def test_merge_bw_installs_with_merge_bw_and_passes_the_targets_own_option_through(probe, tmp_path):
@@ -190,6 +220,7 @@ def test_composes_with_torchrun_every_rank_installs(probe, tmp_path):
     result = _python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
                      "-m", "ppbackward.run", str(probe), "--flag", "1", cwd=tmp_path, env={"PROBE_OUT": str(out)})
     assert result.returncode == 0, result.stdout + result.stderr
+    assert (result.stdout + result.stderr).count(INSTALLED) == 1, result.stderr  # rank 0's line only
     reports = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
     for rank, report in reports.items():
         assert report["rank"] == str(rank)

@@ -4,6 +4,7 @@ originals, and a real PipelineStage + schedule calls whichever is installed."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -42,6 +43,58 @@ def test_install_swaps_both_modules_and_uninstall_restores_exact_originals():
     pb.uninstall()  # idempotent
     assert not pb.is_installed()
     assert all(_current()[k] is ORIGINALS[k] for k in ORIGINALS)
+
+
+@pytest.fixture
+def first_install(monkeypatch):
+    """A process that has not logged its install yet (Note [install says so]), outside torchrun."""
+    from ppbackward import _install
+
+    monkeypatch.setattr(_install, "_announced", [])
+    monkeypatch.delenv("RANK", raising=False)
+
+
+def _install_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "ppbackward"]
+
+
+def test_install_logs_once_per_process_that_ppbackward_is_in_place(first_install, caplog):
+    """A newcomer's finding: nothing said ppbackward was active. One INFO record, however often it installs."""
+    caplog.set_level(logging.INFO, logger="ppbackward")
+    pb.install()
+    pb.install()
+    pb.uninstall()
+    pb.install(merge_bw=True)
+    (record,) = _install_records(caplog)
+    assert record.levelno == logging.INFO
+    adapter = pb.active_adapter()
+    assert adapter is not None
+    assert record.getMessage() == (
+        f"ppbackward {pb.__version__} installed: torch {torch.__version__}'s pipeline stages run ppbackward's "
+        f"stage backward ({adapter.name}, merge_bw off)"
+    )
+
+
+def test_install_logs_on_rank_zero_only(first_install, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="ppbackward")
+    monkeypatch.setenv("RANK", "1")  # torchrun's rank 1, before init_process_group
+    pb.install(merge_bw=True)
+    assert _install_records(caplog) == []
+    pb.uninstall()
+    monkeypatch.setenv("RANK", "0")
+    pb.install(merge_bw=True)
+    (record,) = _install_records(caplog)
+    assert record.getMessage().endswith(", merge_bw on)")
+
+
+def test_an_initialised_process_group_decides_the_rank(first_install, caplog, monkeypatch):
+    import torch.distributed as dist
+
+    caplog.set_level(logging.INFO, logger="ppbackward")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)  # RANK unset would say rank 0
+    pb.install()
+    assert _install_records(caplog) == []
 
 
 def test_installed_context_manager_nests():

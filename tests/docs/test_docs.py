@@ -236,6 +236,33 @@ def test_pages_name_features_not_issue_numbers(page):
     assert not mentions, "say what the feature is, not its issue number:\n" + "\n".join(mentions)
 
 
+# `pip install ppbackward`, `pip install 'ppbackward[plot]'`: ppbackward is not on the package index
+_INDEX_INSTALL = re.compile(r"pip install\s+(?:-U\s+)?['\"]?ppbackward\b")
+
+
+def _index_installs(path: Path) -> list[str]:
+    """``file:line: text`` of every line that installs ppbackward from the package index, but the one
+    that says it fails."""
+    return [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if _INDEX_INSTALL.search(line) and "` fails" not in line
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_page_installs_ppbackward_from_the_package_index(page):
+    """A newcomer's try: ``pip install ppbackward`` and ``pip install 'ppbackward[plot]'`` as the README
+    wrote them fail; a clone (``pip install -e '.[plot]'``) or a built wheel is the way."""
+    found = _index_installs(page)
+    assert not found, "ppbackward is not on the package index (README, Install):\n" + "\n".join(found)
+
+
+def test_no_message_of_the_commands_installs_ppbackward_from_the_package_index():
+    found = [hit for path in sorted((ROOT / "src").rglob("*.py")) for hit in _index_installs(path)]
+    assert not found, "ppbackward is not on the package index (README, Install):\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_fence_says_its_language(page):
     untagged = [b.id for b in _scan(page)[0] if not b.lang]
@@ -335,6 +362,18 @@ def test_make_figures_command_works_and_images_are_small(tmp_path):
     for name in committed:
         size = (ROOT / "docs" / "images" / name).stat().st_size
         assert size < MAX_IMAGE_BYTES, f"docs/images/{name} is {size} bytes (keep pictures < 200 KB)"
+
+
+def test_only_the_readme_says_how_long_the_check_takes():
+    """A newcomer found the default check's idle time given as 90, 103 and 113 s on three pages. The README's
+    timing table, dated, is the one place; the other pages link to it (a quoted run's own output aside)."""
+    figures = re.compile(r"\b\d+(?:\.\d+)? s on 2 idle cores")
+    said = [f"{page.relative_to(ROOT)}: {m.group(0)}" for page in PAGES if page.name != "README.md"
+            for m in figures.finditer(" ".join(" ".join(text.split()) for _, text in _scan(page)[1]))]
+    assert not said, "link to the README's timing table instead:\n" + "\n".join(said)
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(r"the check alone \d+ s, PASS \d+/\d+ \(\d{4}-\d\d-\d\d, ", readme)  # one figure, dated
+    assert "prints a table per\nscenario" in readme and "prints one table" not in readme
 
 
 def test_the_readme_states_the_rank_count_of_every_default_scenario():

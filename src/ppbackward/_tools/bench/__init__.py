@@ -5,13 +5,14 @@ Private package. The command (options, validation, the run) is ``ppbackward._too
 Modules: ``impls`` (the variants timed), ``timing`` (interleaved min-of-N, the device clock, the load
 average), ``memory`` (saved activations held between B and W against what W reads), ``loop`` (one stage pair's
 microbatch loop in a zero-bubble schedule's order), ``alloc`` (the allocator's work), ``scaling`` (graph
-analysis time against graph size), ``profile`` (where the time of B and W goes), ``device_work`` (the device
-work counted), the schedule steps under torchrun (in the harness:
-``ppbackward._tools.harness.schedule_bench``), ``split`` and ``replay`` (the split's cost per
-microbatch-stage, and a schedule step replayed from it: ``--split``), ``one_rank`` (the one-rank step),
-``trace`` and ``plots`` (Chrome traces, PNGs), ``report`` (targets, tables, JSON). The configurations and
-their models are entries of the tooling's one model zoo, ``ppbackward._tools.harness.models`` (Note [bench
-configurations] there). Method and results: ``docs/performance.md``.
+analysis time against graph size), ``profile`` (where the time of B and W goes), ``quiet`` (torch.profiler's
+chatter kept off the terminal, for ``alloc`` and ``profile``), ``device_work`` (the device work counted), the
+schedule steps under torchrun (in the harness: ``ppbackward._tools.harness.schedule_bench``), ``split`` and
+``replay`` (the split's cost per microbatch-stage, and a schedule step replayed from it: ``--split``),
+``one_rank`` (the one-rank step), ``trace`` and ``plots`` (Chrome traces, PNGs), ``report`` (targets, tables,
+JSON). The configurations and their models are entries of the tooling's one model zoo,
+``ppbackward._tools.harness.models`` (Note [bench configurations] there). Method and results:
+``docs/performance.md``.
 
 Note [tooling layers]: the library (``ppbackward``: the stage backward, ``leaks``, the pytest plugin)
 is at the bottom and never imports ``ppbackward._tools``; only ``ppbackward/__main__.py``, the console

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ppbackward._tools.bench.impls import RUNNERS, VARIANTS, run_variant
+from ppbackward._tools.bench.quiet import quiet_profiler
 from ppbackward._tools.bench.timing import REGIMES, prepare_regime
 from ppbackward._tools.harness.models import Stage, reset_grads
 
@@ -25,7 +26,7 @@ def _count(stage: Stage, variant: str) -> tuple[int, int]:
     from torch.profiler import ProfilerActivity, profile
 
     out = stage.model(stage.x)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         RUNNERS[variant](stage, out, lambda: 0.0)
     del out
     sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]

@@ -1,7 +1,7 @@
 """PNG figures of ``ppbackward bench --split``: the split's cost against the stage's size, and the replayed
 schedule steps per rank.
 
-Private module; needs matplotlib (``pip install 'ppbackward[plot]'``), imported here only, with its
+Private module; needs matplotlib (the ``plot`` extra), imported here only, with its
 non-interactive ``Agg`` backend (no display). Note [bench plots]: two kinds of figure, from the ``--split``
 result alone (no new measurement):
 

@@ -28,6 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ppbackward._tools.bench.impls import run_b, run_w
+from ppbackward._tools.bench.quiet import quiet_profiler
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 
 __all__ = ["where_time_goes"]  # private module: what other modules use
@@ -43,7 +44,7 @@ _MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 
 
 def _events(fn: Callable[[], Any]) -> dict[str, int]:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     names = collections.Counter(e.name for e in prof.events())
     return {

@@ -16,6 +16,8 @@ from typing import Any
 from ppbackward._tools.text_table import format_table
 
 __all__ = [  # private module: what other modules use
+    "SECTIONS",
+    "STEP_SECTIONS",
     "format_text",
     "step_parts_table",
     "summary_line",
@@ -472,11 +474,15 @@ SECTIONS: tuple[Callable[[Report], str], ...] = (
 )
 
 
-def format_text(report: Report) -> str:
-    """All tables of ``report`` as plain text (also valid inside a Markdown code block): the text of
-    every renderer of :data:`SECTIONS` that has one, joined by newlines (each section after the header
-    begins with one, so an empty line parts them)."""
-    return "\n".join(text for text in (render(report) for render in SECTIONS) if text)
+#: The sections of ``bench --schedule --trace DIR`` without ``--configs``: the schedule step alone.
+STEP_SECTIONS: tuple[Callable[[Report], str], ...] = (header_section, schedule_section, targets_section)
+
+
+def format_text(report: Report, sections: tuple[Callable[[Report], str], ...] = SECTIONS) -> str:
+    """The tables of ``report`` as plain text (also valid inside a Markdown code block): the text of
+    every renderer of ``sections`` (default :data:`SECTIONS`, all of them) that has one, joined by newlines
+    (each section after the header begins with one, so an empty line parts them)."""
+    return "\n".join(text for text in (render(report) for render in sections) if text)
 
 
 def step_parts_table(sched: dict[str, Any], replayed: dict[str, float] | None = None) -> str:

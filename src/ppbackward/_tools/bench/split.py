@@ -204,17 +204,21 @@ def measure(
     budget_s: float | None = 15.0,
     extra: dict[str, Split] | None = None,
     device: torch.device | str = "cpu",
+    progress: Callable[[str], None] | None = None,
 ) -> SplitResult:
     """:func:`measure_config` for each configuration (torch's thread count at 1), each with the
     replayed steps (``_replay.replay``, 2 and 4 ranks, 8 microbatches) from its accumulating-regime
-    costs (a step's microbatches after the first accumulate)."""
+    costs (a step's microbatches after the first accumulate). ``progress``: called with
+    ``"configuration i/n: <label>"`` as each configuration starts (``run`` prints it on stderr)."""
     from ppbackward._tools.bench import replay as _replay
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         out = []
-        for cfg in configs:
+        for i, cfg in enumerate(configs, 1):
+            if progress is not None:
+                progress(f"configuration {i}/{len(configs)}: {cfg.label} ({cfg.name})")
             c = measure_config(cfg, repeats, budget_s, extra, device)
             t = c.times("accumulating")
             costs = SplitCosts(F=t.fwd, full=t.full, B=t.variants["pp"].b, W=t.variants["pp"].w)
@@ -267,12 +271,12 @@ def _real_step_targets(schedule: ScheduleBench) -> list[dict[str, Any]]:
 
 def format_split(result: SplitResult) -> str:
     """The split table: per configuration and regime, ms and ratios to the full backward (and, on CUDA,
-    the allocator bytes held between B and W); then the replayed steps (:func:`_replay_lines`)."""
+    the allocator bytes held between B and W); then the host cost per node (:func:`_per_node_lines`) and the
+    replayed steps (:func:`_replay_lines`), each heading directly above its own rows."""
     lines = [
         "Split cost per microbatch-stage: ms (min of N) and ratio to ppbackward's full stage_backward "
         "(min/min; median [q1-q3] of per-repeat ratios)"
     ]
-    lines += _per_node_lines(result)
     for c in result.configs:
         for regime in REGIMES:
             t, ratios = c.times(regime), c.ratios_of(regime)
@@ -289,7 +293,7 @@ def format_split(result: SplitResult) -> str:
             lines.append(
                 f"{'':<13} CUDA allocator bytes held between B and W (freed by W): pp {h.pp}, torch {h.torch}"
             )
-    return "\n".join(lines + _replay_lines(result))
+    return "\n".join(lines + _per_node_lines(result) + _replay_lines(result))
 
 
 def _replay_lines(result: SplitResult) -> list[str]:
@@ -317,7 +321,7 @@ def _per_node_lines(result: SplitResult) -> list[str]:
     """Host cost per autograd node (accumulating regime): the full backward's, B's, W's and what B+W cost
     beyond the full backward, in µs per node of the stage's graph (configurations without a node count
     are left out)."""
-    lines = ["Host cost per autograd node (accumulating, us per node of the stage graph)"]
+    lines = ["\nHost cost per autograd node (accumulating, us per node of the stage graph)"]
     for c in result.configs:
         nodes = c.nodes
         if not nodes:
@@ -341,14 +345,22 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     from ppbackward._tools.bench import report as _report
     from ppbackward._tools.harness import models as _models
 
-    configs = list(CONFIGS) if args.configs == "all" else _models.parse_configs(args.configs)
+    configs = list(CONFIGS) if args.configs in (None, "all") else _models.parse_configs(args.configs)
     if args.quick:
         configs = [Config(4, 64, 16)]
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 60)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("ppbackward bench --split --device cuda: no CUDA device available")
-    report = SplitRun(meta=meta, split=measure(configs, repeats, None if args.quick else args.budget, device=device))
+    t0 = time.perf_counter()
+
+    def progress(what: str) -> None:  # one line per configuration and run on stderr, as check's progress
+        print(f"bench --split: {what} (elapsed {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+
+    split = measure(configs, repeats, None if args.quick else args.budget, device=device, progress=progress)
+    report = SplitRun(meta=meta, split=split)
+    if args.schedule:
+        progress("the real step under torchrun")
     failed = _real_step(args, report) if args.schedule else False
     if args.trace and report.schedule is not None:
         _write_traces(args.trace, report)
@@ -358,6 +370,7 @@ def run(args: Any, meta: dict[str, Any]) -> int:
         for path in _plots.write_plots(args.plot, report.split):
             print(f"bench: wrote {path}", file=sys.stderr)
     if args.one_rank_step:
+        progress("the one-rank step")
         report.one_rank_step = _one_rank_step(args, device)
         failed = failed or not report.one_rank_step.get("grads_match", False)
     report.targets = targets(report.split, report.schedule)

@@ -52,9 +52,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     """What is measured and for how long: ``--configs``, ``--repeats``, ``--budget``, ``--json``, ``--quick``."""
     p.add_argument(
         "--configs",
-        default="all",
-        help="'all' (4,16 layers x d 64,256 x seq 16,128) or a comma-separated list of "
-        "LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all)",
+        default=None,
+        help="'all' (4,16 layers x d 64,256 x seq 16,128; with --split, its own six) or a comma-separated list "
+        "of LAYERSxDMODELxSEQ, e.g. 16x64x16,16x256x16 (default: all; with --trace and without --split: none, "
+        "the schedule step only)",
     )
     p.add_argument(
         "--repeats", type=int, default=None, help="max timed repeats per config (default 100; 20 with --quick)"
@@ -96,8 +97,9 @@ def _add_split_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--split", action="store_true",
         help="only the cost of splitting the backward: B, W, B+W against one full backward per microbatch-stage "
-        "on --configs (default here: 4x128x16,4x256x16,16x64x16,16x256x16), the replayed zero-bubble steps, and "
-        "with --schedule the real torchrun step; targets and verdicts",
+        "on --configs (default here: six, from host-bound to compute-bound: "
+        "4x16x4,4x128x16,4x256x16,16x64x16,16x256x16,4x512x64; a progress line per configuration on stderr), "
+        "the replayed zero-bubble steps, and with --schedule the real torchrun step; targets and verdicts",
     )
     p.add_argument(
         "--one-rank-step", action="store_true",
@@ -119,12 +121,14 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
         "--trace", metavar="DIR",
         help="with --schedule: write one Chrome trace per schedule variant to DIR (open in Perfetto or "
         "chrome://tracing): one process per rank, a slice per F, full backward, B, W, wait and the rest; with "
-        "--split the replayed step (ideal, measured, merged) beside it",
+        "--split the replayed step (ideal, measured, merged) beside it. Tracing alone is quick: without --split, "
+        "--trace runs the schedule step only (its tables and the traces) unless --configs asks for the "
+        "one-process tables too (--configs all: the whole benchmark, minutes)",
     )
     p.add_argument(
         "--plot", metavar="DIR",
         help="with --split: write PNGs to DIR: the split's cost against the stage's size, and each replayed "
-        "schedule step per rank (needs matplotlib: pip install 'ppbackward[plot]')",
+        "schedule step per rank (needs matplotlib: pip install matplotlib, or in a clone pip install -e '.[plot]')",
     )
 
 
@@ -142,6 +146,7 @@ class _Request(NamedTuple):
     profile_config: Any
     repeats: int
     budget: float | None  # None: --quick (no time budget, the repeat count alone)
+    step_only: bool  # --trace without --split or --configs: the schedule step alone, no one-process tables
 
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Request:
@@ -171,18 +176,25 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         if problem:
             parser.error(f"{flag} {folder}: {problem}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        parser.error("--plot: needs matplotlib, which is not installed: pip install 'ppbackward[plot]'")
+        parser.error(
+            "--plot: needs matplotlib, which is not installed: pip install matplotlib "
+            "(in a clone, the plot extra: pip install -e '.[plot]')"
+        )
     from ppbackward._tools.harness import models as _models  # the zoo: the parse needs no measurement module
 
+    step_only = bool(args.trace) and not args.split and args.configs is None
+    asked = "all" if args.configs is None else args.configs
     try:
         if args.split:  # --split reads its own configurations (ppbackward._tools.bench.split.CONFIGS for 'all')
-            configs = [] if args.configs == "all" else _models.parse_configs(args.configs)
+            configs = [] if asked == "all" else _models.parse_configs(asked)
+        elif step_only:
+            configs = []
         else:
-            configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(args.configs)
+            configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(asked)
         profile_config = _models.parse_configs(args.profile_config)[0]
     except ValueError as e:
         parser.error(str(e))
-    return _Request(configs, profile_config, repeats, None if args.quick else args.budget)
+    return _Request(configs, profile_config, repeats, None if args.quick else args.budget, step_only)
 
 
 def _git_commit() -> str | None:
@@ -303,13 +315,15 @@ def _measure(args: argparse.Namespace, request: _Request, argv: list[str]) -> tu
     from ppbackward._tools.bench.timing import loadavg as _loadavg
 
     report: dict[str, Any] = {"meta": _meta(argv), "configs": []}
+    if request.step_only:
+        _log("bench: --trace: the schedule step only (--configs all adds the one-process tables)")
     for cfg in request.configs:
         report["configs"].append(_measure_config(cfg, request))
-    if not args.no_scaling:
+    if not (args.no_scaling or request.step_only):
         _log("bench: graph analysis scaling ...")
         depths = _scaling.QUICK_DEPTHS if args.quick else _scaling.DEPTHS
         report["analysis_scaling"] = _scaling.measure(depths, repeats=3 if args.quick else 15)
-    if not (args.quick or args.no_profile):
+    if not (args.quick or args.no_profile or request.step_only):
         from ppbackward._tools.bench import profile as _profile
 
         _log(f"bench: profile {args.profile_config} ...")
@@ -344,9 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     request = _validate(parser, args)
 
-    # torch.profiler (allocator counts, profile) logs every start and stop to stderr unless told not to
-    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
-    import torch
+    import torch  # torch.profiler's chatter (allocator counts, profile): Note [quiet profiler] in bench.quiet
 
     if args.split:
         from ppbackward._tools.bench import split as _split
@@ -361,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         report, failed = _measure(args, request, argv)
     finally:
         torch.set_num_threads(threads)
-    print(_report.format_text(report))
+    print(_report.format_text(report, _report.STEP_SECTIONS if request.step_only else _report.SECTIONS))
     problem = _report.summary_line(report)
     if problem:
         print(problem)

@@ -393,19 +393,24 @@ def footnotes(failing: list[tuple[str, Cell | None]]) -> list[Footnote]:
     return [note for _, note in sorted(notes.items(), key=lambda item: ORDER.get(item[0], len(ORDER)))]
 
 
-def format_footnotes(notes: list[Footnote]) -> list[str]:
-    """The footnotes' lines (list[str]): ``- line``, ``    in: rows``, ``    e.g. rank r, ...``."""
+def format_footnotes(notes: list[Footnote], markdown: bool = False) -> list[str]:
+    """The footnotes' lines (list[str]): ``- line``, ``    in: rows``, ``    e.g. rank r, ...``.
+
+    ``markdown``: ``in:`` and ``e.g.`` as items of a list nested in the kind's item (``  - in: rows``,
+    ``  - e.g. ...``), so that they render on lines of their own; indented plain lines continue the kind's
+    paragraph in Markdown and render as one run-on line (``check --markdown``)."""
+    sub = "  - " if markdown else "    "
     lines: list[str] = []
     for note in notes:
-        lines += [f"- {note.line}", f"    in: {', '.join(note.rows)}"]
+        lines += [f"- {note.line}", f"{sub}in: {', '.join(note.rows)}"]
         if note.quoted is not None:
-            lines.append(f"    e.g. {note.quoted.text.splitlines()[0]}")
+            lines.append(f"{sub}e.g. {note.quoted.text.splitlines()[0]}")
     return lines
 
 
-def by_kind(failing: list[tuple[str, Cell | None]]) -> list[str]:
-    """:func:`format_footnotes` of :func:`footnotes` (list[str])."""
-    return format_footnotes(footnotes(failing))
+def by_kind(failing: list[tuple[str, Cell | None]], markdown: bool = False) -> list[str]:
+    """:func:`format_footnotes` of :func:`footnotes` (list[str]); ``markdown`` as there."""
+    return format_footnotes(footnotes(failing), markdown=markdown)
 
 
 def short_reason(cell: Cell | None) -> str:

@@ -208,7 +208,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[Any], list[str] | None]:
         # the workers let torch infer stage shapes (its default), whose object send/recv calls Tensor.numpy()
         raise CheckError(
             "ppbackward check needs numpy (torch's stage shape inference sends objects through "
-            "recv_object_list, which calls Tensor.numpy()): pip install 'ppbackward[check]'"
+            "recv_object_list, which calls Tensor.numpy()): pip install numpy (in a clone, the check extra: "
+            "pip install -e '.[check]')"
         )
     if args.merge_bw:
         from ppbackward import UnsupportedTorchError
@@ -664,7 +665,8 @@ def _markdown(
         "per case" + ("; ppbackward with merge_bw=True" if args.merge_bw else ""),
     ]
     if tally.upstream_failing:
-        parts += ["", "### torch's own backward failed, by kind", "", *cells.by_kind(tally.upstream_failing)]
+        kinds = cells.by_kind(tally.upstream_failing, markdown=True)
+        parts += ["", "### torch's own backward failed, by kind", "", *kinds]
     parts += ["", "### Memory between B and W", "", "```text", *memory, "```", "", "### Cells"]
     for run in runs:
         results = run.results
