@@ -87,11 +87,12 @@ class Contribution(NamedTuple):
 
 class WeightWork(NamedTuple):
     """What W runs for some param groups: the intermediates to call, the gradients already known after
-    B, and the parameters accumulated."""
+    B, and the edges into the ``AccumulateGrad`` nodes of the parameters accumulated (Note [W accumulates
+    through the graph's AccumulateGrad nodes])."""
 
     calls: list[NodeCall]
     ready: list[Contribution]
-    params: list[torch.Tensor]
+    inputs: list[GradientEdge | torch.Tensor]
 
 
 _KEYS = ("params", "intermediates", "grads")
@@ -123,6 +124,8 @@ class ParamGroup:
             intermediates (which ran once, in B) and the weight gradients B computed itself (Note [cheap
             weight gradients in B] in ``ppbackward._graph``).
         params: the leaf tensors whose ``AccumulateGrad`` the group reaches.
+        inputs: ``GradientEdge(leaf, 0)`` for each of those ``AccumulateGrad`` nodes: what W's accumulating
+            call names (Note [W accumulates through the graph's AccumulateGrad nodes]).
 
     Note [param groups read like torch's]: torch's B returns a list of dicts with ``"params"`` (the
     weights' ``AccumulateGrad`` nodes), ``"intermediates"`` (the nodes where weight paths branch off)
@@ -159,6 +162,7 @@ class ParamGroup:
         "_written",
         "_written_versions",
         "calls",
+        "inputs",
         "params",
         "ready",
     )
@@ -177,6 +181,11 @@ class ParamGroup:
         self.params = params
         self._nodes = nodes if nodes is not None else [Intermediate(c.node, c.w_edges) for c in calls]
         self._leaves = leaves or []
+        # Note [W accumulates through the graph's AccumulateGrad nodes]; a group built without its leaves
+        # (a test's) names the parameters themselves
+        self.inputs: list[GradientEdge | torch.Tensor] = (
+            [GradientEdge(leaf, 0) for leaf in self._leaves] if self._leaves else list(params)
+        )
         self._captured = {call.node: call.grads for call in calls}
         # node -> the entries of ``ready`` its written gradients replace (a custom Function's outputs, the
         # cheap weight gradients it alone fed); a ``None`` among them: shared with another node
@@ -518,7 +527,7 @@ def _weight_work(groups: list[ParamGroup]) -> WeightWork:
         group_calls, group_ready = group.w_work()
         calls += group_calls
         ready += group_ready
-    return WeightWork(calls, ready, [p for group in groups for p in group.params])
+    return WeightWork(calls, ready, [edge for group in groups for edge in group.inputs])
 
 # code that checks what it holds (``isinstance(groups, Sequence)``, ``isinstance(group, Mapping)``) sees
 # the forms of torch's list of dicts
