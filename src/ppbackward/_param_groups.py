@@ -358,7 +358,7 @@ class ParamGroups:
     See Note [param_groups hold no cycle] in this module.
     """
 
-    __slots__ = ("_consumed", "_groups", "_owners", "_pinned", "_shapes", "_versions", "_weights")
+    __slots__ = ("_consumed", "_groups", "_hooked_in_b", "_owners", "_pinned", "_shapes", "_versions", "_weights")
 
     def __init__(
         self,
@@ -366,6 +366,7 @@ class ParamGroups:
         weights: WeightSet,
         owners: tuple[Node, ...] = (),
         pinned: list | None = None,
+        hooked_in_b: list[tuple[torch.Tensor, tuple[int, ...]]] | None = None,
     ) -> None:
         self._groups = groups
         for i, group in enumerate(groups):
@@ -373,6 +374,7 @@ class ParamGroups:
         self._weights = weights
         self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
         self._pinned = pinned or []  # Note [outputs detached after B] (ppbackward._saved)
+        self._hooked_in_b = hooked_in_b or []  # Note [W mutes B's hooks]
         self._consumed = False
         # Note [captured gradients are checked at W]: by id, so that W checks only what it will read
         self._versions = {id(g): (g, g._version) for group in groups for g in _captured_grads(group)}
@@ -410,7 +412,8 @@ class ParamGroups:
             raise StageBackwardError(CONSUMED)
         try:
             self._check_unchanged(weights)
-            yield self._chunks(_W_CHUNK_BYTES)
+            with _hooks_muted(self._hooked_in_b):
+                yield self._chunks(_W_CHUNK_BYTES)
         finally:
             if not retain_graph:
                 release_pinned(self._pinned)
@@ -477,9 +480,40 @@ class ParamGroups:
         self._groups = []
         self._owners = ()
         self._pinned = []
+        self._hooked_in_b = []
         self._versions = {}
         self._shapes = []
         self._consumed = True
+
+
+# Note [W mutes B's hooks]: the tensor hooks registered during B's engine call on a parameter whose gradient
+# B captured at its ``AccumulateGrad`` ran in B, on the gradient W accumulates, or were registered after that
+# ``AccumulateGrad``'s turn in a full backward (Note [hooks registered during B] in ``ppbackward.backward``):
+# either way a full backward does not run them again for this microbatch, so W takes exactly those out of the
+# parameter's hook dict (which torch's C++ hook reads at call time) for its accumulating calls and puts them
+# back afterwards, whatever happens, in their order among the hooks the dict holds then. Nothing to do in the
+# usual case (no hook registered during B): the list is empty.
+@contextlib.contextmanager
+def _hooks_muted(hooked_in_b: list[tuple[torch.Tensor, tuple[int, ...]]]) -> Iterator[None]:
+    parked = []
+    for leaf, keys in hooked_in_b:
+        hooks = leaf._backward_hooks
+        if hooks:
+            order = list(hooks)
+            taken = {key: hooks.pop(key) for key in keys if key in hooks}
+            parked.append((hooks, order, taken))
+    try:
+        yield
+    finally:
+        for hooks, order, taken in parked:
+            now = dict(hooks)  # what the dict holds after W: hooks removed during W stay removed
+            hooks.clear()
+            for key in order:
+                if key in taken:
+                    hooks[key] = taken[key]
+                elif key in now:
+                    hooks[key] = now.pop(key)
+            hooks.update(now)  # registered during W, after the others
 
 
 _CLAIM_LOCK = threading.Lock()

@@ -5,6 +5,8 @@ with exact values (``torch.equal``).
 * a dtype or device round trip of the parameters (Note [W accumulates through the graph's AccumulateGrad
   nodes] in ``ppbackward._weight_edges``);
 * a parameter frozen after its forward (the same Note);
+* a tensor hook registered on a parameter during B (Note [hooks registered during B] in
+  ``ppbackward.backward``, Note [W mutes B's hooks] in ``ppbackward._param_groups``);
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import _backward as upstream
+from torch.utils.checkpoint import checkpoint
 
 import ppbackward as pb
+import ppbackward._param_groups as param_groups
 
 Step = Callable[[nn.Module], object]
 
@@ -134,3 +138,99 @@ def test_a_frozen_parameters_hooks_run_as_in_a_full_backward():
         grads = _full(module, freeze) if kind == "full" else _split(module, before_w=freeze)
         assert grads["1.weight"] is None
     assert sorted(seen["split"]) == sorted(seen["full"]) and len(seen["full"]) == 12
+
+
+# -- defect 3: a tensor hook registered on a parameter during B ---------------------------------------------
+
+
+def _halving_hook_registered_during_backward(module: nn.Sequential, calls: list) -> Callable:
+    """A forward whose norm output's hook registers a x0.5 hook on the norm's weight: during the backward,
+    before the norm's node runs."""
+
+    def halve(g: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return g * 0.5
+
+    weight = module.get_parameter("0.weight")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = module[0](x)
+        h.register_hook(lambda _g: weight.register_hook(halve) and None)
+        return module[3](module[2](module[1](h)))
+
+    return forward
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_hook_registered_on_a_norm_weight_during_b_runs_once(chunked, monkeypatch):
+    if chunked:
+        monkeypatch.setattr(param_groups, "_W_CHUNK_BYTES", 1)
+    x0, g = _data()
+    results = []
+    for split in (False, True):
+        module, calls = _stage(), []
+        forward = _halving_hook_registered_during_backward(module, calls)
+        x = x0.clone().requires_grad_()
+        out = forward(x)
+        if split:
+            _, groups = pb.stage_backward_input([out], [g], [x], list(module.parameters()))
+            pb.stage_backward_weight(list(module.parameters()), groups)
+        else:
+            torch.autograd.backward([out], [g])
+        assert len(calls) == 1, f"the x0.5 hook ran {len(calls)} times (split={split})"
+        results.append({n: p.grad for n, p in module.named_parameters()})
+    _assert_equal(results[1], results[0])
+
+
+def test_a_hook_registered_on_a_norm_weight_between_b_and_w_runs_in_w():
+    """Registered after B returned: W runs it, as it runs every parameter hook (the weight's gradient is
+    accumulated in W); and the hook W muted for its call is back afterwards, in order."""
+    plain = _full(_stage())
+    module = _stage()
+    x0, g = _data()
+    x = x0.clone().requires_grad_()
+    calls: list = []
+    forward = _halving_hook_registered_during_backward(module, calls)
+    _, groups = pb.stage_backward_input([forward(x)], [g], [x], list(module.parameters()))
+    weight = module[0].weight
+    during_b = list(weight._backward_hooks)
+    weight.register_hook(lambda g: g * 4)
+    pb.stage_backward_weight(list(module.parameters()), groups)
+    assert len(calls) == 1  # the hook registered during B: once, in B
+    assert torch.equal(weight.grad, plain["0.weight"] * 0.5 * 4)
+    hooks = list(weight._backward_hooks)
+    assert len(hooks) == 2 and hooks[0] == during_b[0]  # both kept, in registration order
+
+
+def test_a_hook_registered_during_b_on_a_frontier_weight_runs_once_and_the_old_ones_keep_their_order():
+    """A checkpointed region's bias (B runs the region's weight work, and captures the bias's gradient at its
+    ``AccumulateGrad``: Note [frontier captures skip leaf hooks]): a hook it had before B runs once, in W; one
+    registered on it during B, before anything ran (from the output's hook), runs once, in B (before the old
+    one, where a full backward runs it after: the values are the same, the order of the two calls is not);
+    afterwards the dict holds both in registration order."""
+    x0, g = _data()
+    results, calls_of = [], []
+    for split in (False, True):
+        torch.manual_seed(0)
+        lin, norm = nn.Linear(8, 8), nn.LayerNorm(8)
+        calls: list = []
+        old = lin.bias.register_hook(lambda g, calls=calls: calls.append("old") or g * 3)
+
+        def hook_during_b(_g, lin=lin, calls=calls):
+            lin.bias.register_hook(lambda g: calls.append("new") or g * 0.5)
+
+        x = x0.clone().requires_grad_()
+        out = checkpoint(lambda t, lin=lin: torch.tanh(lin(t)), norm(x), use_reentrant=False)
+        out.register_hook(hook_during_b)
+        params = [*lin.parameters(), *norm.parameters()]
+        if split:
+            _, groups = pb.stage_backward_input([out], [g], [x], params)
+            pb.stage_backward_weight(params, groups)
+        else:
+            torch.autograd.backward([out], [g])
+        results.append({str(i): p.grad for i, p in enumerate(params)})
+        calls_of.append(calls)
+        keys = list(lin.bias._backward_hooks)
+        assert len(keys) == 2 and keys[0] == old.id
+    _assert_equal(results[1], results[0])
+    assert calls_of[0] == ["old", "new"] and calls_of[1] == ["new", "old"]
