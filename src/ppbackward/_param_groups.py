@@ -423,8 +423,9 @@ class ParamGroups:
         """W's work, one chunk of param groups at a time (Note [W in chunks]), made as W reaches it. A chunk
         after the first is checked again first: a hook of an earlier chunk's accumulation (a user's
         ``register_post_accumulate_grad_hook``) could have changed its gradients in place (Note [captured
-        gradients are checked at W])."""
-        for i, run in enumerate(_runs(self._groups, limit)):
+        gradients are checked at W]). The chunks holding a parameter with a tensor hook, and those between
+        them, run as one (Note [parameters with tensor hooks accumulate in one call])."""
+        for i, run in enumerate(_hooked_runs_joined(_runs(self._groups, limit))):
             if i:
                 self._check_versions(run, during_w=True)
             yield _weight_work(run)
@@ -551,6 +552,26 @@ def _runs(groups: list[ParamGroup], limit: int) -> Iterator[list[ParamGroup]]:
             run, size = [], 0
     if run:
         yield run
+
+
+# Note [parameters with tensor hooks accumulate in one call]: a full backward accumulates every parameter in
+# one engine call, and a hook may group gradients by engine call: ``register_multi_grad_hook`` (its "all"
+# mode waits, per engine call, for the gradients of the tensors whose nodes that call runs, and fires once
+# with them; "any" fires once per call) or any hook keyed on ``torch._C._current_graph_task_id()``. Over
+# chunks (Note [W in chunks]) such a hook over a stage's parameters fired once per chunk, each time with that
+# chunk's gradients only. So the chunks from the first to the last that hold a parameter with a tensor hook
+# (``register_hook``, which ``register_multi_grad_hook`` uses) are joined into one (consecutive groups:
+# exactness is kept, Note [W in chunks]); the others stay as they were. Only read where W has more than one
+# chunk (a stage of over ``_W_CHUNK_BYTES`` of parameters): one hook-dict read per parameter.
+def _hooked_runs_joined(runs: Iterator[list[ParamGroup]]) -> list[list[ParamGroup]]:
+    listed = list(runs)
+    if len(listed) < 2:  # one chunk (or none): nothing to join, nothing read
+        return listed
+    hooked = [i for i, run in enumerate(listed) if any(p._backward_hooks for group in run for p in group.params)]
+    if len(hooked) > 1:
+        start, stop = hooked[0], hooked[-1] + 1
+        listed[start:stop] = [[group for run in listed[start:stop] for group in run]]
+    return listed
 
 
 def _weight_work(groups: list[ParamGroup]) -> WeightWork:

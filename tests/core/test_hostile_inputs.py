@@ -7,6 +7,8 @@ with exact values (``torch.equal``).
 * a parameter frozen after its forward (the same Note);
 * a tensor hook registered on a parameter during B (Note [hooks registered during B] in
   ``ppbackward.backward``, Note [W mutes B's hooks] in ``ppbackward._param_groups``);
+* a multi-grad hook over a stage's parameters, with W in several chunks (Note [parameters with tensor hooks
+  accumulate in one call] in ``ppbackward._param_groups``);
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.pipelining import _backward as upstream
 from torch.utils.checkpoint import checkpoint
 
@@ -234,3 +237,69 @@ def test_a_hook_registered_during_b_on_a_frontier_weight_runs_once_and_the_old_o
         assert len(keys) == 2 and keys[0] == old.id
     _assert_equal(results[1], results[0])
     assert calls_of[0] == ["old", "new"] and calls_of[1] == ["new", "old"]
+
+
+# -- defect 4: a multi-grad hook over the stage's parameters, W in chunks ------------------------------------
+
+
+def _wide_stage() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(12)])  # 12.6 MB of float32: 3 chunks of W
+
+
+@pytest.mark.parametrize("mode", ["all", "any"])
+def test_a_multi_grad_hook_over_the_stage_fires_once_as_in_a_full_backward(mode):
+    gen = torch.Generator().manual_seed(2)
+    x0, g = torch.randn(4, 512, generator=gen), torch.randn(4, 512, generator=gen)
+    fired: dict[bool, list] = {}
+    grads: dict[bool, list] = {}
+    for split in (False, True):
+        module = _wide_stage()
+        params = list(module.parameters())
+        seen = fired[split] = []
+        if mode == "all":
+            handle = register_multi_grad_hook(
+                params, lambda gs, seen=seen: seen.append([None if t is None else t.clone() for t in gs])
+            )
+        else:
+            handle = register_multi_grad_hook(params, lambda t, seen=seen: seen.append(t.clone()), mode="any")
+        x = x0.clone().requires_grad_()
+        out = module(x)
+        if split:
+            _, groups = pb.stage_backward_input([out], [g], [x], params)
+            assert len(list(param_groups._runs(groups._groups, param_groups._W_CHUNK_BYTES))) == 3
+            pb.stage_backward_weight(params, groups)
+        else:
+            torch.autograd.backward([out], [g])
+        handle.remove()
+        grads[split] = [p.grad for p in params]
+    assert len(fired[False]) == len(fired[True]) == 1
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    if mode == "all":
+        assert all(a is not None and torch.equal(a, b) for a, b in zip(fired[True][0], fired[False][0]))
+
+
+def test_w_stays_in_chunks_where_no_parameter_has_a_tensor_hook(monkeypatch):
+    """The join is only where tensor hooks are: post-accumulate-grad hooks (DDP, optimizer-in-backward) group
+    nothing by engine call, and the chunks stay (Note [W in chunks])."""
+    chunks: list[int] = []
+    real = param_groups._weight_work
+    monkeypatch.setattr(param_groups, "_weight_work", lambda groups: chunks.append(len(groups)) or real(groups))
+    module = _wide_stage()
+    fired: list = []
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(fired.append)
+    x = torch.randn(4, 512, requires_grad=True)
+    _, groups = pb.stage_backward_input([module(x)], [torch.randn(4, 512)], [x], list(module.parameters()))
+    pb.stage_backward_weight(list(module.parameters()), groups)
+    assert chunks == [4, 4, 4] and len(fired) == 24
+    chunks.clear()
+    module[5].weight.register_hook(lambda g: g)  # one hooked parameter: nothing to join
+    _, groups = pb.stage_backward_input([module(x)], [torch.randn(4, 512)], [x], list(module.parameters()))
+    pb.stage_backward_weight(list(module.parameters()), groups)
+    assert chunks == [4, 4, 4]
+    chunks.clear()
+    module[1].weight.register_hook(lambda g: g)  # the second and third chunk (groups: last layer first): joined
+    _, groups = pb.stage_backward_input([module(x)], [torch.randn(4, 512)], [x], list(module.parameters()))
+    pb.stage_backward_weight(list(module.parameters()), groups)
+    assert chunks == [4, 8]
