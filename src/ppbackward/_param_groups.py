@@ -35,11 +35,12 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
 from ppbackward._errors import BadType, BadValue, StageBackwardError
 from ppbackward._graph import Intermediate
-from ppbackward._saved import release_pinned
+from ppbackward._saved import release_pinned, saved_tensors_gone
 from ppbackward._tree import check_like
 
 # ParamGroups is re-exported by ppbackward (for type hints); the rest is what B and W use
@@ -141,15 +142,17 @@ class ParamGroup:
     what the engine would refuse inside W),
     and W then computes each listed intermediate's weight gradients from its entry, as torch's W does: a
     tuple makes W call the node for all its weight edges (a custom Function then runs its backward a
-    second time, as in torch's W, and fails there, as torch's does, if it reads what it saved and that
-    is gone: that chunk of W accumulates nothing), replacing what B had computed for them (a bias B reduced, a custom
+    second time, as in torch's W), replacing what B had computed for them (a bias B reduced, a custom
     Function's outputs); ``None`` (or no entry: a shorter list) keeps what B has for that node. That is the
-    one difference from torch, whose W then leaves the node's weights without a gradient: here reading
-    ``"grads"`` and writing it back gives exactly the gradients of no write (a custom Function's entry
-    reads ``None``). A node whose weight shares one of B's sums with another node (a bias used twice)
-    refuses a tuple. Output edges straight into weights and the weights of nodes B finished (norms) are
-    accumulated as without a write. The group
-    references nodes and tensors only and nothing refers back to it (Note [param_groups hold no cycle]).
+    one difference from torch in what W computes, whose W then leaves the node's weights without a gradient:
+    here reading ``"grads"`` and writing it back gives exactly the gradients of no write (a custom Function's
+    entry reads ``None``). Refused when written, so that W never fails on it after claiming the groups: a
+    tuple for a node whose weight shares one of B's sums with another node (a bias used twice), and one for
+    a custom Function whose saved tensors are gone (B released them, or its engine call freed them: every
+    custom Function that saved any; torch's B keeps the whole graph, and its W runs the backward again), and
+    deleting a key (``del group["grads"]``). Output edges straight into weights and the weights of nodes B
+    finished (norms) are accumulated as without a write. The group references nodes and tensors only and
+    nothing refers back to it (Note [param_groups hold no cycle]).
     """
 
     __slots__ = (
@@ -224,6 +227,14 @@ class ParamGroup:
             self._written = written
             # as B's own gradients: the versions now, compared when W reads them
             self._written_versions = [(g, g._version) for entry in written for g in entry or () if g is not None]
+
+    def __delitem__(self, key: str) -> None:
+        raise BadType(
+            f"del {self._label()}[{key!r}]: a param group's keys cannot be deleted (torch's W deletes them itself "
+            "as it runs; stage_backward_weight empties the whole ParamGroups). To drop a node's weight gradients "
+            "write a tuple of zeros for it into 'grads'; to keep what stage_backward_input captured, leave 'grads' "
+            "as it is (or write None for that node)"
+        )
 
     def _label(self) -> str:
         """How errors name this group: ``param_groups[i]`` within its ``ParamGroups``."""
@@ -338,6 +349,14 @@ def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict
         if captured is not None and len(entry) == len(captured) and all(a is b for a, b in zip(entry, captured)):
             out.append(None)  # B's own gradients written back: keep what B has (no recomputation)
             continue
+        if isinstance(node, BackwardCFunction) and saved_tensors_gone(inter.node):
+            raise BadValue(
+                f"{path}: {label} is a custom autograd.Function whose backward ran once, in "
+                "stage_backward_input, and what it saved is released (B keeps its outputs for W, not its saved "
+                "tensors; torch's B keeps the whole graph, so its W can run the backward again): W cannot "
+                "compute from written gradients here. Write None to keep what B computed, or run a full "
+                "backward (stage_backward) where the gradients must change"
+            )
         if None in replaced.get(node, ()):
             raise BadValue(
                 f"{path}: {label} shares a weight with another intermediate whose weight gradient "

@@ -31,6 +31,7 @@ __all__ = [  # private module: what other modules use
     "release_pinned",
     "release_saved_tensors",
     "saved_tensors",
+    "saved_tensors_gone",
 ]
 
 # Note [hooked saved tensors run once]: a saved tensor with hooks (activation checkpointing, a
@@ -214,6 +215,22 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
                 if kind and _RANK[kind] > _RANK.get(kinds.get(node, ""), 0):
                     kinds[node] = kind
     return kinds
+
+
+def saved_tensors_gone(node: Node) -> bool:
+    """Whether ``node``'s saved tensors were freed by an engine call that released it, or released by B
+    (Note [release unread saved tensors]): running it again would fail for lack of them. ``False`` for a
+    node that saved nothing and was not freed. Before torch 2.13 (no ``SavedTensor.unpack_hook``) only a
+    freed node is seen."""
+    for attr in _saved_attrs(node):
+        try:
+            value = getattr(node, attr)
+        except RuntimeError:  # freed by the engine ("backward through the graph a second time")
+            return True
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if getattr(item, "unpack_hook", None) is _refuse:
+                return True
+    return False
 
 
 def release_saved_tensors(nodes: Iterable[Node]) -> int:

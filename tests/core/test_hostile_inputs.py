@@ -9,6 +9,7 @@ with exact values (``torch.equal``).
   ``ppbackward.backward``, Note [W mutes B's hooks] in ``ppbackward._param_groups``);
 * a multi-grad hook over a stage's parameters, with W in several chunks (Note [parameters with tensor hooks
   accumulate in one call] in ``ppbackward._param_groups``);
+* writes into ``param_groups`` that W could not honour: refused when written, nothing consumed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ppbackward as pb
 import ppbackward._param_groups as param_groups
+from tests.core.stages import Matmul
 
 Step = Callable[[nn.Module], object]
 
@@ -303,3 +305,56 @@ def test_w_stays_in_chunks_where_no_parameter_has_a_tensor_hook(monkeypatch):
     _, groups = pb.stage_backward_input([module(x)], [torch.randn(4, 512)], [x], list(module.parameters()))
     pb.stage_backward_weight(list(module.parameters()), groups)
     assert chunks == [4, 8]
+
+
+# -- writes into param_groups that W could not honour ---------------------------------------------------------
+
+
+def test_gradients_written_for_a_custom_function_whose_saved_tensors_are_gone_are_refused_when_written():
+    """torch's B keeps the whole graph, so its W runs the custom Function's backward again from a written
+    gradient; ppbackward's B ran it once and released what it saved: the write is refused, nothing consumed,
+    and W then gives the gradients of a full backward."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    x0 = torch.randn(3, 4, dtype=torch.float64)
+    g = torch.randn(3, 4, dtype=torch.float64)
+    x = x0.clone().requires_grad_()
+    _, groups = pb.stage_backward_input([Matmul.apply(x, w)], [g], [x], [w])
+    with pytest.raises(pb.StageBackwardError, match=r"param_groups\[0\]\['grads'\]\[0\]: MatmulBackward is a custom"):
+        groups[0]["grads"] = [(g * 2,)]
+    with pytest.raises(ValueError, match="Write None to keep what B computed"):
+        groups[0]["grads"] = [(g * 2,)]
+    assert not groups.consumed and groups[0].written is None
+    pb.stage_backward_weight([w], groups)
+    plain = w.detach().clone().requires_grad_()
+    x = x0.clone().requires_grad_()
+    Matmul.apply(x, plain).backward(g)
+    assert torch.equal(w.grad, plain.grad)
+
+
+def test_torchs_w_runs_a_custom_function_again_from_written_gradients():
+    """The other side of the row in docs/api.md: torch 2.13's W succeeds on that write."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 4, dtype=torch.float64)
+    _, groups = upstream.stage_backward_input([Matmul.apply(x, w)], [g], [x], iter([w]))
+    groups[0]["grads"] = [(g * 2,)]
+    upstream.stage_backward_weight(iter([w]), groups)
+    assert torch.equal(w.grad, x.detach().t() @ (g * 2))
+
+
+def test_deleting_a_param_group_key_is_refused_saying_what_to_do():
+    module = _stage()
+    x0, g = _data()
+    x = x0.clone().requires_grad_()
+    _, groups = pb.stage_backward_input([module(x)], [g], [x], list(module.parameters()))
+    for key in ("grads", "params", "intermediates"):
+        with pytest.raises(pb.StageBackwardError, match=rf"del param_groups\[0\]\['{key}'\]: .*write a tuple of zeros"):
+            del groups[0][key]
+    with pytest.raises(TypeError):
+        del groups[0]["grads"]
+    assert not groups.consumed
+    _assert_equal({n: p.grad for n, p in module.named_parameters()}, {n: None for n, _ in module.named_parameters()})
+    pb.stage_backward_weight(list(module.parameters()), groups)
+    _assert_equal({n: p.grad for n, p in module.named_parameters()}, _full(_stage()))
