@@ -146,13 +146,13 @@ class ParamGroup:
     Function's outputs); ``None`` (or no entry: a shorter list) keeps what B has for that node. That is the
     one difference from torch in what W computes, whose W then leaves the node's weights without a gradient:
     here reading ``"grads"`` and writing it back gives exactly the gradients of no write (a custom Function's
-    entry reads ``None``). Refused when written, so that W never fails on it after claiming the groups: a
-    tuple for a node whose weight shares one of B's sums with another node (a bias used twice), and one for
-    a custom Function whose saved tensors are gone (B released them, or its engine call freed them: every
-    custom Function that saved any; torch's B keeps the whole graph, and its W runs the backward again), and
-    deleting a key (``del group["grads"]``). Output edges straight into weights and the weights of nodes B
-    finished (norms) are accumulated as without a write. The group references nodes and tensors only and
-    nothing refers back to it (Note [param_groups hold no cycle]).
+    entry reads ``None``). Refused when written, so that W never fails on it after claiming the groups: a tuple
+    for a node whose weight shares one of B's sums with another node (a bias used twice), and one for a custom
+    Function whose saved tensors are gone (B released what it saved, or its engine call freed the node where B
+    retained no graph: ``ppbackward._saved.saved_tensors_gone``; torch's B keeps the whole graph, and its W runs
+    the backward again), and deleting a key (``del group["grads"]``). Output edges straight into weights and the
+    weights of nodes B finished (norms) are accumulated as without a write. The group references nodes and
+    tensors only and nothing refers back to it (Note [param_groups hold no cycle]).
     """
 
     __slots__ = (
@@ -352,10 +352,11 @@ def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict
         if isinstance(node, BackwardCFunction) and saved_tensors_gone(inter.node):
             raise BadValue(
                 f"{path}: {label} is a custom autograd.Function whose backward ran once, in "
-                "stage_backward_input, and what it saved is released (B keeps its outputs for W, not its saved "
-                "tensors; torch's B keeps the whole graph, so its W can run the backward again): W cannot "
-                "compute from written gradients here. Write None to keep what B computed, or run a full "
-                "backward (stage_backward) where the gradients must change"
+                "stage_backward_input, which then released what it saved (or freed the node, where B needed no "
+                "retained graph): B keeps its outputs for W, not its saved tensors (torch's B keeps the whole "
+                "graph, so its W can run the backward again), so W cannot compute from written gradients here. "
+                "Write None to keep what B computed, or run a full backward (stage_backward) where the "
+                "gradients must change"
             )
         if None in replaced.get(node, ()):
             raise BadValue(

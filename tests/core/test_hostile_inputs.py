@@ -145,6 +145,17 @@ def test_a_frozen_parameters_hooks_run_as_in_a_full_backward():
     assert sorted(seen["split"]) == sorted(seen["full"]) and len(seen["full"]) == 12
 
 
+def test_torchs_w_raises_on_a_parameter_frozen_after_b():
+    """The other side of the row in docs/api.md: torch's W looks the frozen parameter's node up and fails."""
+    module = _stage()
+    x0, g = _data()
+    x = x0.clone().requires_grad_()
+    _, groups = upstream.stage_backward_input([module(x)], [g], [x], module.parameters())
+    module[1].weight.requires_grad_(False)
+    with pytest.raises(KeyError):
+        upstream.stage_backward_weight(module.parameters(), groups)
+
+
 # -- defect 3: a tensor hook registered on a parameter during B ---------------------------------------------
 
 
@@ -279,6 +290,17 @@ def test_a_multi_grad_hook_over_the_stage_fires_once_as_in_a_full_backward(mode)
     assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
     if mode == "all":
         assert all(a is not None and torch.equal(a, b) for a, b in zip(fired[True][0], fired[False][0]))
+
+
+def test_torchs_w_fails_on_a_multi_grad_hook_over_the_parameters():
+    """The other side of the row in docs/api.md: torch's W captures each parameter's gradient in an
+    ``autograd.grad`` call, where the hook's ``_will_engine_execute_node`` refuses a leaf."""
+    module = _wide_stage()
+    register_multi_grad_hook(list(module.parameters()), lambda grads: None)
+    x = torch.randn(4, 512, requires_grad=True)
+    _, groups = upstream.stage_backward_input([module(x)], [torch.randn(4, 512)], [x], module.parameters())
+    with pytest.raises(RuntimeError, match="A leaf node was passed to _will_engine_execute_node"):
+        upstream.stage_backward_weight(module.parameters(), groups)
 
 
 def test_w_stays_in_chunks_where_no_parameter_has_a_tensor_hook(monkeypatch):
