@@ -325,8 +325,9 @@ def _engine_call(
                 handles.append(node.register_prehook(_capture_inputs_hook(box)))
         if not (grad_inputs or taken):
             return _EngineCall(boxes, {}, [], [])
-        leaves = [slot.edge.node for slot in eager.frontier] + [leaf.edge.node for leaf in cheap.leaves]
-        with _leaf_hooks_muted(leaves) as hooked_in_b:  # cheap leaves have none yet (Note [hooks registered during B])
+        frontier = [slot.edge.node for slot in eager.frontier]
+        # cheap leaves have no hook to mute; watched for hooks registered during B, as the frontier's
+        with _leaf_hooks_muted(frontier, cheap.leaves) as hooked_in_b:
             results = torch.autograd.grad(
                 flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
                 [*grad_inputs, *taken],
@@ -419,11 +420,13 @@ def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> Eager
 # through a handle, ``Tensor.register_hook`` included) is read before and after the call; only when it moved
 # are the captured leaves' hook dicts read.
 @contextlib.contextmanager
-def _leaf_hooks_muted(nodes: list[Any]) -> Iterator[list[tuple[torch.Tensor, tuple[int, ...]]]]:
-    """Around B's engine call: empty the hook dicts of the frontier leaves among ``nodes`` (Note [frontier
-    captures skip leaf hooks]) and put them back, in order, whatever happens; the list yielded gets, on a
-    normal exit, the hooks registered during the block on the leaves among ``nodes`` (Note [hooks registered
-    during B])."""
+def _leaf_hooks_muted(
+    nodes: list[Any], cheap: list[CheapLeaf]
+) -> Iterator[list[tuple[torch.Tensor, tuple[int, ...]]]]:
+    """Around B's engine call: empty the hook dicts of the leaves among ``nodes`` (the frontier: Note
+    [frontier captures skip leaf hooks]) and put them back, in order, whatever happens; the list yielded gets,
+    on a normal exit, the hooks registered during the block on those leaves and on the ``cheap`` ones (Note
+    [hooks registered during B])."""
     parked: dict[int, tuple[dict, list]] = {}
     for node in nodes:
         leaf = getattr(node, "variable", None) if is_accumulate_grad(node) else None
@@ -436,7 +439,7 @@ def _leaf_hooks_muted(nodes: list[Any]) -> Iterator[list[tuple[torch.Tensor, tup
     try:
         yield hooked_in_b
         if RemovableHandle.next_id != registered:
-            hooked_in_b += _hooks_registered(nodes)
+            hooked_in_b += _hooks_registered([*nodes, *(leaf.edge.node for leaf in cheap)])
     finally:
         for hooks, items in parked.values():
             later = list(hooks.items())  # registered during the block: after the parked ones, as registered
