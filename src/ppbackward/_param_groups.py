@@ -35,12 +35,11 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
 from ppbackward._errors import BadType, BadValue, StageBackwardError
 from ppbackward._graph import Intermediate
-from ppbackward._saved import release_pinned, saved_tensors_gone
+from ppbackward._saved import release_pinned
 from ppbackward._tree import check_like
 
 # ParamGroups is re-exported by ppbackward (for type hints); the rest is what B and W use
@@ -148,8 +147,8 @@ class ParamGroup:
     here reading ``"grads"`` and writing it back gives exactly the gradients of no write (a custom Function's
     entry reads ``None``). Refused when written, so that W never fails on it after claiming the groups: a tuple
     for a node whose weight shares one of B's sums with another node (a bias used twice), and one for a custom
-    Function whose saved tensors are gone (B released what it saved, or its engine call freed the node where B
-    retained no graph: ``ppbackward._saved.saved_tensors_gone``; torch's B keeps the whole graph, and its W runs
+    Function that saved tensors (B released them, or its engine call freed them with the node; B notes which
+    held any before that call; one that saved none runs again; torch's B keeps the whole graph, and its W runs
     the backward again), and deleting a key (``del group["grads"]``). Output edges straight into weights and the
     weights of nodes B finished (norms) are accumulated as without a write. The group references nodes and
     tensors only and nothing refers back to it (Note [param_groups hold no cycle]).
@@ -162,6 +161,7 @@ class ParamGroup:
         "_leaves",
         "_nodes",
         "_replaced",
+        "_spent",
         "_written",
         "_written_versions",
         "calls",
@@ -178,6 +178,7 @@ class ParamGroup:
         nodes: list[Intermediate] | None = None,
         leaves: list[Node] | None = None,
         replaced: dict[Node, list] | None = None,
+        spent: frozenset[Node] = frozenset(),
     ) -> None:
         self.calls = calls
         self.ready = ready
@@ -193,6 +194,9 @@ class ParamGroup:
         # node -> the entries of ``ready`` its written gradients replace (a custom Function's outputs, the
         # cheap weight gradients it alone fed); a ``None`` among them: shared with another node
         self._replaced = replaced or {}
+        # the custom Function nodes (of the stage: a group reads those among ``_nodes``) that saved tensors,
+        # which B released (or its engine call freed): W could not run their backward again
+        self._spent = spent
         self._written: list | None = None
         self._written_versions: list[tuple[torch.Tensor, int]] = []
         self._claimed = False  # set by W's claim: no write after it
@@ -217,7 +221,7 @@ class ParamGroup:
                 f"ParamGroup[{key!r}] = ...: only 'grads' can be written (W accumulates into the group's "
                 "parameters through the intermediates B found; Note [param groups read like torch's])"
             )
-        written = _checked_grads(value, self._nodes, self._replaced, self._captured, self._label())
+        written = _checked_grads(value, self._nodes, self._replaced, self._captured, self._spent, self._label())
         with _CLAIM_LOCK:  # Note [captured gradients are checked at W]: W has read what it checks
             if self._claimed:
                 raise StageBackwardError(
@@ -302,7 +306,9 @@ class ParamGroup:
             yield c.grad
 
 
-def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict, group: str) -> list:
+def _checked_grads(
+    value: object, nodes: list, replaced: dict, captured_of: dict, spent: frozenset, group: str
+) -> list:
     """``value`` as W will use it, or a :class:`StageBackwardError` naming the entry of ``group`` (how the
     group is named: ``param_groups[i]``) (Note [param groups read like torch's])."""
     if not isinstance(value, (list, tuple)):
@@ -349,7 +355,7 @@ def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict
         if captured is not None and len(entry) == len(captured) and all(a is b for a, b in zip(entry, captured)):
             out.append(None)  # B's own gradients written back: keep what B has (no recomputation)
             continue
-        if isinstance(node, BackwardCFunction) and saved_tensors_gone(inter.node):
+        if node in spent:
             raise BadValue(
                 f"{path}: {label} is a custom autograd.Function whose backward ran once, in "
                 "stage_backward_input, which then released what it saved (or freed the node, where B needed no "

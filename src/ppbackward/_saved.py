@@ -26,12 +26,12 @@ from torch.autograd.graph import Node
 
 __all__ = [  # private module: what other modules use
     "HOOKS_VISIBLE",
+    "holds_saved_tensors",
     "hook_kinds",
     "pin_saved_inputs",
     "release_pinned",
     "release_saved_tensors",
     "saved_tensors",
-    "saved_tensors_gone",
 ]
 
 # Note [hooked saved tensors run once]: a saved tensor with hooks (activation checkpointing, a
@@ -217,20 +217,9 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
     return kinds
 
 
-def saved_tensors_gone(node: Node) -> bool:
-    """Whether ``node``'s saved tensors were freed by an engine call that released it, or released by B
-    (Note [release unread saved tensors]): running it again would fail for lack of them. ``False`` for a
-    node that saved nothing and was not freed. Before torch 2.13 (no ``SavedTensor.unpack_hook``) only a
-    freed node is seen."""
-    for attr in _saved_attrs(node):
-        try:
-            value = getattr(node, attr)
-        except RuntimeError:  # freed by the engine ("backward through the graph a second time")
-            return True
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if getattr(item, "unpack_hook", None) is _refuse:
-                return True
-    return False
+def holds_saved_tensors(node: Node) -> bool:
+    """Whether ``node`` holds a tensor it saved for backward now (``False`` once the engine freed it)."""
+    return any(item is not None for item in _saved_items(node))
 
 
 def release_saved_tensors(nodes: Iterable[Node]) -> int:

@@ -48,7 +48,7 @@ from ppbackward._graph import (
 )
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import CONSUMED, Contribution, NodeCall, ParamGroup, ParamGroups, WeightSet
-from ppbackward._saved import hook_kinds, pin_saved_inputs, release_saved_tensors
+from ppbackward._saved import holds_saved_tensors, hook_kinds, pin_saved_inputs, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
 from ppbackward._weight_edges import run_weight_work
 
@@ -248,6 +248,8 @@ def _backward_input(
     # B must keep the graph for the C++ intermediates W calls again; otherwise it releases every node
     # it runs, as a full backward does (Note [hooked saved tensors run once])
     retain = any(not isinstance(n, BackwardCFunction) for n in deferred)
+    # custom Functions whose saved tensors B releases, or its engine call frees: read before that call
+    spent = frozenset(n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n))
     run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain)
     w_edges_of = {i.node: i.w_edges for spec in specs for i in spec.intermediates}
     captured = [
@@ -255,7 +257,7 @@ def _backward_input(
     ]
 
     groups = _build_groups(
-        specs, dict(zip(deferred, captured)), cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes
+        specs, dict(zip(deferred, captured)), cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent
     )
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
@@ -559,7 +561,7 @@ def _detach_outputs(outputs: list[Any], used_nodes: set) -> None:
 
 
 def _build_groups(
-    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes
+    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes, spent: frozenset
 ) -> list[ParamGroup]:
     """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls;
     ``cheap_edges``: intermediate -> the weight edges B computed itself) and the frontier gradients of
@@ -613,7 +615,7 @@ def _build_groups(
         if deferred or ready:
             params = [leaf.variable for leaf in spec.leaves]
             groups.append(
-                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced)
+                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent)
             )
     return groups
 

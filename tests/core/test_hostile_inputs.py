@@ -14,6 +14,7 @@ with exact values (``torch.equal``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -332,26 +333,87 @@ def test_w_stays_in_chunks_where_no_parameter_has_a_tensor_hook(monkeypatch):
 # -- writes into param_groups that W could not honour ---------------------------------------------------------
 
 
-def test_gradients_written_for_a_custom_function_whose_saved_tensors_are_gone_are_refused_when_written():
-    """torch's B keeps the whole graph, so its W runs the custom Function's backward again from a written
-    gradient; ppbackward's B ran it once and released what it saved: the write is refused, nothing consumed,
-    and W then gives the gradients of a full backward."""
+class _KeepsInputOnCtx(torch.autograd.Function):
+    """``x * w`` that saves nothing through ``save_for_backward`` (it keeps ``x`` on ``ctx``): its backward can
+    run again after B, which released nothing of it."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.x = x.detach()
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, (g * ctx.x).sum(0)
+
+
+def _custom_stage(fn, beside_a_linear: bool):
+    """``fn(x, w)`` alone (its node is the only intermediate W would call: B retains no graph and frees it) or
+    followed by a linear layer (B retains the graph and releases what ``fn`` saved)."""
     torch.manual_seed(0)
-    w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
-    x0 = torch.randn(3, 4, dtype=torch.float64)
+    w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64) if fn is Matmul else torch.randn(4, dtype=torch.float64))
+    lin = nn.Linear(4, 4, dtype=torch.float64)
+    weights = [w, *lin.parameters()] if beside_a_linear else [w]
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    h = fn.apply(x, w)
+    return weights, x, lin(h) if beside_a_linear else h
+
+
+def _custom_entry(groups, grad) -> tuple[str, int, list]:
+    """Where the custom node's entry is (``param_groups[i]['grads'][j]``), the group's index and a write of
+    ``grad`` for it (None for the others)."""
+    for i, group in enumerate(groups):
+        nodes = group["intermediates"]
+        for j, node in enumerate(nodes):
+            if isinstance(node, torch.autograd.function.BackwardCFunction):
+                return f"param_groups[{i}]['grads'][{j}]", i, [(grad,) if k == j else None for k in range(len(nodes))]
+    raise AssertionError("no custom Function node among the intermediates")
+
+
+@pytest.mark.parametrize("beside_a_linear", [False, True], ids=["freed-by-b", "released-by-b"])
+def test_gradients_written_for_a_custom_function_whose_saved_tensors_are_gone_are_refused_when_written(
+    beside_a_linear,
+):
+    """torch's B keeps the whole graph, so its W runs the custom Function's backward again from a written
+    gradient; ppbackward's B ran it once and released what it saved (or freed the node): the write is refused,
+    nothing consumed, and W then gives the gradients of a full backward."""
     g = torch.randn(3, 4, dtype=torch.float64)
-    x = x0.clone().requires_grad_()
-    _, groups = pb.stage_backward_input([Matmul.apply(x, w)], [g], [x], [w])
-    with pytest.raises(pb.StageBackwardError, match=r"param_groups\[0\]\['grads'\]\[0\]: MatmulBackward is a custom"):
-        groups[0]["grads"] = [(g * 2,)]
+    weights, x, out = _custom_stage(Matmul, beside_a_linear)
+    _, groups = pb.stage_backward_input([out], [torch.ones_like(out)], [x], weights)
+    where, i, write = _custom_entry(groups, g)
+    with pytest.raises(pb.StageBackwardError, match=re.escape(f"{where}: MatmulBackward is a custom")):
+        groups[i]["grads"] = write
     with pytest.raises(ValueError, match="Write None to keep what B computed"):
-        groups[0]["grads"] = [(g * 2,)]
-    assert not groups.consumed and groups[0].written is None
-    pb.stage_backward_weight([w], groups)
-    plain = w.detach().clone().requires_grad_()
-    x = x0.clone().requires_grad_()
-    Matmul.apply(x, plain).backward(g)
-    assert torch.equal(w.grad, plain.grad)
+        groups[i]["grads"] = write
+    assert not groups.consumed and groups[i].written is None
+    pb.stage_backward_weight(weights, groups)
+    ref_weights, _, ref_out = _custom_stage(Matmul, beside_a_linear)
+    torch.autograd.backward([ref_out], [torch.ones_like(ref_out)])
+    for got, want in zip(weights, ref_weights):
+        assert torch.equal(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("beside_a_linear", [False, True], ids=["freed-by-b", "retained-by-b"])
+def test_gradients_written_for_a_custom_function_that_saved_nothing_are_what_w_computes_from(beside_a_linear):
+    """A custom Function that saved no tensor can run again after B, freed or not: the write is accepted and W
+    computes from it what torch's W computes from the same write."""
+    g = torch.randn(3, 4, dtype=torch.float64)
+    results = []
+    for impl in (pb, upstream):
+        weights, x, out = _custom_stage(_KeepsInputOnCtx, beside_a_linear)
+        _, groups = impl.stage_backward_input([out], [torch.ones_like(out)], [x], iter(weights))
+        if impl is pb:
+            _, i, write = _custom_entry(groups, g)
+            groups[i]["grads"] = write
+        else:
+            for group in groups:  # torch's dicts: the custom node's entry replaced, the others kept
+                group["grads"] = [
+                    (g,) if isinstance(node, torch.autograd.function.BackwardCFunction) else grads
+                    for node, grads in zip(group["intermediates"], group["grads"])
+                ]
+        impl.stage_backward_weight(iter(weights), groups)
+        results.append(weights[0].grad)
+    assert results[0] is not None and torch.equal(results[0], results[1])
 
 
 def test_torchs_w_runs_a_custom_function_again_from_written_gradients():
