@@ -20,6 +20,26 @@ from ppbackward import _compat
 NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 ORIGINALS = {(m.__name__, n): getattr(m, n) for m in (upstream_backward, upstream_stage) for n in NAMES}
 
+# What does not hold on every supported torch (the sessions torch-2.5.1 and compat of noxfile.py run this file
+# on other releases): each skip names the test that checks the same thing there.
+_ADAPTER = _compat.select_adapter().name
+_RELEASE = _compat.torch_release()
+own_functions_only = pytest.mark.skipif(
+    not _ADAPTER.startswith("native ("),
+    reason=f"asserts install() puts in ppbackward's own functions; on this torch it puts in the adapter {_ADAPTER!r} "
+           "(tests/compat/test_compat_selection.py checks that instead)",
+)
+same_rank_hand_off = pytest.mark.skipif(
+    _RELEASE < (2, 12),
+    reason="has two stages of one rank talk through P2P, which gloo cannot do to itself before torch 2.12 "
+           "(same-rank hand-off); tests/compat/test_compat_schedules.py runs these schedules here",
+)
+stage_api_2_7 = pytest.mark.skipif(
+    _RELEASE < (2, 7),
+    reason="builds PipelineStage and schedules with the 2.7+ API (no input_args, scale_grads=False); "
+           "tests/compat/test_compat_schedules.py runs these schedules here",
+)
+
 
 @pytest.fixture(autouse=True)
 def _always_uninstalled():
@@ -32,6 +52,7 @@ def _current():
     return {(m.__name__, n): getattr(m, n) for m in (upstream_backward, upstream_stage) for n in NAMES}
 
 
+@own_functions_only
 def test_install_swaps_both_modules_and_uninstall_restores_exact_originals():
     assert not pb.is_installed()
     pb.install()
@@ -165,6 +186,7 @@ def _run(schedule_cls, n_stages=2):
     return sorted(set(RecordingStage.seen)), len(fired)
 
 
+@same_rank_hand_off
 def test_real_zero_bubble_schedule_calls_ppbackward_after_install(process_group):
     pb.install()
     seen, fired = _run(ScheduleInterleavedZeroBubble)
@@ -175,6 +197,7 @@ def test_real_zero_bubble_schedule_calls_ppbackward_after_install(process_group)
     assert fired == n_params * n_microbatches
 
 
+@same_rank_hand_off
 def test_real_zero_bubble_schedule_calls_torch_after_uninstall(process_group):
     pb.install()
     pb.uninstall()
@@ -184,6 +207,7 @@ def test_real_zero_bubble_schedule_calls_torch_after_uninstall(process_group):
     assert fired == 2 * 2
 
 
+@stage_api_2_7
 def test_real_gpipe_schedule_full_backward(process_group):
     with pb.installed():
         seen, fired = _run(ScheduleGPipe, n_stages=1)
