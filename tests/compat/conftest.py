@@ -1,6 +1,7 @@
 """Fixtures for tests/compat: a loopback transport for torch 2.5 and a cyclic-garbage meter (the
 one-process gloo group, ``process_group``, is tests/conftest.py's). These tests run on whatever torch
-is installed (``scripts/compat.sh`` runs them on each version) and skip what does not apply to it."""
+is installed (``nox -s torch-2.5.1``, ``torch-2.15`` and ``compat`` run them on other releases) and skip what does
+not apply to it."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 PyTorch's ``test/distributed/pipelining/test_backward.py`` (its newest, with the ``GradientEdge`` tests)
 is the sharpest statement of what a caller of the module ppbackward replaces may rely on. This module
 asserts each of its points with ppbackward's functions, on small stages of its own; it runs on the pinned
-torch and, through tests/newest, on the newest. Upstream's file itself passes with ppbackward installed
+torch and, in ``nox -s torch-2.15``, on the newest. Upstream's file itself passes with ppbackward installed
 but for the two points docs/api.md lists as measured differences (B leaves the inputs' ``.grad`` alone),
 asserted here the other way round. Exactness is to torch's tolerance, as upstream's file asserts it.
 """

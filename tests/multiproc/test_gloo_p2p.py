@@ -3,7 +3,7 @@
 Real gloo, two ranks: a batch of three sends arrives in full when every ``Work`` is kept
 (``gloo_p2p``), and hangs until the process-group timeout when only the last one is (torch 2.5-2.7's
 ``_batch_p2p``, the negative control). The schedules themselves run with it in ``tests/multiproc`` on
-torch 2.5.1 (``scripts/compat.sh``).
+torch 2.5.1 (``nox -s torch-2.5.1``).
 """
 
 from __future__ import annotations

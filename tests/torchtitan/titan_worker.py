@@ -1,8 +1,8 @@
 """Tests-only launcher of one torchtitan rank on CPU: the CPU adaptations, a grad recorder, then the target.
 
 Run by ``tests/torchtitan/test_torchtitan.py`` under torchrun, through the project's harness launcher
-(``ppbackward._tools.harness.launch.launch(..., module="titan_worker")``), in the torchtitan venv
-(``scripts/newest_venv.sh``)::
+(``ppbackward._tools.harness.launch.launch(..., module="titan_worker")``), in the environment of
+``nox -s torchtitan``::
 
     python -m titan_worker --out DIR --launched-at T --backward {torch,ppbackward} -- TORCHTITAN ARGS...
 
