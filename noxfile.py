@@ -179,7 +179,7 @@ def release(session: nox.Session) -> None:
         session.error(f"python -m build made {built}, not {wheel.name} and {sdist.name}")
     session.run("twine", "check", "--strict", str(wheel), str(sdist))
     # a venv of its own, away from the checkout: what a user gets from the file
-    where = Path(session.create_tmp())
+    where = Path(session.create_tmp()).resolve()
     venv = where / "wheel-venv"
     shutil.rmtree(venv, ignore_errors=True)
     session.run(sys.executable, "-m", "venv", str(venv), external=True)

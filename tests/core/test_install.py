@@ -15,7 +15,7 @@ from torch.distributed.pipelining import stage as upstream_stage
 from torch.distributed.pipelining.schedules import ScheduleGPipe, ScheduleInterleavedZeroBubble
 
 import ppbackward as pb
-from ppbackward import _compat
+from ppbackward import _compat, _merge
 
 NAMES = ("stage_backward", "stage_backward_input", "stage_backward_weight")
 ORIGINALS = {(m.__name__, n): getattr(m, n) for m in (upstream_backward, upstream_stage) for n in NAMES}
@@ -34,6 +34,11 @@ same_rank_hand_off = pytest.mark.skipif(
     reason="has two stages of one rank talk through P2P, which gloo cannot do to itself before torch 2.12 "
            "(same-rank hand-off); tests/compat/test_compat_schedules.py runs these schedules here",
 )
+try:
+    _merge.lowering()
+    _MERGE_BW: bool | None = True  # install(merge_bw=True) where this torch has the lowering it wraps (2.9+)
+except pb.UnsupportedTorchError:
+    _MERGE_BW = None
 stage_api_2_7 = pytest.mark.skipif(
     _RELEASE < (2, 7),
     reason="builds PipelineStage and schedules with the 2.7+ API (no input_args, scale_grads=False); "
@@ -85,7 +90,7 @@ def test_install_logs_once_per_process_that_ppbackward_is_in_place(first_install
     pb.install()
     pb.install()
     pb.uninstall()
-    pb.install(merge_bw=True)
+    pb.install(merge_bw=_MERGE_BW)
     (record,) = _install_records(caplog)
     assert record.levelno == logging.INFO
     adapter = pb.active_adapter()
@@ -99,13 +104,13 @@ def test_install_logs_once_per_process_that_ppbackward_is_in_place(first_install
 def test_install_logs_on_rank_zero_only(first_install, caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="ppbackward")
     monkeypatch.setenv("RANK", "1")  # torchrun's rank 1, before init_process_group
-    pb.install(merge_bw=True)
+    pb.install(merge_bw=_MERGE_BW)
     assert _install_records(caplog) == []
     pb.uninstall()
     monkeypatch.setenv("RANK", "0")
-    pb.install(merge_bw=True)
+    pb.install(merge_bw=_MERGE_BW)
     (record,) = _install_records(caplog)
-    assert record.getMessage().endswith(", merge_bw on)")
+    assert record.getMessage().endswith(f", merge_bw {'on' if _MERGE_BW else 'off'})")
 
 
 def test_an_initialised_process_group_decides_the_rank(first_install, caplog, monkeypatch):
