@@ -13,7 +13,16 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 import ppbackward as pb
+from ppbackward import _node_owner
 from tests.core.stages import Scale
+
+# An edge into a custom Function node with no tensor left to hold that node (Note [custom Function nodes need an
+# owner]): where torch frees such a node with its last output, reading the edge's node crashes (a segfault on
+# torch 2.5.1). torch's own stages hand over edges from 2.15 on, where the node lives.
+custom_node_edges = pytest.mark.skipif(
+    _node_owner.custom_nodes_need_owner(),
+    reason="on this torch a custom Function node dies with its last output: an edge to it points at a freed node",
+)
 
 
 def _pair(seed: int = 0):
@@ -59,6 +68,7 @@ def test_edges_tensors_and_non_grad_outputs_together():
     _assert_same_grads(b, rb)
 
 
+@custom_node_edges
 def test_an_edge_into_a_custom_function_keeps_its_graph():
     class Triple(torch.autograd.Function):
         @staticmethod
@@ -78,6 +88,7 @@ def test_an_edge_into_a_custom_function_keeps_its_graph():
     torch.testing.assert_close(dx, g * 3)
 
 
+@custom_node_edges
 @pytest.mark.parametrize("order", ["BW", "BBWW"])
 def test_split_backward_from_edges_equals_plain_autograd(order):
     mod, ref = _pair(2)
