@@ -21,6 +21,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 import ppbackward as pb
+from ppbackward import _node_owner
 from tests.core.stages import Matmul
 
 D, BATCH = 8, 6
@@ -245,6 +246,11 @@ def test_full_backward_of_an_edge_a_tensor_and_a_none_output():
     _assert_params_close(mod, ref)
 
 
+@pytest.mark.skipif(
+    _node_owner.custom_nodes_need_owner(),
+    reason="on this torch a custom Function node dies with its last output: an edge to it points at a freed node "
+           "(a segfault on torch 2.5.1); torch's stages hand over edges from 2.15 on",
+)
 def test_an_edge_keeps_a_custom_functions_graph_alive():
     class ScaleBy(torch.autograd.Function):
         @staticmethod
