@@ -218,7 +218,10 @@ def torchtitan(session: nox.Session) -> None:
     _pytest(session, "tests/torchtitan", *session.posargs)
 
 
-@nox.session(name="torch-2.5.1", tags=["torch"])
+# Not in CI's default list yet: on torch 2.5.1 the suite has known failures (a segfault reading a custom
+# Function node's input metadata in W's written-gradient check, checkpointed device work, released saved
+# tensors, FSDP2's import path, compiled stages); CONTRIBUTING.md, "torch 2.5.1", lists them.
+@nox.session(name="torch-2.5.1", tags=["torch"], default=False)
 def torch_2_5_1(session: nox.Session) -> None:
     """torch 2.5.1 (the oldest supported): tests/core tests/compat, then tests/multiproc (the schedules 2.5 has)."""
     _shared_venv(session, OLDEST_TORCH)
