@@ -336,7 +336,18 @@ def _cheap_work(
             c = comp[number[kid]]
             if c in bad:
                 continue
-            if custom or not _fresh_edge(node, name, j, kid, nr):
+            # _fresh_edge's table lookup inline (Note [no frame per node]); the metadata reads only where needed
+            cheap_edges = _CHEAP_EDGES.get(name, ())
+            if custom:
+                fresh = False
+            elif cheap_edges is None or j in cheap_edges:
+                fresh = True
+            elif type(kid) is _ACCUMULATE_GRAD and name in _OUTPUT_RANK:  # a bias straight into its leaf
+                reduced = _REDUCED_EDGES.get(name, ())
+                fresh = (reduced is None or j in reduced) and kid.variable.dim() < _OUTPUT_RANK[name]  # type: ignore[attr-defined]
+            else:
+                fresh = _fresh_edge(node, name, j, kid, nr)
+            if not fresh:
                 bad.add(c)
             else:
                 feeding.setdefault(c, []).append((node, j))
@@ -349,13 +360,15 @@ def _cheap_work(
     for c, pairs in feeding.items():
         if c in bad:
             continue
-        seq[c] = max(node._sequence_nr() for node, _ in pairs)
+        top = -1
         for node, j in pairs:
+            top = max(top, node._sequence_nr())
             edges.setdefault(node, []).append(j)
+        seq[c] = top
     if not seq:
         return NO_CHEAP_WORK
     cheap_leaves = [
-        CheapLeaf(spec, GradientEdge(nodes[k], 0), seq[comp[k]], tuple(dict.fromkeys(n for n, _ in feeding[comp[k]])))
+        CheapLeaf(spec, GradientEdge(nodes[k], 0), seq[comp[k]], tuple(dict.fromkeys([n for n, _ in feeding[comp[k]]])))
         for k, spec in leaf_groups
         if comp[k] in seq
     ]
@@ -428,11 +441,23 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         k = index[edge.node]
         if k in w_only:
             _group(groups, parent, k).root_edges.append(i)
+    new_intermediate = tuple.__new__  # Note [no frame per node]: a NamedTuple's __new__ is a Python frame
     for i, w_edges in intermediates:  # BFS order: outputs side first
-        _group(groups, parent, i).intermediates.append(Intermediate(nodes[i], w_edges))
+        r = i
+        while parent[r] != r:
+            r = parent[r]
+        spec = groups.get(r)
+        if spec is None:
+            spec = groups[r] = GroupSpec([], [], [])
+        spec.intermediates.append(new_intermediate(Intermediate, (nodes[i], w_edges)))
     leaf_groups = []
     for i in leaves:
-        spec = _group(groups, parent, i)
+        r = i
+        while parent[r] != r:
+            r = parent[r]
+        spec = groups.get(r)
+        if spec is None:
+            spec = groups[r] = GroupSpec([], [], [])
         spec.leaves.append(nodes[i])
         leaf_groups.append((i, spec))
     roots = {index[edge.node] for edge in root_edges}
@@ -518,20 +543,49 @@ def _union_groups(nexts: list[tuple], index: dict[Node, int], w_only: set[int], 
     """Pass 3: union-find over the edges into W-only nodes; each intermediate (by number, sorted)
     with the indices of its ``next_functions`` that lead into W-only nodes; and the weight component of
     each W-only node (its group before intermediates join them, Note [cheap weight gradients in B])."""
+    # Note [no frame per node]: find and union are written inline (a call per edge was most of B's Python)
     parent: dict[int, int] = {i: i for i in w_only}
     for i in w_only:
         for kid, _ in nexts[i]:
-            if kid is not None and index[kid] in parent:
-                _union(parent, i, index[kid])
-    comp = {i: _find(parent, i) for i in w_only}
+            if kid is None:
+                continue
+            k = index[kid]
+            if k not in parent:
+                continue
+            ra = i
+            while parent[ra] != ra:
+                ra = parent[ra]
+            rb = k
+            while parent[rb] != rb:
+                rb = parent[rb]
+            if ra != rb:
+                parent[rb] = ra
+            parent[i] = parent[k] = ra  # compress the two paths' ends
+    comp: dict[int, int] = {}
+    for i in w_only:
+        r = i
+        while parent[r] != r:
+            r = parent[r]
+        comp[i] = parent[i] = r
     intermediates: list[tuple[int, tuple[int, ...]]] = []
     for i in sorted(inter):
         nf = nexts[i]
-        w_edges = tuple(j for j, (kid, _) in enumerate(nf) if kid is not None and index[kid] in w_only)
+        edges = []
+        for j, (kid, _) in enumerate(nf):
+            if kid is not None and index[kid] in w_only:
+                edges.append(j)
+        w_edges = tuple(edges)
         parent[i] = i
         intermediates.append((i, w_edges))
         for j in w_edges:
-            _union(parent, i, index[nf[j][0]])
+            rb = index[nf[j][0]]
+            while parent[rb] != rb:
+                rb = parent[rb]
+            ra = i
+            while parent[ra] != ra:
+                ra = parent[ra]
+            if ra != rb:
+                parent[rb] = ra
     return parent, intermediates, comp
 
 

@@ -177,7 +177,10 @@ class ParamGroup:
         self.params = params
         self._nodes = nodes if nodes is not None else [Intermediate(c.node, c.w_edges) for c in calls]
         self._leaves = leaves or []
-        self._captured = {call.node: call.grads for call in calls}
+        captured = {}
+        for call in calls:  # a loop, not a comprehension: no frame (Note [no frame per node] in ppbackward.backward)
+            captured[call[0]] = call[1]
+        self._captured = captured
         # node -> the entries of ``ready`` its written gradients replace (a custom Function's outputs, the
         # cheap weight gradients it alone fed); a ``None`` among them: shared with another node
         self._replaced = replaced or {}
@@ -365,9 +368,22 @@ class ParamGroups:
         self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
         self._pinned = pinned or []  # Note [outputs detached after B] (ppbackward._saved)
         self._consumed = False
-        # Note [captured gradients are checked at W]: by id, so that W checks only what it will read
-        self._versions = {id(g): (g, g._version) for group in groups for g in _captured_grads(group)}
-        self._shapes = [(p, p.shape) for group in groups for p in group.params]
+        # Note [captured gradients are checked at W]: by id, so that W checks only what it will read.
+        # _captured_grads inline, plain loops (Note [no frame per node] in ppbackward.backward)
+        versions = {}
+        shapes = []
+        for group in groups:
+            for call in group.calls:
+                for g in call[1]:
+                    if g is not None:
+                        versions[id(g)] = (g, g._version)
+            for c in group.ready:
+                g = c[1]
+                versions[id(g)] = (g, g._version)
+            for p in group.params:
+                shapes.append((p, p.shape))
+        self._versions = versions
+        self._shapes = shapes
 
     @property
     def consumed(self) -> bool:
@@ -432,7 +448,7 @@ class ParamGroups:
     def _check_versions(self, groups: list[ParamGroup], during_w: bool) -> None:
         """Raise naming the first gradient of ``groups`` W will read whose version changed since it was
         recorded (at B, or at the write into ``"grads"``)."""
-        if all(group.written is None for group in groups):  # what B captured, all of it read
+        if not any([group._written is not None for group in groups]):  # what B captured, all of it read
             if groups is self._groups:
                 read = list(self._versions.values())
             else:
@@ -502,7 +518,8 @@ def _runs(groups: list[ParamGroup], limit: int) -> Iterator[list[ParamGroup]]:
     size = 0
     for group in groups:
         run.append(group)
-        size += sum(p.numel() * p.element_size() for p in group.params)
+        for p in group.params:
+            size += p.numel() * p.element_size()
         if size >= limit:
             yield run
             run, size = [], 0
@@ -515,10 +532,14 @@ def _weight_work(groups: list[ParamGroup]) -> WeightWork:
     calls: list[NodeCall] = []
     ready: list[Contribution] = []
     for group in groups:
+        if group._written is None:  # w_work's common case inline (Note [no frame per node] in ppbackward.backward)
+            calls += group.calls
+            ready += group.ready
+            continue
         group_calls, group_ready = group.w_work()
         calls += group_calls
         ready += group_ready
-    return WeightWork(calls, ready, [p for group in groups for p in group.params])
+    return WeightWork(calls, ready, [p for group in groups for p in group.params])  # one frame
 
 # code that checks what it holds (``isinstance(groups, Sequence)``, ``isinstance(group, Mapping)``) sees
 # the forms of torch's list of dicts
