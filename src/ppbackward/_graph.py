@@ -367,11 +367,16 @@ def _cheap_work(
         seq[c] = top
     if not seq:
         return NO_CHEAP_WORK
-    cheap_leaves = [
-        CheapLeaf(spec, GradientEdge(nodes[k], 0), seq[comp[k]], tuple(dict.fromkeys([n for n, _ in feeding[comp[k]]])))
-        for k, spec in leaf_groups
-        if comp[k] in seq
-    ]
+    cheap_leaves = []
+    new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
+    for k, spec in leaf_groups:
+        c = comp[k]
+        if c in seq:
+            feeders: dict[Node, None] = {}
+            for n, _ in feeding[c]:
+                feeders[n] = None
+            edge = new(GradientEdge, (nodes[k], 0))
+            cheap_leaves.append(new(CheapLeaf, (spec, edge, seq[c], tuple(feeders))))
     w_nodes = [nodes[i] for i in w_numbers if comp[i] in seq]
     return CheapWork({n: tuple(js) for n, js in edges.items()}, cheap_leaves, w_nodes)
 
@@ -441,15 +446,15 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         k = index[edge.node]
         if k in w_only:
             _group(groups, parent, k).root_edges.append(i)
-    new_intermediate = tuple.__new__  # Note [no frame per node]: a NamedTuple's __new__ is a Python frame
+    new = tuple.__new__  # Note [no frame per node] in ppbackward.backward: a NamedTuple's __new__ is a frame
     for i, w_edges in intermediates:  # BFS order: outputs side first
         r = i
         while parent[r] != r:
             r = parent[r]
         spec = groups.get(r)
         if spec is None:
-            spec = groups[r] = GroupSpec([], [], [])
-        spec.intermediates.append(new_intermediate(Intermediate, (nodes[i], w_edges)))
+            spec = groups[r] = new(GroupSpec, ([], [], []))
+        spec.intermediates.append(new(Intermediate, (nodes[i], w_edges)))
     leaf_groups = []
     for i in leaves:
         r = i
@@ -457,7 +462,7 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
             r = parent[r]
         spec = groups.get(r)
         if spec is None:
-            spec = groups[r] = GroupSpec([], [], [])
+            spec = groups[r] = new(GroupSpec, ([], [], []))
         spec.leaves.append(nodes[i])
         leaf_groups.append((i, spec))
     roots = {index[edge.node] for edge in root_edges}

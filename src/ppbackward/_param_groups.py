@@ -87,11 +87,12 @@ class Contribution(NamedTuple):
 
 class WeightWork(NamedTuple):
     """What W runs for some param groups: the intermediates to call, the gradients already known after
-    B, and the parameters accumulated."""
+    B, and the edges into the ``AccumulateGrad`` nodes of the parameters accumulated (Note [W accumulates
+    through the graph's AccumulateGrad nodes])."""
 
     calls: list[NodeCall]
     ready: list[Contribution]
-    params: list[torch.Tensor]
+    inputs: list[GradientEdge | torch.Tensor]
 
 
 _KEYS = ("params", "intermediates", "grads")
@@ -123,6 +124,8 @@ class ParamGroup:
             intermediates (which ran once, in B) and the weight gradients B computed itself (Note [cheap
             weight gradients in B] in ``ppbackward._graph``).
         params: the leaf tensors whose ``AccumulateGrad`` the group reaches.
+        inputs: ``GradientEdge(leaf, 0)`` for each of those ``AccumulateGrad`` nodes: what W's accumulating
+            call names (Note [W accumulates through the graph's AccumulateGrad nodes]).
 
     Note [param groups read like torch's]: torch's B returns a list of dicts with ``"params"`` (the
     weights' ``AccumulateGrad`` nodes), ``"intermediates"`` (the nodes where weight paths branch off)
@@ -138,15 +141,17 @@ class ParamGroup:
     what the engine would refuse inside W),
     and W then computes each listed intermediate's weight gradients from its entry, as torch's W does: a
     tuple makes W call the node for all its weight edges (a custom Function then runs its backward a
-    second time, as in torch's W, and fails there, as torch's does, if it reads what it saved and that
-    is gone: that chunk of W accumulates nothing), replacing what B had computed for them (a bias B reduced, a custom
+    second time, as in torch's W), replacing what B had computed for them (a bias B reduced, a custom
     Function's outputs); ``None`` (or no entry: a shorter list) keeps what B has for that node. That is the
-    one difference from torch, whose W then leaves the node's weights without a gradient: here reading
-    ``"grads"`` and writing it back gives exactly the gradients of no write (a custom Function's entry
-    reads ``None``). A node whose weight shares one of B's sums with another node (a bias used twice)
-    refuses a tuple. Output edges straight into weights and the weights of nodes B finished (norms) are
-    accumulated as without a write. The group
-    references nodes and tensors only and nothing refers back to it (Note [param_groups hold no cycle]).
+    one difference from torch in what W computes, whose W then leaves the node's weights without a gradient:
+    here reading ``"grads"`` and writing it back gives exactly the gradients of no write (a custom Function's
+    entry reads ``None``). Refused when written, so that W never fails on it after claiming the groups: a tuple
+    for a node whose weight shares one of B's sums with another node (a bias used twice), and one for a custom
+    Function that saved tensors (B released them, or its engine call freed them with the node; B notes which
+    held any before that call; one that saved none runs again; torch's B keeps the whole graph, and its W runs
+    the backward again), and deleting a key (``del group["grads"]``). Output edges straight into weights and the
+    weights of nodes B finished (norms) are accumulated as without a write. The group references nodes and
+    tensors only and nothing refers back to it (Note [param_groups hold no cycle]).
     """
 
     __slots__ = (
@@ -156,9 +161,11 @@ class ParamGroup:
         "_leaves",
         "_nodes",
         "_replaced",
+        "_spent",
         "_written",
         "_written_versions",
         "calls",
+        "inputs",
         "params",
         "ready",
     )
@@ -171,19 +178,33 @@ class ParamGroup:
         nodes: list[Intermediate] | None = None,
         leaves: list[Node] | None = None,
         replaced: dict[Node, list] | None = None,
+        spent: frozenset[Node] = frozenset(),
     ) -> None:
         self.calls = calls
         self.ready = ready
         self.params = params
         self._nodes = nodes if nodes is not None else [Intermediate(c.node, c.w_edges) for c in calls]
         self._leaves = leaves or []
+        # Note [W accumulates through the graph's AccumulateGrad nodes]; a group built without its leaves
+        # (a test's) names the parameters themselves. Plain loops, edges made by tuple.__new__: no frame per
+        # leaf or call (Note [no frame per node] in ppbackward.backward)
+        inputs: list[GradientEdge | torch.Tensor] = []
+        if self._leaves:
+            for leaf in self._leaves:
+                inputs.append(tuple.__new__(GradientEdge, (leaf, 0)))
+        else:
+            inputs += params
+        self.inputs = inputs
         captured = {}
-        for call in calls:  # a loop, not a comprehension: no frame (Note [no frame per node] in ppbackward.backward)
+        for call in calls:
             captured[call[0]] = call[1]
         self._captured = captured
         # node -> the entries of ``ready`` its written gradients replace (a custom Function's outputs, the
         # cheap weight gradients it alone fed); a ``None`` among them: shared with another node
         self._replaced = replaced or {}
+        # the custom Function nodes (of the stage: a group reads those among ``_nodes``) that saved tensors,
+        # which B released (or its engine call freed): W could not run their backward again
+        self._spent = spent
         self._written: list | None = None
         self._written_versions: list[tuple[torch.Tensor, int]] = []
         self._claimed = False  # set by W's claim: no write after it
@@ -208,7 +229,7 @@ class ParamGroup:
                 f"ParamGroup[{key!r}] = ...: only 'grads' can be written (W accumulates into the group's "
                 "parameters through the intermediates B found; Note [param groups read like torch's])"
             )
-        written = _checked_grads(value, self._nodes, self._replaced, self._captured, self._label())
+        written = _checked_grads(value, self._nodes, self._replaced, self._captured, self._spent, self._label())
         with _CLAIM_LOCK:  # Note [captured gradients are checked at W]: W has read what it checks
             if self._claimed:
                 raise StageBackwardError(
@@ -218,6 +239,14 @@ class ParamGroup:
             self._written = written
             # as B's own gradients: the versions now, compared when W reads them
             self._written_versions = [(g, g._version) for entry in written for g in entry or () if g is not None]
+
+    def __delitem__(self, key: str) -> None:
+        raise BadType(
+            f"del {self._label()}[{key!r}]: a param group's keys cannot be deleted (torch's W deletes them itself "
+            "as it runs; stage_backward_weight empties the whole ParamGroups). To drop a node's weight gradients "
+            "write a tuple of zeros for it into 'grads'; to keep what stage_backward_input captured, leave 'grads' "
+            "as it is (or write None for that node)"
+        )
 
     def _label(self) -> str:
         """How errors name this group: ``param_groups[i]`` within its ``ParamGroups``."""
@@ -285,7 +314,9 @@ class ParamGroup:
             yield c.grad
 
 
-def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict, group: str) -> list:
+def _checked_grads(
+    value: object, nodes: list, replaced: dict, captured_of: dict, spent: frozenset, group: str
+) -> list:
     """``value`` as W will use it, or a :class:`StageBackwardError` naming the entry of ``group`` (how the
     group is named: ``param_groups[i]``) (Note [param groups read like torch's])."""
     if not isinstance(value, (list, tuple)):
@@ -332,6 +363,15 @@ def _checked_grads(value: object, nodes: list, replaced: dict, captured_of: dict
         if captured is not None and len(entry) == len(captured) and all(a is b for a, b in zip(entry, captured)):
             out.append(None)  # B's own gradients written back: keep what B has (no recomputation)
             continue
+        if node in spent:
+            raise BadValue(
+                f"{path}: {label} is a custom autograd.Function whose backward ran once, in "
+                "stage_backward_input, which then released what it saved (or freed the node, where B needed no "
+                "retained graph): B keeps its outputs for W, not its saved tensors (torch's B keeps the whole "
+                "graph, so its W can run the backward again), so W cannot compute from written gradients here. "
+                "Write None to keep what B computed, or run a full backward (stage_backward) where the "
+                "gradients must change"
+            )
         if None in replaced.get(node, ()):
             raise BadValue(
                 f"{path}: {label} shares a weight with another intermediate whose weight gradient "
@@ -352,7 +392,7 @@ class ParamGroups:
     See Note [param_groups hold no cycle] in this module.
     """
 
-    __slots__ = ("_consumed", "_groups", "_owners", "_pinned", "_shapes", "_versions", "_weights")
+    __slots__ = ("_consumed", "_groups", "_hooked_in_b", "_owners", "_pinned", "_shapes", "_versions", "_weights")
 
     def __init__(
         self,
@@ -360,6 +400,7 @@ class ParamGroups:
         weights: WeightSet,
         owners: tuple[Node, ...] = (),
         pinned: list | None = None,
+        hooked_in_b: list[tuple[torch.Tensor, tuple[int, ...]]] | None = None,
     ) -> None:
         self._groups = groups
         for i, group in enumerate(groups):
@@ -367,6 +408,7 @@ class ParamGroups:
         self._weights = weights
         self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
         self._pinned = pinned or []  # Note [outputs detached after B] (ppbackward._saved)
+        self._hooked_in_b = hooked_in_b or []  # Note [W mutes B's hooks]
         self._consumed = False
         # Note [captured gradients are checked at W]: by id, so that W checks only what it will read.
         # _captured_grads inline, plain loops (Note [no frame per node] in ppbackward.backward)
@@ -417,7 +459,8 @@ class ParamGroups:
             raise StageBackwardError(CONSUMED)
         try:
             self._check_unchanged(weights)
-            yield self._chunks(_W_CHUNK_BYTES)
+            with _hooks_muted(self._hooked_in_b):
+                yield self._chunks(_W_CHUNK_BYTES)
         finally:
             if not retain_graph:
                 release_pinned(self._pinned)
@@ -427,8 +470,9 @@ class ParamGroups:
         """W's work, one chunk of param groups at a time (Note [W in chunks]), made as W reaches it. A chunk
         after the first is checked again first: a hook of an earlier chunk's accumulation (a user's
         ``register_post_accumulate_grad_hook``) could have changed its gradients in place (Note [captured
-        gradients are checked at W])."""
-        for i, run in enumerate(_runs(self._groups, limit)):
+        gradients are checked at W]). The chunks holding a parameter with a tensor hook, and those between
+        them, run as one (Note [parameters with tensor hooks accumulate in one call])."""
+        for i, run in enumerate(_hooked_runs_joined(_runs(self._groups, limit))):
             if i:
                 self._check_versions(run, during_w=True)
             yield _weight_work(run)
@@ -484,9 +528,40 @@ class ParamGroups:
         self._groups = []
         self._owners = ()
         self._pinned = []
+        self._hooked_in_b = []
         self._versions = {}
         self._shapes = []
         self._consumed = True
+
+
+# Note [W mutes B's hooks]: the tensor hooks registered during B's engine call on a parameter whose gradient
+# B captured at its ``AccumulateGrad`` ran in B, on the gradient W accumulates, or were registered after that
+# ``AccumulateGrad``'s turn in a full backward (Note [hooks registered during B] in ``ppbackward.backward``):
+# either way a full backward does not run them again for this microbatch, so W takes exactly those out of the
+# parameter's hook dict (which torch's C++ hook reads at call time) for its accumulating calls and puts them
+# back afterwards, whatever happens, in their order among the hooks the dict holds then. Nothing to do in the
+# usual case (no hook registered during B): the list is empty.
+@contextlib.contextmanager
+def _hooks_muted(hooked_in_b: list[tuple[torch.Tensor, tuple[int, ...]]]) -> Iterator[None]:
+    parked = []
+    for leaf, keys in hooked_in_b:
+        hooks = leaf._backward_hooks
+        if hooks:
+            order = list(hooks)
+            taken = {key: hooks.pop(key) for key in keys if key in hooks}
+            parked.append((hooks, order, taken))
+    try:
+        yield
+    finally:
+        for hooks, order, taken in parked:
+            now = dict(hooks)  # what the dict holds after W: hooks removed during W stay removed
+            hooks.clear()
+            for key in order:
+                if key in taken:
+                    hooks[key] = taken[key]
+                elif key in now:
+                    hooks[key] = now.pop(key)
+            hooks.update(now)  # registered during W, after the others
 
 
 _CLAIM_LOCK = threading.Lock()
@@ -527,6 +602,26 @@ def _runs(groups: list[ParamGroup], limit: int) -> Iterator[list[ParamGroup]]:
         yield run
 
 
+# Note [parameters with tensor hooks accumulate in one call]: a full backward accumulates every parameter in
+# one engine call, and a hook may group gradients by engine call: ``register_multi_grad_hook`` (its "all"
+# mode waits, per engine call, for the gradients of the tensors whose nodes that call runs, and fires once
+# with them; "any" fires once per call) or any hook keyed on ``torch._C._current_graph_task_id()``. Over
+# chunks (Note [W in chunks]) such a hook over a stage's parameters fired once per chunk, each time with that
+# chunk's gradients only. So the chunks from the first to the last that hold a parameter with a tensor hook
+# (``register_hook``, which ``register_multi_grad_hook`` uses) are joined into one (consecutive groups:
+# exactness is kept, Note [W in chunks]); the others stay as they were. Only read where W has more than one
+# chunk (a stage of over ``_W_CHUNK_BYTES`` of parameters): one hook-dict read per parameter.
+def _hooked_runs_joined(runs: Iterator[list[ParamGroup]]) -> list[list[ParamGroup]]:
+    listed = list(runs)
+    if len(listed) < 2:  # one chunk (or none): nothing to join, nothing read
+        return listed
+    hooked = [i for i, run in enumerate(listed) if any(p._backward_hooks for group in run for p in group.params)]
+    if len(hooked) > 1:
+        start, stop = hooked[0], hooked[-1] + 1
+        listed[start:stop] = [[group for run in listed[start:stop] for group in run]]
+    return listed
+
+
 def _weight_work(groups: list[ParamGroup]) -> WeightWork:
     """The work of ``groups`` together (B's, or with the gradients a caller wrote)."""
     calls: list[NodeCall] = []
@@ -539,7 +634,7 @@ def _weight_work(groups: list[ParamGroup]) -> WeightWork:
         group_calls, group_ready = group.w_work()
         calls += group_calls
         ready += group_ready
-    return WeightWork(calls, ready, [p for group in groups for p in group.params])  # one frame
+    return WeightWork(calls, ready, [edge for group in groups for edge in group.inputs])  # one frame
 
 # code that checks what it holds (``isinstance(groups, Sequence)``, ``isinstance(group, Mapping)``) sees
 # the forms of torch's list of dicts

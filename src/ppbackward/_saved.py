@@ -26,6 +26,7 @@ from torch.autograd.graph import Node
 
 __all__ = [  # private module: what other modules use
     "HOOKS_VISIBLE",
+    "holds_saved_tensors",
     "hook_kinds",
     "pin_saved_inputs",
     "release_pinned",
@@ -223,6 +224,11 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
                 if kind and _RANK[kind] > _RANK.get(kinds.get(node, ""), 0):
                     kinds[node] = kind
     return kinds
+
+
+def holds_saved_tensors(node: Node) -> bool:
+    """Whether ``node`` holds a tensor it saved for backward now (``False`` once the engine freed it)."""
+    return any(item is not None for item in _saved_items(node))
 
 
 def release_saved_tensors(nodes: Iterable[Node]) -> int:

@@ -188,8 +188,8 @@ def _check_nan(calls: list[NodeCall], results: list[list]) -> None:
                 raise RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
 
 
-def accumulate(roots: list, grads: list, params: list, retain_graph: bool) -> None:
-    """``torch.autograd.backward(roots, grads, inputs=params)``, without its per-root Python checks.
+def accumulate(roots: list, grads: list, inputs: list, retain_graph: bool) -> None:
+    """``torch.autograd.backward(roots, grads, inputs=inputs)``, without its per-root Python checks.
 
     Note [W roots are validated by the engine]: the engine's ``execute`` runs ``validate_outputs`` on
     its roots against the metadata of the slots they lead into, the step a full backward runs on
@@ -199,12 +199,23 @@ def accumulate(roots: list, grads: list, params: list, retain_graph: bool) -> No
     hands them over unshaped and goes straight to the engine entry point that
     ``torch.autograd.backward`` itself ends in (without its per-root Python checks, docs/performance.md,
     "W's engine entries"); on a torch without it, the public call.
+
+    Note [W accumulates through the graph's AccumulateGrad nodes]: ``inputs`` are ``GradientEdge(leaf, 0)``
+    of the ``AccumulateGrad`` nodes B found in the graph (:attr:`ParamGroup.inputs`), not the parameters.
+    Given a tensor, the engine looks its accumulator up through the tensor, which is not always the graph's:
+    ``param.data = ...`` with another dtype or device (``module.double(); module.float()``, ``module.cpu();
+    module.cuda()``) makes the parameter forget it, so the engine would build a new node the graph never
+    reaches and accumulate nothing, silently; and a parameter frozen since its forward
+    (``requires_grad_(False)``) makes the engine refuse the tensor ("can't retain_grad on Tensor that has
+    requires_grad=False"). The graph's node is the one a full backward runs: it accumulates into its
+    variable in both cases, and skips a parameter that no longer requires grad (``AccumulateGrad`` returns
+    early, after the parameter's tensor hooks) while the others accumulate, as a full backward does.
     """
     if _ENGINE_RUN_BACKWARD is None:
         grads = [_conform(g, edge) for edge, g in zip(roots, grads)]
-        torch.autograd.backward(roots, grad_tensors=grads, inputs=params, retain_graph=retain_graph)
+        torch.autograd.backward(roots, grad_tensors=grads, inputs=inputs, retain_graph=retain_graph)
     else:
-        _ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(params), True, True)
+        _ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True, True)
 
 
 def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
@@ -234,7 +245,7 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
         roots = [c.edge for c in contributions]
         grads = [c.grad for c in contributions]
         del contributions
-        accumulate(roots, grads, work.params, retain_graph)
+        accumulate(roots, grads, work.inputs, retain_graph)
         del roots, grads
     if calls and not retain_graph:
         # W called these nodes itself, outside an engine call that would free them: drop what they saved

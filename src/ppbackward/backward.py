@@ -49,7 +49,7 @@ from ppbackward._graph import (
 )
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import CONSUMED, Contribution, NodeCall, ParamGroup, ParamGroups, WeightSet
-from ppbackward._saved import hook_kinds, pin_saved_inputs, release_saved_tensors
+from ppbackward._saved import holds_saved_tensors, hook_kinds, pin_saved_inputs, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
 from ppbackward._weight_edges import run_weight_work
 
@@ -255,6 +255,8 @@ def _backward_input(
     # B must keep the graph for the C++ intermediates W calls again; otherwise it releases every node
     # it runs, as a full backward does (Note [hooked saved tensors run once])
     retain = any(not isinstance(n, BackwardCFunction) for n in deferred)
+    # custom Functions whose saved tensors B releases, or its engine call frees: read before that call
+    spent = frozenset([n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n)])
     run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain)
     captured: dict = {}
     for node, box in zip(deferred, run.boxes):  # _checked_capture's common case inline (Note [no frame per node])
@@ -269,7 +271,7 @@ def _backward_input(
         else:
             captured[node] = grads
 
-    groups = _build_groups(specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes)
+    groups = _build_groups(specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent)
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
         called = set(deferred)
@@ -288,7 +290,7 @@ def _backward_input(
     result: list[torch.Tensor | None] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = run.found.get(id(t))
-    return tuple(result), ParamGroups(groups, weight_set, owners, pinned)
+    return tuple(result), ParamGroups(groups, weight_set, owners, pinned, run.hooked_in_b)
 
 
 def w_edges_of(specs: list, node: Any) -> tuple[int, ...]:
@@ -310,12 +312,15 @@ class _Captured(NamedTuple):
 
 class _EngineCall(NamedTuple):
     """What B's engine call left: per deferred intermediate its capture box (a list that gets one
-    :class:`_Captured` if the engine reached the node), the input gradients by input id, and each
-    frontier slot (:class:`~ppbackward._graph.FrontierSlot` or ``CheapLeaf``) with its gradient."""
+    :class:`_Captured` if the engine reached the node), the input gradients by input id, each
+    frontier slot (:class:`~ppbackward._graph.FrontierSlot` or ``CheapLeaf``) with its gradient, and the
+    tensor hooks registered during the call on the leaves it captured at, ``(leaf, hook ids)`` (Note
+    [hooks registered during B])."""
 
     boxes: list[list[_Captured]]
     found: dict[int, torch.Tensor | None]
     frontier: list[tuple[FrontierSlot | CheapLeaf, torch.Tensor | None]]
+    hooked_in_b: list[tuple[torch.Tensor, tuple[int, ...]]]
 
 
 def _engine_call(
@@ -343,8 +348,10 @@ def _engine_call(
             else:
                 handles.append(node.register_prehook(_capture_inputs_hook(box)))
         if not (grad_inputs or taken):
-            return _EngineCall(boxes, {}, [])
-        with _leaf_hooks_muted(slot.edge.node for slot in eager.frontier):  # cheap leaves have no hooks
+            return _EngineCall(boxes, {}, [], [])
+        frontier = [slot.edge.node for slot in eager.frontier]
+        # cheap leaves have no hook to mute; watched for hooks registered during B, as the frontier's
+        with _leaf_hooks_muted(frontier, cheap.leaves) as hooked_in_b:
             results = torch.autograd.grad(
                 flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
                 [*grad_inputs, *taken],
@@ -357,7 +364,7 @@ def _engine_call(
     found: dict[int, torch.Tensor | None] = {id(t): g for t, g in zip(grad_inputs, results)}
     slots: list[FrontierSlot | CheapLeaf] = [*eager.frontier, *cheap.leaves]
     grads: list[torch.Tensor | None] = list(results[len(grad_inputs) :])
-    return _EngineCall(boxes, found, list(zip(slots, grads)))
+    return _EngineCall(boxes, found, list(zip(slots, grads)), hooked_in_b)
 
 
 # Note [B claims its outputs]: B registers the outputs it was given (by id, under a lock) before it runs
@@ -421,20 +428,60 @@ def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> Eager
 # every hook back, in order, afterwards, whatever happens: the hooks run once, in W, as in a full
 # backward (in W, not B). A tensor hook on a non-leaf activation inside such a weight subgraph cannot
 # be reached from its node and is not covered (docs/how-it-works.md, Known limits).
+#
+# Note [hooks registered during B]: a hook of B's engine call (a tensor hook on an activation, a module's
+# backward hook) may register a tensor hook on a parameter whose gradient B captures at its
+# ``AccumulateGrad`` (a norm weight, a bias: Note [cheap weight gradients in B]; a frontier leaf). Registered
+# before the capture, the engine runs it there, in B, on the gradient B keeps; a full backward runs it once,
+# when that ``AccumulateGrad`` runs, at the same point. W feeding the kept gradient to the ``AccumulateGrad``
+# would run it a second time (a x0.5 hook gave 0.25x). Registered after the capture, a full backward has run
+# that ``AccumulateGrad`` already and does not run it for this microbatch either. So the hooks registered
+# on those leaves during B's engine call are B's: B lists them (the leaf and the hook ids, after its call),
+# and W mutes exactly those for its accumulating calls and puts them back, in order, afterwards (Note
+# [W mutes B's hooks] in ``ppbackward._param_groups``); hooks registered after B returned run in W, as
+# every parameter hook does. Cost: ``RemovableHandle.next_id`` (torch's counter of every hook registered
+# through a handle, ``Tensor.register_hook`` included) is read before and after the call; only when it moved
+# are the captured leaves' hook dicts read.
 @contextlib.contextmanager
-def _leaf_hooks_muted(nodes: Iterable[Any]) -> Iterator[None]:
-    parked = []
+def _leaf_hooks_muted(
+    nodes: list[Any], cheap: list[CheapLeaf]
+) -> Iterator[list[tuple[torch.Tensor, tuple[int, ...]]]]:
+    """Around B's engine call: empty the hook dicts of the leaves among ``nodes`` (the frontier: Note
+    [frontier captures skip leaf hooks]) and put them back, in order, whatever happens; the list yielded gets,
+    on a normal exit, the hooks registered during the block on those leaves and on the ``cheap`` ones (Note
+    [hooks registered during B])."""
+    parked: dict[int, tuple[dict, list]] = {}
     for node in nodes:
         leaf = getattr(node, "variable", None) if is_accumulate_grad(node) else None
         hooks = getattr(leaf, "_backward_hooks", None)
         if hooks:
-            parked.append((hooks, list(hooks.items())))
+            parked[id(leaf)] = (hooks, list(hooks.items()))
             hooks.clear()
+    registered = RemovableHandle.next_id
+    hooked_in_b: list[tuple[torch.Tensor, tuple[int, ...]]] = []
     try:
-        yield
+        yield hooked_in_b
+        if RemovableHandle.next_id != registered:
+            hooked_in_b += _hooks_registered([*nodes, *(leaf.edge.node for leaf in cheap)])
     finally:
-        for hooks, items in parked:
+        for hooks, items in parked.values():
+            later = list(hooks.items())  # registered during the block: after the parked ones, as registered
+            hooks.clear()
             hooks.update(items)
+            hooks.update(later)
+
+
+def _hooks_registered(nodes: list[Any]) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """``(leaf, hook ids)`` of the leaves among ``nodes`` holding tensor hooks now: called before the parked
+    hooks are put back, so these are the ones registered during B's engine call (Note [hooks registered
+    during B])."""
+    found = []
+    for node in nodes:
+        if is_accumulate_grad(node):
+            leaf: torch.Tensor = node.variable
+            if leaf._backward_hooks:
+                found.append((leaf, tuple(leaf._backward_hooks)))
+    return found
 
 
 # Note [one frame per capture]: B's capture of a deferred intermediate is one Python frame when the
@@ -553,7 +600,7 @@ def _detach_outputs(outputs: list[Any], used_nodes: set) -> None:
 
 
 def _build_groups(
-    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes
+    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes, spent: frozenset
 ) -> list[ParamGroup]:
     """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls;
     ``cheap_edges``: intermediate -> the weight edges B computed itself) and the frontier gradients of
@@ -614,7 +661,7 @@ def _build_groups(
             for leaf in spec.leaves:
                 params.append(leaf.variable)
             groups.append(
-                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced)
+                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent)
             )
     return groups
 

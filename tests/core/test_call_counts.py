@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppbackward._tools.bench.calls import count_calls
+from ppbackward._tools.bench.calls import count_calls, count_slow_path
 from ppbackward._tools.bench.impls import UPSTREAM_B, UPSTREAM_W
 from ppbackward._tools.harness.models import Config
 
@@ -31,3 +31,13 @@ def test_negative_control_torchs_split_enters_more_than_two_per_node():
     is above the bound on the small stage."""
     counts = count_calls(CONFIGS[0], UPSTREAM_B, UPSTREAM_W)
     assert counts.bw > 2 * counts.nodes, counts
+
+
+def test_a_tensor_hook_on_an_intermediate_costs_b_and_w_only_the_hooks_own_frames():
+    """The slow path that is not one: B captures by node pre-hook on every graph (Note [capturing
+    intermediates]), so a tensor hook on every linear layer's output adds to B+W exactly the frames it adds
+    to a full backward (its own calls)."""
+    base = count_calls(CONFIGS[0])
+    hooked = count_slow_path(CONFIGS[0], "tensor hook")
+    assert hooked.full > base.full
+    assert hooked.bw - base.bw == hooked.full - base.full, (base, hooked)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
-from ppbackward import _graph
+from ppbackward import _graph, _node_owner, _weight_edges
 from ppbackward._tools.bench import memory as _memory
 from ppbackward._tools.bench.device_work import REGIMES, count, stage_work
 from ppbackward._tools.harness.models import Config
@@ -79,6 +79,44 @@ def test_the_first_microbatch_copies_only_the_weight_gradients_b_computed():
     """2 transformer layers: 8 biases and norm weights per layer are B's: 16 copies, nothing else."""
     work = _zoo_work("transformer", "first")
     assert work["ppbackward"].extra_over(work["full"]) == {"copy_": 16, "new_empty_strided": 16}
+
+
+def test_the_first_call_of_a_process_adds_only_the_owner_probe_and_ws_anchor(monkeypatch):
+    """What a process's very first B+W dispatches beyond a full backward, besides the copies above: the probe
+    of Note [custom Function nodes need an owner] (once per process, at ``install()`` or else the first B: a
+    ``zeros``, 2 ``clone`` and a ``mul`` on one-element CPU tensors) and W's anchor (once per device, at its
+    first W: a one-element ``zeros`` and ``ones``, Note [W's anchor runs no kernel]). Counted alone, they are
+    exactly the difference; the counts above run once uncounted first, so they never see them."""
+    monkeypatch.setattr(_weight_edges, "_ANCHORS", {})
+    _node_owner.custom_nodes_need_owner.cache_clear()
+    probe = count(_node_owner.custom_nodes_need_owner)
+    anchor = count(functools.partial(_weight_edges._anchor, torch.device("cpu")))
+    assert dict(probe.kernels) == {"zeros": 1, "clone": 2, "mul": 1}
+    assert dict(anchor.kernels) == {"zeros": 1, "ones": 1}
+    assert count(_node_owner.custom_nodes_need_owner).n_kernels == 0  # cached: never again in this process
+
+    stage = build_bench(Config(2, 64, 16))
+
+    def first_microbatch(split: bool):
+        for p in stage.params:
+            p.grad = None
+        x = stage.x.detach().requires_grad_()
+        out = stage.model(x)
+        if not split:
+            return count(lambda: torch.autograd.backward([out], [stage.grad]))
+
+        def b_and_w() -> None:
+            _, groups = pb.stage_backward_input([out], [stage.grad], [x], stage.params)
+            pb.stage_backward_weight(stage.params, groups)
+
+        return count(b_and_w)
+
+    first_microbatch(False)  # torch's own one-time work, in neither count
+    monkeypatch.setattr(_weight_edges, "_ANCHORS", {})
+    _node_owner.custom_nodes_need_owner.cache_clear()
+    extra = first_microbatch(True).extra_over(first_microbatch(False))
+    assert extra == {"copy_": 16, "new_empty_strided": 16, "zeros": 2, "clone": 2, "mul": 1, "ones": 1}
+    assert first_microbatch(True).extra_over(first_microbatch(False)) == {"copy_": 16, "new_empty_strided": 16}
 
 
 @pytest.mark.parametrize("name", ["layer_norms", "transformer", "custom_linear", "lora"])

@@ -180,3 +180,27 @@ def test_w_frees_what_its_intermediates_saved_while_the_caller_still_holds_a_vie
         assert (saved() is not None) is retain_graph
     finally:
         gc.enable()
+
+
+def _norm_weight_hooked_during_b():
+    torch.manual_seed(0)
+    norm, lin = nn.LayerNorm(8), nn.Linear(8, 8)
+    weights = [*norm.parameters(), *lin.parameters()]
+    x = torch.randn(4, 8, requires_grad=True)
+    h = norm(x)
+    h.register_hook(lambda _g: norm.weight.register_hook(lambda g: g * 0.5) and None)
+    return norm, weights, x, lin(h)
+
+
+def test_hooks_registered_during_b_leave_no_cyclic_garbage_and_param_groups_hold_nothing_after_w():
+    """Note [hooks registered during B]: B lists the hook ids registered on a captured weight during its engine
+    call and W mutes them; neither creates a cycle, and W's release drops the list with the rest."""
+    _, weights, x, out = _norm_weight_hooked_during_b()  # once first: lazy imports of the hook path are garbage
+    pb.stage_backward_weight(weights, pb.stage_backward_input([out], [torch.ones(4, 8)], [x], weights)[1])
+    norm, weights, x, out = _norm_weight_hooked_during_b()
+    (_, groups), garbage = _garbage_of(pb.stage_backward_input, [out], [torch.ones(4, 8)], [x], weights)
+    assert garbage == []
+    assert [(leaf is norm.weight, len(keys)) for leaf, keys in groups._hooked_in_b] == [(True, 1)]
+    _, garbage = _garbage_of(pb.stage_backward_weight, weights, groups)
+    assert garbage == []
+    assert groups.consumed and groups._hooked_in_b == [] and len(norm.weight._backward_hooks) == 1

@@ -7,13 +7,17 @@ exactness, hook and property tests under it.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
+import ppbackward as pb
 import ppbackward._param_groups as param_groups
 import ppbackward.backward as backward
 from tests.core import test_exactness, test_hooks, test_random_stages
-from tests.core.stages import ZOO
+from tests.core.helpers import clone_inputs, output_grads
+from tests.core.stages import ZOO, build
 
 
 @pytest.fixture
@@ -57,6 +61,24 @@ def test_a_stage_of_several_groups_is_split(one_group_per_chunk):
 @pytest.mark.parametrize("name", ["mlp", "shared_late", "multi_output_nodes", "weight_only_paths", "transformer"])
 def test_hooks_fire_once_one_group_per_chunk(one_group_per_chunk, name):
     test_hooks.test_hooks_fire_once_per_param_per_microbatch_in_w_never_in_b(name)
+    # every parameter has a tensor hook there: each W joins its chunks into one (Note [parameters with tensor
+    # hooks accumulate in one call])
+    assert len(one_group_per_chunk) == 2
+
+
+@pytest.mark.parametrize("name", ["mlp", "shared_late", "multi_output_nodes", "weight_only_paths", "transformer"])
+def test_post_accumulate_hooks_fire_once_and_w_stays_one_group_per_chunk(one_group_per_chunk, name):
+    module, make_inputs = build(name)
+    fired: Counter[str] = Counter()
+    for n, p in module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: fired.update([n]))
+    xs = clone_inputs(make_inputs(0))
+    out = module(*xs)
+    _, groups = pb.stage_backward_input(out, output_grads(out), xs, module.parameters())
+    n_groups = len(groups)
+    pb.stage_backward_weight(module.parameters(), groups)
+    assert one_group_per_chunk == [1] * n_groups
+    assert set(fired.values()) == {1} and len(fired) >= n_groups
 
 
 def test_random_stages_one_group_per_chunk(one_group_per_chunk):
