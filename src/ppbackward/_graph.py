@@ -389,41 +389,50 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
     B's engine call returns there is complete. Linear in the edges of W's nodes.
     """
     st = analysis.structure
-    run_by_w = (st.inter | st.w_only) - {i for i in st.w_only if type(st.nodes[i]) is _ACCUMULATE_GRAD}
-    w_edges = {i: _w_edges(st, i) for i in run_by_w}
+    number, w_only, parents, union = st.number, st.w_only, st.parents, st.union
+    run_by_w = (st.inter | w_only) - {i for i in w_only if type(st.nodes[i]) is _ACCUMULATE_GRAD}
+    # Note [no frame per node] in ppbackward.backward: _w_edges, the walk's producers and _group inline
+    w_edges: dict[int, list[tuple[Node, int]]] = {}
     producers: dict[tuple[int, int], list[int]] = {}  # (node, input slot) -> W's nodes with an edge into it
-    for i, edges in w_edges.items():
-        for kid, nr in edges:
-            producers.setdefault((st.number[kid], nr), []).append(i)
+    for i in run_by_w:
+        edges = w_edges[i] = []
+        for kid, nr in st.nexts[i]:
+            if kid is not None and number[kid] in w_only:
+                edges.append((kid, nr))
+                producers.setdefault((number[kid], nr), []).append(i)
     chosen: set[int] = set()
-    todo = list(run_by_w) if seeds is None else [st.number[n] for n in seeds if st.number.get(n) in run_by_w]
+    todo = list(run_by_w) if seeds is None else [number[n] for n in seeds if number.get(n) in run_by_w]
     while todo:
         i = todo.pop()
         if i in chosen:
             continue
         chosen.add(i)
-        todo += [p for p in st.parents[i] if p in run_by_w and p not in chosen]  # its producers
+        for p in parents[i]:  # its producers
+            if p in run_by_w and p not in chosen:
+                todo.append(p)
         for kid, nr in w_edges[i]:
-            k = st.number[kid]
+            k = number[kid]
             if k not in chosen:  # every producer of the slot this edge feeds
-                todo += [p for p in producers[k, nr] if p not in chosen]
+                for p in producers[k, nr]:
+                    if p not in chosen:
+                        todo.append(p)
+    new = tuple.__new__
     frontier: dict[GradientEdge, tuple[GroupSpec, int]] = {}
     for i in sorted(chosen):
         seq = st.nodes[i]._sequence_nr()
         for kid, nr in w_edges[i]:
-            k = st.number[kid]
+            k = number[kid]
             if k not in chosen:
-                edge = GradientEdge(kid, nr)
-                group = _group(st.groups, st.union, k)
+                edge = new(GradientEdge, (kid, nr))
+                r = k
+                while union[r] != r:
+                    r = union[r]
+                group = st.groups.get(r)
+                if group is None:
+                    group = st.groups[r] = new(GroupSpec, ([], [], []))
                 frontier[edge] = (group, max(seq, frontier.get(edge, (group, -1))[1]))
-    return EagerWork(
-        {st.nodes[i] for i in chosen}, [FrontierSlot(group, edge, seq) for edge, (group, seq) in frontier.items()]
-    )
-
-
-def _w_edges(st: _Structure, i: int) -> list[tuple[Node, int]]:
-    """``(next node, input slot)`` of node ``i``'s edges into W-only nodes and weight leaves."""
-    return [(kid, nr) for kid, nr in st.nexts[i] if kid is not None and st.number[kid] in st.w_only]
+    slots = [new(FrontierSlot, (group, edge, seq)) for edge, (group, seq) in frontier.items()]
+    return EagerWork({st.nodes[i] for i in chosen}, slots)
 
 
 def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analysis:

@@ -218,10 +218,17 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
             except RuntimeError:  # already freed
                 continue
             for item in value if isinstance(value, (list, tuple)) else (value,):
-                if getattr(item, "unpack_hook", None) is None:
+                unpack = getattr(item, "unpack_hook", None)
+                if unpack is None or getattr(unpack, "_ppbackward_transparent", False):
                     continue
-                kind = _kind(item)
-                if kind and _RANK[kind] > _RANK.get(kinds.get(node, ""), 0):
+                # _kind inline (Note [no frame per node] in ppbackward.backward)
+                if unpack is _refuse or unpack is _unpin:
+                    kind = "released"
+                elif _CHECKPOINT_HOLDER is not None and isinstance(item.data, _CHECKPOINT_HOLDER):
+                    kind = "recompute"
+                else:
+                    kind = "held"
+                if _RANK[kind] > _RANK.get(kinds.get(node, ""), 0):
                     kinds[node] = kind
     return kinds
 

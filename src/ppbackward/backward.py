@@ -38,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
 from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._graph import (
+    _ACCUMULATE_GRAD,
     NO_CHEAP_WORK,
     CheapLeaf,
     EagerWork,
@@ -451,8 +452,8 @@ def _leaf_hooks_muted(
     on a normal exit, the hooks registered during the block on those leaves and on the ``cheap`` ones (Note
     [hooks registered during B])."""
     parked: dict[int, tuple[dict, list]] = {}
-    for node in nodes:
-        leaf = getattr(node, "variable", None) if is_accumulate_grad(node) else None
+    for node in nodes:  # is_accumulate_grad inline (Note [no frame per node])
+        leaf = getattr(node, "variable", None) if type(node) is _ACCUMULATE_GRAD else None
         hooks = getattr(leaf, "_backward_hooks", None)
         if hooks:
             parked[id(leaf)] = (hooks, list(hooks.items()))
