@@ -495,8 +495,16 @@ class ParamGroups:
         if not any([group._written is not None for group in groups]):  # what B captured, all of it read
             if groups is self._groups:
                 read = list(self._versions.values())
-            else:
-                read = [self._versions[id(g)] for group in groups for g in _captured_grads(group)]
+            else:  # _captured_grads inline (Note [no frame per node] in ppbackward.backward)
+                versions = self._versions
+                read = []
+                for group in groups:
+                    for call in group.calls:
+                        for g in call[1]:
+                            if g is not None:
+                                read.append(versions[id(g)])
+                    for c in group.ready:
+                        read.append(versions[id(c[1])])
         else:  # what the written gradients left of B's
             kept = [g for group in groups for g in group.kept_gradients()]
             read = [self._versions[id(g)] for g in kept if id(g) in self._versions]
@@ -615,7 +623,10 @@ def _hooked_runs_joined(runs: Iterator[list[ParamGroup]]) -> list[list[ParamGrou
     listed = list(runs)
     if len(listed) < 2:  # one chunk (or none): nothing to join, nothing read
         return listed
-    hooked = [i for i, run in enumerate(listed) if any(p._backward_hooks for group in run for p in group.params)]
+    hooked = []
+    for i, run in enumerate(listed):  # plain loops: no frame per parameter (Note [no frame per node] in backward)
+        if [p for group in run for p in group.params if p._backward_hooks]:
+            hooked.append(i)
     if len(hooked) > 1:
         start, stop = hooked[0], hooked[-1] + 1
         listed[start:stop] = [[group for run in listed[start:stop] for group in run]]

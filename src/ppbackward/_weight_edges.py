@@ -151,8 +151,16 @@ def weight_edge_grads(calls: list[NodeCall]) -> list[list]:
     if first is None:
         return [[None] * len(call.node.next_functions) for call in calls]
     anchor, one = _anchor(first.device)
-    with torch.inference_mode(False), torch.enable_grad():  # W may be called under either
-        out = anchor.view_as(anchor)  # a node of W's own, no kernel (Note [W's anchor runs no kernel])
+    if torch.is_inference_mode_enabled():  # W may be called under inference mode or no_grad
+        with torch.inference_mode(False), torch.enable_grad():
+            out = anchor.view_as(anchor)  # a node of W's own, no kernel (Note [W's anchor runs no kernel])
+    else:  # grad mode switched in C: enable_grad's context manager is ~10 Python frames per chunk
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+        try:
+            out = anchor.view_as(anchor)
+        finally:
+            torch._C._set_grad_enabled(grad_was)
     handle = out.grad_fn.register_prehook(job)  # type: ignore[union-attr]  # a view of a leaf has one
     try:
         if _ENGINE_RUN_BACKWARD is None:

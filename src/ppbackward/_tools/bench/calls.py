@@ -83,6 +83,15 @@ def _accumulating(stage: Stage) -> None:
     stage.x.grad = None
 
 
+def _drop_groups(groups: Any) -> None:
+    """Empty torch's param-group dicts after its W: torch 2.5's B leaves cycles through the hooks it registers
+    on autograd nodes (C++ holds them), which only this breaks (ppbackward's ``ParamGroups`` hold none)."""
+    if isinstance(groups, list):
+        for group in groups:
+            if isinstance(group, dict):
+                group.clear()
+
+
 def count_calls(cfg: Config, b: Callable[..., Any] | None = None, w: Callable[..., Any] | None = None) -> CallCounts:
     """The Python calls of one microbatch of ``cfg``'s bench stage (Note [counted host cost]); ``b``/``w``
     replace ppbackward's B and W (e.g. torch's, for contrast)."""
@@ -97,12 +106,14 @@ def count_calls(cfg: Config, b: Callable[..., Any] | None = None, w: Callable[..
         out = stage.model(stage.x)
         _, groups = b((out,), (stage.grad,), [stage.x], iter(stage.params))
         w(iter(stage.params), groups)
+        _drop_groups(groups)
         del out, groups
     out = stage.model(stage.x)
     full, _ = _counted(lambda: _ours.stage_backward((out,), (stage.grad,), [stage.x]))
     out = stage.model(stage.x)
     n_b, (_, groups) = _counted(lambda: b((out,), (stage.grad,), [stage.x], iter(stage.params)))
     n_w, _ = _counted(lambda: w(iter(stage.params), groups))
+    _drop_groups(groups)
     return CallCounts(cfg.name, nodes, full, n_b, n_w)
 
 
