@@ -32,11 +32,9 @@ missed, found by mutating the code), which both checks must catch.
 from __future__ import annotations
 
 import functools
-import gc
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import pytest
@@ -45,6 +43,7 @@ import torch.nn as nn
 
 from ppbackward import _compat, _weight_edges
 from ppbackward import backward as bw
+from ppbackward._tools.bench.timing import gc_paused
 from ppbackward.leaks import check_tensor_leaks
 from tests.core.stages import Scale
 
@@ -217,23 +216,13 @@ _RUNS: dict[str, Callable[[nn.Module, _Spies], None]] = {
 }
 
 
-@contextmanager
-def _gc_off() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def _leftovers(run: str, monkeypatch: pytest.MonkeyPatch) -> tuple[_Spies, dict[str, int], Any]:
     """One run with the gc disabled (what its capture points left alive by reference, once it returned),
     then one under ``check_tensor_leaks`` (what it left in cyclic garbage; its own weak references, which
     the spies keep too, are not looked at)."""
     module = _stage()
     spies = _install_spies(monkeypatch)
-    with _gc_off():
+    with gc_paused():
         _RUNS[run](module, spies)
         alive = spies.alive()
     with check_tensor_leaks(strict=False) as report:

@@ -42,8 +42,8 @@ from torch.distributed.pipelining import schedules as _schedules
 
 import ppbackward
 from ppbackward._install import merge_bw_enabled
-from ppbackward._merge import count_compute
 from ppbackward._tools.bench.timing import device_clock, gc_paused
+from ppbackward._tools.harness.actions import count_compute
 from ppbackward._tools.harness.models import build_stack
 from ppbackward._tools.harness.schedule_bench import build_stages, grads_close, mse_loss, param_grads, variant_name
 from ppbackward._tools.repeats import rotations

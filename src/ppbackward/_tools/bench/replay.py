@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ppbackward._merge import compute_kind, merge_actions
+from ppbackward._merge import merge_actions
 from ppbackward._tools.bench.records import ReplayRecord, SplitCosts
+from ppbackward._tools.harness.actions import compute_kind
 
 __all__ = [  # private module: what other modules use
     "SCHEDULES",

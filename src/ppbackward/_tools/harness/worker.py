@@ -81,10 +81,10 @@ import torch.distributed as dist
 
 from ppbackward._compat import torch_release
 from ppbackward._install import NAMES
-from ppbackward._merge import count_compute
 from ppbackward._tools.harness import diagnose, gloo_p2p, parallel, probes, runner, schedule_bench
 from ppbackward._tools.harness import models as zoo
 from ppbackward._tools.harness import schedules as sched
+from ppbackward._tools.harness.actions import count_compute
 from ppbackward._tools.harness.records import (
     CaseRecord,
     EventWriter,
