@@ -336,7 +336,18 @@ def _cheap_work(
             c = comp[number[kid]]
             if c in bad:
                 continue
-            if custom or not _fresh_edge(node, name, j, kid, nr):
+            # _fresh_edge's table lookup inline (Note [no frame per node]); the metadata reads only where needed
+            cheap_edges = _CHEAP_EDGES.get(name, ())
+            if custom:
+                fresh = False
+            elif cheap_edges is None or j in cheap_edges:
+                fresh = True
+            elif type(kid) is _ACCUMULATE_GRAD and name in _OUTPUT_RANK:  # a bias straight into its leaf
+                reduced = _REDUCED_EDGES.get(name, ())
+                fresh = (reduced is None or j in reduced) and kid.variable.dim() < _OUTPUT_RANK[name]  # type: ignore[attr-defined]
+            else:
+                fresh = _fresh_edge(node, name, j, kid, nr)
+            if not fresh:
                 bad.add(c)
             else:
                 feeding.setdefault(c, []).append((node, j))
@@ -349,16 +360,23 @@ def _cheap_work(
     for c, pairs in feeding.items():
         if c in bad:
             continue
-        seq[c] = max(node._sequence_nr() for node, _ in pairs)
+        top = -1
         for node, j in pairs:
+            top = max(top, node._sequence_nr())
             edges.setdefault(node, []).append(j)
+        seq[c] = top
     if not seq:
         return NO_CHEAP_WORK
-    cheap_leaves = [
-        CheapLeaf(spec, GradientEdge(nodes[k], 0), seq[comp[k]], tuple(dict.fromkeys(n for n, _ in feeding[comp[k]])))
-        for k, spec in leaf_groups
-        if comp[k] in seq
-    ]
+    cheap_leaves = []
+    new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
+    for k, spec in leaf_groups:
+        c = comp[k]
+        if c in seq:
+            feeders: dict[Node, None] = {}
+            for n, _ in feeding[c]:
+                feeders[n] = None
+            edge = new(GradientEdge, (nodes[k], 0))
+            cheap_leaves.append(new(CheapLeaf, (spec, edge, seq[c], tuple(feeders))))
     w_nodes = [nodes[i] for i in w_numbers if comp[i] in seq]
     return CheapWork({n: tuple(js) for n, js in edges.items()}, cheap_leaves, w_nodes)
 
@@ -371,41 +389,50 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
     B's engine call returns there is complete. Linear in the edges of W's nodes.
     """
     st = analysis.structure
-    run_by_w = (st.inter | st.w_only) - {i for i in st.w_only if type(st.nodes[i]) is _ACCUMULATE_GRAD}
-    w_edges = {i: _w_edges(st, i) for i in run_by_w}
+    number, w_only, parents, union = st.number, st.w_only, st.parents, st.union
+    run_by_w = (st.inter | w_only) - {i for i in w_only if type(st.nodes[i]) is _ACCUMULATE_GRAD}
+    # Note [no frame per node] in ppbackward.backward: _w_edges, the walk's producers and _group inline
+    w_edges: dict[int, list[tuple[Node, int]]] = {}
     producers: dict[tuple[int, int], list[int]] = {}  # (node, input slot) -> W's nodes with an edge into it
-    for i, edges in w_edges.items():
-        for kid, nr in edges:
-            producers.setdefault((st.number[kid], nr), []).append(i)
+    for i in run_by_w:
+        edges = w_edges[i] = []
+        for kid, nr in st.nexts[i]:
+            if kid is not None and number[kid] in w_only:
+                edges.append((kid, nr))
+                producers.setdefault((number[kid], nr), []).append(i)
     chosen: set[int] = set()
-    todo = list(run_by_w) if seeds is None else [st.number[n] for n in seeds if st.number.get(n) in run_by_w]
+    todo = list(run_by_w) if seeds is None else [number[n] for n in seeds if number.get(n) in run_by_w]
     while todo:
         i = todo.pop()
         if i in chosen:
             continue
         chosen.add(i)
-        todo += [p for p in st.parents[i] if p in run_by_w and p not in chosen]  # its producers
+        for p in parents[i]:  # its producers
+            if p in run_by_w and p not in chosen:
+                todo.append(p)
         for kid, nr in w_edges[i]:
-            k = st.number[kid]
+            k = number[kid]
             if k not in chosen:  # every producer of the slot this edge feeds
-                todo += [p for p in producers[k, nr] if p not in chosen]
+                for p in producers[k, nr]:
+                    if p not in chosen:
+                        todo.append(p)
+    new = tuple.__new__
     frontier: dict[GradientEdge, tuple[GroupSpec, int]] = {}
     for i in sorted(chosen):
         seq = st.nodes[i]._sequence_nr()
         for kid, nr in w_edges[i]:
-            k = st.number[kid]
+            k = number[kid]
             if k not in chosen:
-                edge = GradientEdge(kid, nr)
-                group = _group(st.groups, st.union, k)
+                edge = new(GradientEdge, (kid, nr))
+                r = k
+                while union[r] != r:
+                    r = union[r]
+                group = st.groups.get(r)
+                if group is None:
+                    group = st.groups[r] = new(GroupSpec, ([], [], []))
                 frontier[edge] = (group, max(seq, frontier.get(edge, (group, -1))[1]))
-    return EagerWork(
-        {st.nodes[i] for i in chosen}, [FrontierSlot(group, edge, seq) for edge, (group, seq) in frontier.items()]
-    )
-
-
-def _w_edges(st: _Structure, i: int) -> list[tuple[Node, int]]:
-    """``(next node, input slot)`` of node ``i``'s edges into W-only nodes and weight leaves."""
-    return [(kid, nr) for kid, nr in st.nexts[i] if kid is not None and st.number[kid] in st.w_only]
+    slots = [new(FrontierSlot, (group, edge, seq)) for edge, (group, seq) in frontier.items()]
+    return EagerWork({st.nodes[i] for i in chosen}, slots)
 
 
 def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analysis:
@@ -428,11 +455,23 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         k = index[edge.node]
         if k in w_only:
             _group(groups, parent, k).root_edges.append(i)
+    new = tuple.__new__  # Note [no frame per node] in ppbackward.backward: a NamedTuple's __new__ is a frame
     for i, w_edges in intermediates:  # BFS order: outputs side first
-        _group(groups, parent, i).intermediates.append(Intermediate(nodes[i], w_edges))
+        r = i
+        while parent[r] != r:
+            r = parent[r]
+        spec = groups.get(r)
+        if spec is None:
+            spec = groups[r] = new(GroupSpec, ([], [], []))
+        spec.intermediates.append(new(Intermediate, (nodes[i], w_edges)))
     leaf_groups = []
     for i in leaves:
-        spec = _group(groups, parent, i)
+        r = i
+        while parent[r] != r:
+            r = parent[r]
+        spec = groups.get(r)
+        if spec is None:
+            spec = groups[r] = new(GroupSpec, ([], [], []))
         spec.leaves.append(nodes[i])
         leaf_groups.append((i, spec))
     roots = {index[edge.node] for edge in root_edges}
@@ -518,20 +557,49 @@ def _union_groups(nexts: list[tuple], index: dict[Node, int], w_only: set[int], 
     """Pass 3: union-find over the edges into W-only nodes; each intermediate (by number, sorted)
     with the indices of its ``next_functions`` that lead into W-only nodes; and the weight component of
     each W-only node (its group before intermediates join them, Note [cheap weight gradients in B])."""
+    # Note [no frame per node]: find and union are written inline (a call per edge was most of B's Python)
     parent: dict[int, int] = {i: i for i in w_only}
     for i in w_only:
         for kid, _ in nexts[i]:
-            if kid is not None and index[kid] in parent:
-                _union(parent, i, index[kid])
-    comp = {i: _find(parent, i) for i in w_only}
+            if kid is None:
+                continue
+            k = index[kid]
+            if k not in parent:
+                continue
+            ra = i
+            while parent[ra] != ra:
+                ra = parent[ra]
+            rb = k
+            while parent[rb] != rb:
+                rb = parent[rb]
+            if ra != rb:
+                parent[rb] = ra
+            parent[i] = parent[k] = ra  # compress the two paths' ends
+    comp: dict[int, int] = {}
+    for i in w_only:
+        r = i
+        while parent[r] != r:
+            r = parent[r]
+        comp[i] = parent[i] = r
     intermediates: list[tuple[int, tuple[int, ...]]] = []
     for i in sorted(inter):
         nf = nexts[i]
-        w_edges = tuple(j for j, (kid, _) in enumerate(nf) if kid is not None and index[kid] in w_only)
+        edges = []
+        for j, (kid, _) in enumerate(nf):
+            if kid is not None and index[kid] in w_only:
+                edges.append(j)
+        w_edges = tuple(edges)
         parent[i] = i
         intermediates.append((i, w_edges))
         for j in w_edges:
-            _union(parent, i, index[nf[j][0]])
+            rb = index[nf[j][0]]
+            while parent[rb] != rb:
+                rb = parent[rb]
+            ra = i
+            while parent[ra] != ra:
+                ra = parent[ra]
+            if ra != rb:
+                parent[rb] = ra
     return parent, intermediates, comp
 
 

@@ -186,11 +186,19 @@ class ParamGroup:
         self._nodes = nodes if nodes is not None else [Intermediate(c.node, c.w_edges) for c in calls]
         self._leaves = leaves or []
         # Note [W accumulates through the graph's AccumulateGrad nodes]; a group built without its leaves
-        # (a test's) names the parameters themselves
-        self.inputs: list[GradientEdge | torch.Tensor] = (
-            [GradientEdge(leaf, 0) for leaf in self._leaves] if self._leaves else list(params)
-        )
-        self._captured = {call.node: call.grads for call in calls}
+        # (a test's) names the parameters themselves. Plain loops, edges made by tuple.__new__: no frame per
+        # leaf or call (Note [no frame per node] in ppbackward.backward)
+        inputs: list[GradientEdge | torch.Tensor] = []
+        if self._leaves:
+            for leaf in self._leaves:
+                inputs.append(tuple.__new__(GradientEdge, (leaf, 0)))
+        else:
+            inputs += params
+        self.inputs = inputs
+        captured = {}
+        for call in calls:
+            captured[call[0]] = call[1]
+        self._captured = captured
         # node -> the entries of ``ready`` its written gradients replace (a custom Function's outputs, the
         # cheap weight gradients it alone fed); a ``None`` among them: shared with another node
         self._replaced = replaced or {}
@@ -402,9 +410,22 @@ class ParamGroups:
         self._pinned = pinned or []  # Note [outputs detached after B] (ppbackward._saved)
         self._hooked_in_b = hooked_in_b or []  # Note [W mutes B's hooks]
         self._consumed = False
-        # Note [captured gradients are checked at W]: by id, so that W checks only what it will read
-        self._versions = {id(g): (g, g._version) for group in groups for g in _captured_grads(group)}
-        self._shapes = [(p, p.shape) for group in groups for p in group.params]
+        # Note [captured gradients are checked at W]: by id, so that W checks only what it will read.
+        # _captured_grads inline, plain loops (Note [no frame per node] in ppbackward.backward)
+        versions = {}
+        shapes = []
+        for group in groups:
+            for call in group.calls:
+                for g in call[1]:
+                    if g is not None:
+                        versions[id(g)] = (g, g._version)
+            for c in group.ready:
+                g = c[1]
+                versions[id(g)] = (g, g._version)
+            for p in group.params:
+                shapes.append((p, p.shape))
+        self._versions = versions
+        self._shapes = shapes
 
     @property
     def consumed(self) -> bool:
@@ -471,11 +492,19 @@ class ParamGroups:
     def _check_versions(self, groups: list[ParamGroup], during_w: bool) -> None:
         """Raise naming the first gradient of ``groups`` W will read whose version changed since it was
         recorded (at B, or at the write into ``"grads"``)."""
-        if all(group.written is None for group in groups):  # what B captured, all of it read
+        if not any([group._written is not None for group in groups]):  # what B captured, all of it read
             if groups is self._groups:
                 read = list(self._versions.values())
-            else:
-                read = [self._versions[id(g)] for group in groups for g in _captured_grads(group)]
+            else:  # _captured_grads inline (Note [no frame per node] in ppbackward.backward)
+                versions = self._versions
+                read = []
+                for group in groups:
+                    for call in group.calls:
+                        for g in call[1]:
+                            if g is not None:
+                                read.append(versions[id(g)])
+                    for c in group.ready:
+                        read.append(versions[id(c[1])])
         else:  # what the written gradients left of B's
             kept = [g for group in groups for g in group.kept_gradients()]
             read = [self._versions[id(g)] for g in kept if id(g) in self._versions]
@@ -572,7 +601,8 @@ def _runs(groups: list[ParamGroup], limit: int) -> Iterator[list[ParamGroup]]:
     size = 0
     for group in groups:
         run.append(group)
-        size += sum(p.numel() * p.element_size() for p in group.params)
+        for p in group.params:
+            size += p.numel() * p.element_size()
         if size >= limit:
             yield run
             run, size = [], 0
@@ -593,7 +623,10 @@ def _hooked_runs_joined(runs: Iterator[list[ParamGroup]]) -> list[list[ParamGrou
     listed = list(runs)
     if len(listed) < 2:  # one chunk (or none): nothing to join, nothing read
         return listed
-    hooked = [i for i, run in enumerate(listed) if any(p._backward_hooks for group in run for p in group.params)]
+    hooked = []
+    for i, run in enumerate(listed):  # plain loops: no frame per parameter (Note [no frame per node] in backward)
+        if [p for group in run for p in group.params if p._backward_hooks]:
+            hooked.append(i)
     if len(hooked) > 1:
         start, stop = hooked[0], hooked[-1] + 1
         listed[start:stop] = [[group for run in listed[start:stop] for group in run]]
@@ -605,10 +638,14 @@ def _weight_work(groups: list[ParamGroup]) -> WeightWork:
     calls: list[NodeCall] = []
     ready: list[Contribution] = []
     for group in groups:
+        if group._written is None:  # w_work's common case inline (Note [no frame per node] in ppbackward.backward)
+            calls += group.calls
+            ready += group.ready
+            continue
         group_calls, group_ready = group.w_work()
         calls += group_calls
         ready += group_ready
-    return WeightWork(calls, ready, [edge for group in groups for edge in group.inputs])
+    return WeightWork(calls, ready, [edge for group in groups for edge in group.inputs])  # one frame
 
 # code that checks what it holds (``isinstance(groups, Sequence)``, ``isinstance(group, Mapping)``) sees
 # the forms of torch's list of dicts

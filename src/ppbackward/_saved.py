@@ -204,15 +204,31 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
     if not HOOKS_VISIBLE:
         return {}
     kinds: dict[Node, str] = {}
-    for node in nodes:
-        if type(node) is _COPY_SLICES:  # its saved tensors are out of Python's sight
+    cache = _ATTRS
+    for node in nodes:  # Note [no frame per node]: loops inline, no generator or helper per node
+        kind_of = type(node)
+        if kind_of is _COPY_SLICES:  # its saved tensors are out of Python's sight
             kinds.setdefault(node, "recompute")
-        for value in _saved_values(node):
+        attrs = cache.get(kind_of)
+        if attrs is None:
+            attrs = _saved_attrs(node)
+        for attr in attrs:
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # already freed
+                continue
             for item in value if isinstance(value, (list, tuple)) else (value,):
-                if getattr(item, "unpack_hook", None) is None:
+                unpack = getattr(item, "unpack_hook", None)
+                if unpack is None or getattr(unpack, "_ppbackward_transparent", False):
                     continue
-                kind = _kind(item)
-                if kind and _RANK[kind] > _RANK.get(kinds.get(node, ""), 0):
+                # _kind inline (Note [no frame per node] in ppbackward.backward)
+                if unpack is _refuse or unpack is _unpin:
+                    kind = "released"
+                elif _CHECKPOINT_HOLDER is not None and isinstance(item.data, _CHECKPOINT_HOLDER):
+                    kind = "recompute"
+                else:
+                    kind = "held"
+                if _RANK[kind] > _RANK.get(kinds.get(node, ""), 0):
                     kinds[node] = kind
     return kinds
 
@@ -232,8 +248,16 @@ def release_saved_tensors(nodes: Iterable[Node]) -> int:
         The number of saved tensors released.
     """
     released = 0
-    for node in nodes:
-        for value in _saved_values(node):
+    cache = _ATTRS
+    for node in nodes:  # Note [no frame per node]
+        attrs = cache.get(type(node))
+        if attrs is None:
+            attrs = _saved_attrs(node)
+        for attr in attrs:
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # already freed
+                continue
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 try:
                     item.register_hooks(_drop, _refuse)

@@ -7,6 +7,7 @@ work at a time (:func:`run_weight_work`); see Note [W computes only weight edges
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -36,8 +37,12 @@ class _Job:
 
     def __call__(self, _grad_outputs: tuple) -> None:
         calls, self.calls = self.calls, []
-        for call in calls:
-            self.results.append(_call_node(call.node, call.grads))
+        results = self.results
+        for node, grads, _ in calls:  # a C++ node called inline (Note [no frame per node] in ppbackward.backward)
+            if isinstance(node, BackwardCFunction):
+                results.append(_call_node(node, grads))
+            else:
+                results.append(list(node(*grads)))  # type: ignore[operator]  # a C++ node is callable
 
 
 def _call_node(node, grads: tuple) -> list:
@@ -126,20 +131,36 @@ def weight_edge_grads(calls: list[NodeCall]) -> list[list]:
     job = _Job(calls)
     targets: list[GradientEdge] = []
     seen: set = set()
+    new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
     for call in calls:
-        nf = call.node.next_functions
-        for i in call.w_edges:
-            edge = GradientEdge(*nf[i][:2])  # type: ignore[arg-type]  # a weight edge leads to a node
+        nf = call[0].next_functions
+        for i in call[2]:
+            edge = new(GradientEdge, nf[i][:2])
             if edge not in seen:
                 seen.add(edge)
                 targets.append(edge)
     # a call has a gradient (B skips a node nothing flowed into; a written entry of only None is refused)
-    first = next((g for call in calls for g in call.grads if g is not None), None)
+    first = None
+    for call in calls:
+        for g in call[1]:
+            if g is not None:
+                first = g
+                break
+        if first is not None:
+            break
     if first is None:
         return [[None] * len(call.node.next_functions) for call in calls]
     anchor, one = _anchor(first.device)
-    with torch.inference_mode(False), torch.enable_grad():  # W may be called under either
-        out = anchor.view_as(anchor)  # a node of W's own, no kernel (Note [W's anchor runs no kernel])
+    if torch.is_inference_mode_enabled():  # W may be called under inference mode or no_grad
+        with torch.inference_mode(False), torch.enable_grad():
+            out = anchor.view_as(anchor)  # a node of W's own, no kernel (Note [W's anchor runs no kernel])
+    else:  # grad mode switched in C: enable_grad's context manager is ~10 Python frames per chunk
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+        try:
+            out = anchor.view_as(anchor)
+        finally:
+            torch._C._set_grad_enabled(grad_was)
     handle = out.grad_fn.register_prehook(job)  # type: ignore[union-attr]  # a view of a leaf has one
     try:
         if _ENGINE_RUN_BACKWARD is None:
@@ -218,15 +239,17 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
     calls = work.calls
     contributions = list(work.ready)
     if calls:
+        new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
         for call, outs in zip(calls, weight_edge_grads(calls)):
-            nf, seq = call.node.next_functions, call.node._sequence_nr()
-            for i in call.w_edges:
+            node = call[0]
+            nf, seq = node.next_functions, node._sequence_nr()
+            for i in call[2]:
                 if outs[i] is not None:
-                    edge = GradientEdge(*nf[i][:2])  # type: ignore[arg-type]  # a weight edge leads to a node
-                    contributions.append(Contribution(edge, outs[i], seq))
+                    edge = new(GradientEdge, nf[i][:2])
+                    contributions.append(new(Contribution, (edge, outs[i], seq)))
         del outs
     if contributions:
-        contributions.sort(key=_by_seq, reverse=True)
+        contributions.sort(key=_BY_SEQ, reverse=True)
         roots = [c.edge for c in contributions]
         grads = [c.grad for c in contributions]
         del contributions
@@ -236,8 +259,7 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
         # W called these nodes itself, outside an engine call that would free them: drop what they saved
         # now, not when the last output referencing the graph dies (an output B could not detach, e.g. a
         # view, may live until the next step).
-        release_saved_tensors(call.node for call in calls)
+        release_saved_tensors([call[0] for call in calls])
 
 
-def _by_seq(c: Contribution) -> float:
-    return c.seq
+_BY_SEQ = operator.itemgetter(2)  # a Contribution's ``seq``, read in C

@@ -23,6 +23,7 @@ local dicts (see ``ppbackward._graph``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import weakref
@@ -37,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
 from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._graph import (
+    _ACCUMULATE_GRAD,
     NO_CHEAP_WORK,
     CheapLeaf,
     EagerWork,
@@ -56,6 +58,12 @@ __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
 _ROOT_SEQ = float("inf")  # the outputs' gradients come first (Note [accumulation order] in ppbackward._weight_edges)
 _NO_EAGER_WORK = EagerWork(set(), [])
+# Note [no frame per node]: B's and W's host cost on a small stage is mostly Python frames entered per
+# autograd node (a helper, a generator resumed, a NamedTuple's ``__new__``, which is a Python lambda). Their
+# loops over nodes, edges, gradients and weights are written inline, and NamedTuples made there are built
+# with ``tuple.__new__`` (a C call; the fields in order, no defaults). ``ppbackward._tools.bench.calls``
+# counts the frames per node (tests/core/test_call_counts.py).
+_new = tuple.__new__
 # Outputs B detached in place, by id (weak): meeting one again is an error, not a silent no-op.
 _DETACHED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -249,28 +257,34 @@ def _backward_input(
     # it runs, as a full backward does (Note [hooked saved tensors run once])
     retain = any(not isinstance(n, BackwardCFunction) for n in deferred)
     # custom Functions whose saved tensors B releases, or its engine call frees: read before that call
-    spent = frozenset(n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n))
+    spent = frozenset([n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n)])
     run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain)
-    w_edges_of = {i.node: i.w_edges for spec in specs for i in spec.intermediates}
-    captured = [
-        _checked_capture(node, box, w_edges_of[node], analysis.structure) for node, box in zip(deferred, run.boxes)
-    ]
+    captured: dict = {}
+    for node, box in zip(deferred, run.boxes):  # _checked_capture's common case inline (Note [no frame per node])
+        if not box:
+            captured[node] = None
+            continue
+        grads, versions = box[0]
+        for g, version in zip(grads, versions):
+            if g is not None and g._version != version:
+                captured[node] = _checked_capture(node, box, w_edges_of(specs, node), analysis.structure)
+                break
+        else:
+            captured[node] = grads
 
-    groups = _build_groups(
-        specs, dict(zip(deferred, captured)), cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent
-    )
+    groups = _build_groups(specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent)
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
         called = set(deferred)
-        done_in_b = {*eager.nodes, *cheap.nodes, *(n for n in cheap.edges if n not in called)}
+        done_in_b = {*eager.nodes, *cheap.nodes, *[n for n in cheap.edges if n not in called]}
         if retain:  # else B's engine call released every node it ran
             release_saved_tensors(
-                [*b_only, *(n for n in deferred if isinstance(n, BackwardCFunction)), *done_in_b]
+                [*b_only, *[n for n in deferred if isinstance(n, BackwardCFunction)], *done_in_b]
             )
         # Note [outputs detached after B]: given a loss, B cannot tell the stage outputs from the rest
         at_risk = analysis.output_consumers if grads_given else [*inter, *w_only]
         pinned = pin_saved_inputs(
-            n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in done_in_b
+            [n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in done_in_b]
         )
     owners = owners_needed(owners, [(group.calls, group.ready) for group in groups])
     _detach_outputs(flat.tensors, analysis.used_nodes)
@@ -278,6 +292,15 @@ def _backward_input(
     for i, t in wanted:
         result[i] = run.found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_set, owners, pinned, run.hooked_in_b)
+
+
+def w_edges_of(specs: list, node: Any) -> tuple[int, ...]:
+    """The weight edges of intermediate ``node`` in the analysis' ``specs``."""
+    for spec in specs:
+        for inter in spec.intermediates:
+            if inter.node is node:
+                return inter.w_edges
+    return ()
 
 
 class _Captured(NamedTuple):
@@ -320,7 +343,7 @@ def _engine_call(
     boxes: list[list[_Captured]] = [[] for _ in deferred]
     handles = []
     try:
-        for node, box in zip(deferred, boxes):
+        for node, box in zip(deferred, boxes):  # Note [one frame per capture]
             if isinstance(node, BackwardCFunction):
                 handles.append(node.register_hook(_capture_outputs_hook(box)))
             else:
@@ -338,8 +361,7 @@ def _engine_call(
                 allow_unused=True,
             )
     finally:
-        for handle in handles:
-            handle.remove()
+        _remove_handles(handles)
     found: dict[int, torch.Tensor | None] = {id(t): g for t, g in zip(grad_inputs, results)}
     slots: list[FrontierSlot | CheapLeaf] = [*eager.frontier, *cheap.leaves]
     grads: list[torch.Tensor | None] = list(results[len(grad_inputs) :])
@@ -430,8 +452,8 @@ def _leaf_hooks_muted(
     on a normal exit, the hooks registered during the block on those leaves and on the ``cheap`` ones (Note
     [hooks registered during B])."""
     parked: dict[int, tuple[dict, list]] = {}
-    for node in nodes:
-        leaf = getattr(node, "variable", None) if is_accumulate_grad(node) else None
+    for node in nodes:  # is_accumulate_grad inline (Note [no frame per node])
+        leaf = getattr(node, "variable", None) if type(node) is _ACCUMULATE_GRAD else None
         hooks = getattr(leaf, "_backward_hooks", None)
         if hooks:
             parked[id(leaf)] = (hooks, list(hooks.items()))
@@ -463,28 +485,46 @@ def _hooks_registered(nodes: list[Any]) -> list[tuple[torch.Tensor, tuple[int, .
     return found
 
 
-def _versions(grads: tuple) -> tuple:
-    return tuple(None if g is None else g._version for g in grads)
+# Note [one frame per capture]: B's capture of a deferred intermediate is one Python frame when the
+# engine reaches the node: a ``functools.partial`` (made in C) of a module-level function over the node's
+# box, which records the gradients and their versions inline. Registering the hook enters torch's two
+# Python frames (``Function._register_hook``, ``RemovableHandle.__init__``); removing it enters none
+# (:func:`_remove_handles`). The hook still closes over a plain list only (Note [no closure cycle]).
+def _capture_inputs(box: list, grad_outputs: tuple) -> None:
+    """A node pre-hook (bound to ``box`` by ``functools.partial``) that stores the gradients flowing into
+    the node, and their versions then, in ``box`` (Note [captured gradients are checked at W] in
+    ``ppbackward._param_groups``)."""
+    versions = []
+    for g in grad_outputs:
+        versions.append(None if g is None else g._version)
+    box.append(_new(_Captured, (grad_outputs, tuple(versions))))
 
 
-def _capture_inputs_hook(box: list):
-    """A node pre-hook that stores the gradients flowing into the node, and their versions then, in ``box``
-    (Note [no closure cycle]; Note [captured gradients are checked at W] in ``ppbackward._param_groups``)."""
-
-    def hook(grad_outputs) -> None:
-        box.append(_Captured(grad_outputs, _versions(grad_outputs)))
-
-    return hook
+def _capture_outputs(box: list, grad_inputs: tuple, _grad_outputs: tuple) -> None:
+    """A node post-hook (bound to ``box``) that stores the node's outputs, and their versions then."""
+    versions = []
+    for g in grad_inputs:
+        versions.append(None if g is None else g._version)
+    box.append(_new(_Captured, (grad_inputs, tuple(versions))))
 
 
-def _capture_outputs_hook(box: list):
-    """A node post-hook that stores the node's outputs, and their versions then, in ``box``
-    (Note [no closure cycle])."""
+# The factories B calls per deferred intermediate: ``factory(box)`` is ``functools.partial(capture, box)``,
+# made in C (no frame); module globals, looked up at each call (tests/core/test_capture_leaks.py spies on them)
+_capture_inputs_hook = functools.partial(functools.partial, _capture_inputs)
+_capture_outputs_hook = functools.partial(functools.partial, _capture_outputs)
 
-    def hook(grad_inputs, _grad_outputs) -> None:
-        box.append(_Captured(grad_inputs, _versions(grad_inputs)))
 
-    return hook
+def _remove_handles(handles: list) -> None:
+    """``handle.remove()`` for each node-hook handle, its work done inline where the handle is torch's plain
+    ``RemovableHandle`` without extra dicts (Note [one frame per capture]); any other kind is asked."""
+    for handle in handles:
+        ref = getattr(handle, "hooks_dict_ref", None)
+        if ref is None or getattr(handle, "extra_dict_ref", None) or type(handle) is not RemovableHandle:
+            handle.remove()
+            continue
+        hooks = ref()
+        if hooks is not None:
+            hooks.pop(handle.id, None)
 
 
 def _checked_capture(node: Any, box: list[_Captured], w_edges: tuple[int, ...], structure: Any) -> tuple | None:
@@ -581,26 +621,30 @@ def _build_groups(
     for slot, grad in frontier:
         done.add(slot.edge)
         if grad is not None:
-            entry = Contribution(slot.edge, grad, slot.seq)
+            entry = _new(Contribution, (slot.edge, grad, slot.seq))
             extra.setdefault(id(slot.group), []).append(entry)
             feeders = slot.feeders if isinstance(slot, CheapLeaf) else ()  # Note [param groups read like torch's]
             for node in feeders:
                 fed_by.setdefault(id(slot.group), {}).setdefault(node, []).append(entry if len(feeders) == 1 else None)
     groups: list[ParamGroup] = []
-    for spec in specs:
+    for spec in specs:  # Note [no frame per node]: plain loops, NamedTuples made by tuple.__new__
         deferred: list[NodeCall] = []
-        ready = [
-            Contribution(root_edges[i], output_grads[i], _ROOT_SEQ)
-            for i in spec.root_edges
-            if root_edges[i] not in done and root_edges[i].node not in eager_nodes
-        ]
+        ready = []
+        for i in spec.root_edges:
+            if root_edges[i] not in done and root_edges[i].node not in eager_nodes:
+                ready.append(_new(Contribution, (root_edges[i], output_grads[i], _ROOT_SEQ)))
         ready += extra.get(id(spec), [])
         nodes = []  # Note [param groups read like torch's]: the intermediates W could still call
         replaced = dict(fed_by.get(id(spec), {}))  # node -> B's entries its written gradients replace
         for inter in spec.intermediates:
-            node, w_edges = inter.node, inter.w_edges
+            node, w_edges = inter
             grads = captured.get(node)
-            if grads is None or all(g is None for g in grads):
+            if grads is None:
+                continue
+            for g in grads:
+                if g is not None:
+                    break
+            else:  # nothing flowed into it
                 continue
             if isinstance(node, BackwardCFunction):  # outputs, computed once in B
                 nf, seq = node.next_functions, node._sequence_nr()
@@ -609,11 +653,14 @@ def _build_groups(
                 replaced[node] = mine
                 nodes.append(inter)
             else:  # only the weight edges B did not compute (Note [cheap weight gradients in B])
-                in_b = cheap_edges.get(node, ())
-                deferred.append(NodeCall(node, tuple(grads), tuple(j for j in w_edges if j not in in_b)))
+                in_b = cheap_edges.get(node)
+                todo = w_edges if in_b is None else tuple([j for j in w_edges if j not in in_b])
+                deferred.append(_new(NodeCall, (node, tuple(grads), todo)))
                 nodes.append(inter)
         if deferred or ready:
-            params = [leaf.variable for leaf in spec.leaves]
+            params = []
+            for leaf in spec.leaves:
+                params.append(leaf.variable)
             groups.append(
                 ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent)
             )
@@ -669,7 +716,7 @@ def stage_backward_weight(
         # Note [no collection inside B and W] in ppbackward._gc_pause
         for work in chunks:
             run_weight_work(work, retain_graph)
-    return tuple(w.grad for w in weight_list)
+    return tuple([w.grad for w in weight_list])
 
 
 def _check_param_groups(param_groups: Any, weights: list[torch.Tensor]) -> None:
@@ -705,7 +752,7 @@ def _any_dtensor(tensors: list[torch.Tensor]) -> bool:
     if module is None:
         return False
     dtensor = module.DTensor
-    return any(isinstance(t, dtensor) for t in tensors)
+    return any([isinstance(t, dtensor) for t in tensors])  # a list, not a generator: no frame per weight
 
 
 def _check_same_weights(weights: list[torch.Tensor], expected: WeightSet) -> None:

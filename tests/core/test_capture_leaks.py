@@ -159,6 +159,11 @@ def _spied_job(real: type, spies: _Spies) -> type:
             super().__init__(calls)
             spies.made("_Job", self)
 
+        def __call__(self, grad_outputs: tuple) -> None:
+            super().__call__(grad_outputs)
+            for out in self.results:  # a C++ node's results: the Job calls it inline, not through _call_node
+                spies.saw("_call_node", out)
+
     return Job
 
 

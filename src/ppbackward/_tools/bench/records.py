@@ -189,6 +189,8 @@ class SplitRun:
         schedule: with ``--schedule``, the real torchrun step; ``None`` without it or when it failed.
         schedule_error: why the real step failed; ``None`` when it did not.
         one_rank_step: with ``--one-rank-step``, ``bench.one_rank.measure``'s result or ``{"error": why}``.
+        calls: Python calls per microbatch of the full backward, B and W, and the stage's node count, per
+            configuration (``bench.calls.count_calls`` as dicts: Note [counted host cost]).
         targets: the rows of ``report.target_row``, evaluated last.
 
     Its JSON object (:meth:`to_report`) has ``schedule`` as ``{"error": why}`` for a failed real step, so it
@@ -201,6 +203,7 @@ class SplitRun:
     schedule_error: str | None = None
     one_rank_step: dict[str, Any] | None = None
     targets: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def to_report(self) -> dict[str, Any]:
         """The JSON object of ``--json``: ``meta``, ``split``, ``schedule`` and ``one_rank_step`` where
@@ -212,6 +215,8 @@ class SplitRun:
             out["schedule"] = to_json(self.schedule)
         if self.one_rank_step is not None:
             out["one_rank_step"] = self.one_rank_step
+        if self.calls:
+            out["calls"] = self.calls
         out["targets"] = self.targets
         return out
 
@@ -231,4 +236,5 @@ class SplitRun:
             schedule_error=error,
             one_rank_step=data.get("one_rank_step"),
             targets=data.get("targets", []),
+            calls=data.get("calls", []),
         )

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 import ppbackward.backward as _ours
+from ppbackward._tools.bench import calls as _calls
 from ppbackward._tools.bench.impls import UPSTREAM_B, UPSTREAM_W
 from ppbackward._tools.bench.records import (
     HeldBytes,
@@ -359,6 +360,7 @@ def run(args: Any, meta: dict[str, Any]) -> int:
 
     split = measure(configs, repeats, None if args.quick else args.budget, device=device, progress=progress)
     report = SplitRun(meta=meta, split=split)
+    report.calls = [c._asdict() for c in _calls.count_all()]
     if args.schedule:
         progress("the real step under torchrun")
     failed = _real_step(args, report) if args.schedule else False
@@ -457,6 +459,7 @@ def format_run(report: SplitRun, rep: Any) -> str:
         f"1-min load average {m.get('loadavg_start')} at start, {m.get('loadavg_end')} at end; "
         f"CPU allocator: {m.get('allocator', 'not recorded')}",
         format_split(report.split),
+        *_calls.format_calls([_calls.CallCounts(**c) for c in report.calls]),
     ]
     if report.schedule_error is not None:
         parts.append(f"\nReal step: ERROR\n{report.schedule_error}")
