@@ -24,8 +24,7 @@ upstream ``get_param_groups`` walks the reverse graph once per parameter (O(para
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,13 +32,14 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
 __all__ = [  # private module: what other modules use
+    "CHEAP_EDGES",
     "NO_CHEAP_WORK",
+    "REDUCED_EDGES",
     "CheapLeaf",
     "EagerWork",
     "FrontierSlot",
     "Intermediate",
     "analyze",
-    "cheap_gradients_deferred",
     "eager_work",
     "gradient_edge",
     "is_accumulate_grad",
@@ -245,7 +245,7 @@ NO_CHEAP_WORK = CheapWork({}, [], [])
 # ``b`` of the activation's shape) could be changed in place by a hook later in B; a fresh one is seen
 # by nobody else. A component is taken whole, so every gradient reaching its leaves comes from B's call
 # (complete, summed by the engine in its own order) and W adds nothing to it.
-_CHEAP_EDGES: dict[str, tuple[int, ...] | None] = {  # node type -> weight edges with a fresh gradient (None: all)
+CHEAP_EDGES: dict[str, tuple[int, ...] | None] = {  # node type -> weight edges with a fresh gradient (None: all)
     "NativeLayerNormBackward0": None,
     "NativeGroupNormBackward0": None,
     "NativeBatchNormBackward0": None,
@@ -256,7 +256,7 @@ _CHEAP_EDGES: dict[str, tuple[int, ...] | None] = {  # node type -> weight edges
     "DivBackward0": None,
     "ConvolutionBackward0": (2,),
 }
-_REDUCED_EDGES: dict[str, tuple[int, ...] | None] = {  # fresh only where the engine reduces the gradient
+REDUCED_EDGES: dict[str, tuple[int, ...] | None] = {  # fresh only where the engine reduces the gradient
     "AddmmBackward0": (0,),
     "BaddbmmBackward0": (0,),
     "AddmvBackward0": (0,),
@@ -275,31 +275,16 @@ _CHEAP_W_NODES = frozenset(
 )
 
 
-@contextlib.contextmanager
-def cheap_gradients_deferred() -> Iterator[None]:
-    """Within the block, B computes no weight gradient and W computes them all, as before Note [cheap
-    weight gradients in B]: the bench's and the tests' reference for what that Note saves (its negative
-    control). Not thread-safe: for measurements in one thread only."""
-    saved = _CHEAP_EDGES.copy(), _REDUCED_EDGES.copy()
-    _CHEAP_EDGES.clear()
-    _REDUCED_EDGES.clear()
-    try:
-        yield
-    finally:
-        _CHEAP_EDGES.update(saved[0])
-        _REDUCED_EDGES.update(saved[1])
-
-
 _OUTPUT_RANK = {"AddmmBackward0": 2, "BaddbmmBackward0": 3, "AddmvBackward0": 1}
 
 
 def _fresh_edge(node: Node, name: str, j: int, kid: Node, nr: int) -> bool:
     """Whether the gradient ``node`` (of type ``name``) sends along its edge ``j`` (into input ``nr`` of
     ``kid``) is a new tensor of a cheap kernel (Note [cheap weight gradients in B])."""
-    edges = _CHEAP_EDGES.get(name, ())
+    edges = CHEAP_EDGES.get(name, ())
     if edges is None or j in edges:
         return True
-    edges = _REDUCED_EDGES.get(name, ())
+    edges = REDUCED_EDGES.get(name, ())
     if edges is not None and j not in edges:
         return False
     # reduced by the engine's sum_to (a new tensor) where the slot has fewer dimensions than the gradient
@@ -337,13 +322,13 @@ def _cheap_work(
             if c in bad:
                 continue
             # _fresh_edge's table lookup inline (Note [no frame per node]); the metadata reads only where needed
-            cheap_edges = _CHEAP_EDGES.get(name, ())
+            cheap_edges = CHEAP_EDGES.get(name, ())
             if custom:
                 fresh = False
             elif cheap_edges is None or j in cheap_edges:
                 fresh = True
             elif type(kid) is _ACCUMULATE_GRAD and name in _OUTPUT_RANK:  # a bias straight into its leaf
-                reduced = _REDUCED_EDGES.get(name, ())
+                reduced = REDUCED_EDGES.get(name, ())
                 fresh = (reduced is None or j in reduced) and kid.variable.dim() < _OUTPUT_RANK[name]  # type: ignore[attr-defined]
             else:
                 fresh = _fresh_edge(node, name, j, kid, nr)

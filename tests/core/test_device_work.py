@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
-from ppbackward import _graph, _node_owner, _weight_edges
+from ppbackward import _node_owner, _weight_edges
 from ppbackward._tools.bench import memory as _memory
-from ppbackward._tools.bench.device_work import REGIMES, count, stage_work
+from ppbackward._tools.bench.device_work import REGIMES, cheap_gradients_deferred, count, stage_work
 from ppbackward._tools.harness.models import Config
 from ppbackward._tools.harness.models import build as build_bench
 from tests.core.stages import ZOO, build
@@ -121,7 +121,7 @@ def test_the_first_call_of_a_process_adds_only_the_owner_probe_and_ws_anchor(mon
 
 @pytest.mark.parametrize("name", ["layer_norms", "transformer", "custom_linear", "lora"])
 def test_control_norm_recomputed_in_w_fails_the_comparison(name):
-    with _graph.cheap_gradients_deferred():  # the negative control: norms and biases are W's again
+    with cheap_gradients_deferred():  # the negative control: norms and biases are W's again
         work = _zoo_work(name, "accumulating")
     with pytest.raises(AssertionError, match="kernels B"):
         _assert_same_work(work, name)
@@ -159,7 +159,7 @@ def test_b_holds_at_most_080_of_what_deferring_norms_holds():
     """The bench's "held between B and W" (saved bytes alive after B) with norm and bias gradients in B,
     against the same with them deferred to W (the negative control): the norms' inputs are released."""
     stage = build_bench(Config(4, 64, 16))
-    with _graph.cheap_gradients_deferred():
+    with cheap_gradients_deferred():
         deferred = _memory.measure_split("ppbackward", stage)
     in_b = _memory.measure_split("ppbackward", stage)
     for result in (deferred, in_b):

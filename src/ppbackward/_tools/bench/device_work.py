@@ -23,20 +23,38 @@ kernel]) is not counted.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from ppbackward import _graph
 from ppbackward.leaks._storage import storage_nbytes, unique_storages
 
-__all__ = ["REGIMES", "DeviceWork", "bench_work", "count", "stage_work"]
+__all__ = ["REGIMES", "DeviceWork", "bench_work", "cheap_gradients_deferred", "count", "stage_work"]
 
 REGIMES = ("first", "accumulating")
+
+
+@contextlib.contextmanager
+def cheap_gradients_deferred() -> Iterator[None]:
+    """Within the block, B computes no weight gradient and W computes them all, as before Note [cheap
+    weight gradients in B] (``ppbackward._graph``): the bench's and the tests' reference for what that
+    Note saves (its negative control). A measurement switch, so it lives here with the tools, not in the
+    core. Not thread-safe: for measurements in one thread only."""
+    saved = _graph.CHEAP_EDGES.copy(), _graph.REDUCED_EDGES.copy()
+    _graph.CHEAP_EDGES.clear()
+    _graph.REDUCED_EDGES.clear()
+    try:
+        yield
+    finally:
+        _graph.CHEAP_EDGES.update(saved[0])
+        _graph.REDUCED_EDGES.update(saved[1])
 
 
 class DeviceWork(NamedTuple):
@@ -183,7 +201,6 @@ def bench_work(stage: Any) -> dict[str, Any]:
         weight gradients in B]), and what W reads (the deferred matmuls' inputs). JSON-ready.
     """
     import ppbackward
-    from ppbackward._graph import cheap_gradients_deferred
     from ppbackward._tools.bench import impls as _impls
     from ppbackward._tools.bench import memory as _memory
 
