@@ -88,7 +88,7 @@ def _conform(grad: torch.Tensor, edge: GradientEdge) -> torch.Tensor:
 # pre-hook on, never a node of the stage). It is a view of a one-element leaf and the root gradient a
 # one-element tensor, both made once per device and kept: a view is a metadata op, and the engine only
 # captures at the leaf (it is among the call's ``inputs``), so the call dispatches no kernel besides the
-# intermediates' own (a fresh ``zeros`` + ``clone`` + ``ones_like`` per call did; docs/performance.md, "W's
+# intermediates' own (a fresh ``zeros`` + ``clone`` + ``ones_like`` per call did; benchmarks/RESULTS.md, "W's
 # engine entries"). Neither tensor is ever written: the leaf's gradient is captured, not accumulated, and
 # the view's node passes the root gradient on unchanged to that capture. Each call makes its own view node,
 # so threads running W at once never share a hook.
@@ -117,7 +117,7 @@ def weight_edge_grads(calls: list[NodeCall]) -> list[list]:
     layer), never re-runs a node of the input side and never walks it. The call is an
     ``autograd.grad`` from a view of a one-element anchor, whose ``ViewBackward0`` node (W's own,
     made for this call; Note [W's anchor runs no kernel]) has a pre-hook that calls the nodes
-    (:class:`_Job`; a custom ``autograd.Function`` did this before, slower: docs/performance.md, "W's engine
+    (:class:`_Job`; a custom ``autograd.Function`` did this before, slower: benchmarks/RESULTS.md, "W's engine
     entries"); it accumulates nothing, and the hook is removed when the call returns, whatever happens. No
     hook touches a node of the stage.
 
@@ -205,7 +205,7 @@ def accumulate(roots: list, grads: list, inputs: list, retain_graph: bool) -> No
     broadcast operand is summed back to its shape (``at::sum_to``), dtype and device are cast. W's
     roots are exactly such node outputs (or gradients already checked by ``ppbackward._tree``), so W
     hands them over unshaped and goes straight to the engine entry point that
-    ``torch.autograd.backward`` itself ends in (without its per-root Python checks, docs/performance.md,
+    ``torch.autograd.backward`` itself ends in (without its per-root Python checks, benchmarks/RESULTS.md,
     "W's engine entries"); on a torch without it, the public call.
 
     Note [W accumulates through the graph's AccumulateGrad nodes]: ``inputs`` are ``GradientEdge(leaf, 0)``
