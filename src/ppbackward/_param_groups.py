@@ -345,6 +345,15 @@ def _checked_grads(
             raise BadType(
                 f"{path}: expected a tuple of gradients for {node.name()} (or None), got {type(entry).__name__}"
             )
+        if node in spent:  # first: on torch 2.5-2.12 a spent node may be freed; only its Python type is safe
+            raise BadValue(
+                f"{path}: {type(node).__name__} is a custom autograd.Function whose backward ran once, in "
+                "stage_backward_input, which then released what it saved (or freed the node, where B needed no "
+                "retained graph): B keeps its outputs for W, not its saved tensors (torch's B keeps the whole "
+                "graph, so its W can run the backward again), so W cannot compute from written gradients here. "
+                "Write None to keep what B computed, or run a full backward (stage_backward) where the "
+                "gradients must change"
+            )
         metas = node._input_metadata
         if len(entry) > len(metas):
             raise BadValue(f"{path}: {len(entry)} gradients for {node.name()}, which takes {len(metas)}")
@@ -363,15 +372,6 @@ def _checked_grads(
         if captured is not None and len(entry) == len(captured) and all(a is b for a, b in zip(entry, captured)):
             out.append(None)  # B's own gradients written back: keep what B has (no recomputation)
             continue
-        if node in spent:
-            raise BadValue(
-                f"{path}: {label} is a custom autograd.Function whose backward ran once, in "
-                "stage_backward_input, which then released what it saved (or freed the node, where B needed no "
-                "retained graph): B keeps its outputs for W, not its saved tensors (torch's B keeps the whole "
-                "graph, so its W can run the backward again), so W cannot compute from written gradients here. "
-                "Write None to keep what B computed, or run a full backward (stage_backward) where the "
-                "gradients must change"
-            )
         if None in replaced.get(node, ()):
             raise BadValue(
                 f"{path}: {label} shares a weight with another intermediate whose weight gradient "
