@@ -22,7 +22,9 @@ after), ``gc.isenabled()`` reads ``False`` on every thread, and a ``gc.disable()
 is undone when the last B or W leaves. ppbackward's own leak tools read the switch through
 :func:`collector_enabled`, so that a checker entered on another thread during a B does not restore
 "disabled" for good. ``PPBACKWARD_PAUSE_GC=0`` in the environment (read at import) switches the pause
-off (docs/api.md, Differences).
+off (docs/api.md, Differences). The leak tools' heap scans pause the collector through the same counter,
+whatever that setting (``always=True``: Note [heap scans beside other threads] in
+``ppbackward.leaks._heap``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import sys
 import types
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,6 +28,7 @@ from ppbackward.leaks._heap import referrers_of
 from ppbackward.leaks._storage import unique_storage_bytes
 
 __all__ = [  # private module: what other modules use
+    "Holders",
     "find_chain",
     "format_chain",
     "format_holders",
@@ -37,6 +38,7 @@ __all__ = [  # private module: what other modules use
 ]
 
 _MAX_KEYS_SHOWN = 4
+_LOCALS_SEEN = sys.version_info >= (3, 13)  # frame.f_locals is a view, not a copy the frame keeps (PEP 667)
 
 
 def _is_node(obj: Any) -> bool:
@@ -108,7 +110,7 @@ def _edge_label(src: Any, dst: Any) -> str:
             return "(a member)"
         if _is_node(src) and isinstance(dst, dict):
             return "(its hook dict)"  # the only Python objects a C++ node lets gc traverse
-        if isinstance(src, types.FrameType):
+        if isinstance(src, types.FrameType) and _LOCALS_SEEN:  # before 3.13 f_locals is a copy the frame keeps
             for k, v in src.f_locals.items():
                 if v is dst:
                     return f".f_locals[{k!r}]"
@@ -255,7 +257,10 @@ def write_graph(chain: list[Any], path: str) -> str | None:
 # function's frame, ``via .f_locals['name']``. Not on 3.11 and 3.12: there ``frame.f_locals`` copies
 # the locals into a dict the frame keeps, which would hold the very tensor the report is about after the
 # caller's ``del`` (3.13's ``f_locals`` is a view, PEP 667; on 3.9 and 3.10 the collector sees running
-# frames itself). A chain that ends at an object nothing visible refers to says so on its last line.
+# frames itself). A tuple held only by a local variable is a referrer the collector cannot tell from a
+# half-built one (Note [heap scans beside other threads]): on 3.13+ the frames' locals name it; before, it
+# is left out. A chain that ends at an object with no referrer the search can see says so on its last
+# line (not one that ends in a cycle back into the chain, or at ``max_depth``).
 # The search's own containers and frames, and this package's frames, are skipped, and an instance
 # ``__dict__`` is folded into its object (``Loop via .outputs``, not ``dict ... via .__dict__``).
 
@@ -264,67 +269,98 @@ def _is_root(obj: Any) -> bool:
     return isinstance(obj, (types.ModuleType, types.FrameType))
 
 
-def holder_chain(obj: Any, max_depth: int = 12) -> list[Any]:
-    """Back-references from ``obj`` to what holds it (Note [holder chains]): ``chain[0]`` is ``obj`` and
-    ``chain[i + 1]`` refers to ``chain[i]``. Shortest path to a module or frame if there is one within
-    ``max_depth`` references, else the path to an object with no visible referrer, one of a user's
-    class first, the furthest first among those."""
+class Holders(NamedTuple):
+    """A holder chain (Note [holder chains]): ``chain[0]`` is the object, ``chain[i + 1]`` refers to
+    ``chain[i]``; ``unheld`` when its last object has no referrer at all that the search can see (not a
+    cycle back into the chain, nor a search stopped at ``max_depth``)."""
+
+    chain: list[Any]
+    unheld: bool
+
+
+def holder_chain(obj: Any, max_depth: int = 12) -> Holders:
+    """Back-references from ``obj`` to what holds it (Note [holder chains]). Shortest path to a module or
+    frame if there is one within ``max_depth`` references, else the path to an object with no visible
+    referrer, one of a user's class first, the furthest first among those."""
     queue = deque([obj])
     parent: dict[int, Any] = {id(obj): None}
     depth = {id(obj): 0}
-    locals_of = _frames_by_local()
-    skip = {id(sys._getframe()), id(queue), id(parent), id(depth), id(locals_of)}  # frame not kept: no cycle
+    values, frames = _frames_by_local()
+    skip = {id(sys._getframe()), id(queue), id(parent), id(depth), id(values), id(frames)}  # frame not kept
     try:
-        return _search(obj, queue, parent, depth, skip, locals_of, max_depth)
+        return _search(obj, queue, parent, depth, skip, (values, frames), max_depth)
     finally:
         queue.clear()
         parent.clear()  # it refers to every object met: dropped at once, never left to the gc
-        locals_of.clear()
+        values.clear()
+        frames.clear()
 
 
-def _frames_by_local() -> dict[int, list[types.FrameType]]:
-    """``{id(value): [frames whose local variable is value]}`` over every thread's running frames but
-    this package's, on Python 3.13+ (else empty: Note [holder chains]); the values stay alive through
-    their frames meanwhile."""
-    found: dict[int, list[types.FrameType]] = {}
-    if sys.version_info < (3, 13):
-        return found
+def _frames_by_local() -> tuple[list[Any], list[types.FrameType]]:
+    """Every local variable of every thread's running frames but this package's, with its frame (two
+    lists of one length), on Python 3.13+ (else empty: Note [holder chains]); the values stay alive
+    through their frames meanwhile, and are matched by identity (an ``id`` alone could be reused while
+    other threads run)."""
+    values: list[Any] = []
+    frames: list[types.FrameType] = []
+    if not _LOCALS_SEEN:
+        return values, frames
     for top in sys._current_frames().values():
         frame: types.FrameType | None = top
         while frame is not None:
             if not _is_own_frame(frame):
                 for value in frame.f_locals.values():
-                    found.setdefault(id(value), []).append(frame)
+                    values.append(value)
+                    frames.append(frame)
             frame = frame.f_back
+    return values, frames
+
+
+def _held_by_locals(cur: Any, locals_of: tuple[list[Any], list[types.FrameType]]) -> list[Any]:
+    """The frames whose local variable is ``cur``, and the tuples held by a local variable that hold
+    ``cur`` (complete: a variable holds them; ``referrers_of`` cannot tell them from a half-built one)."""
+    found: list[Any] = []
+    for value, frame in zip(*locals_of):
+        if value is cur:
+            found.append(frame)
+        elif type(value) is tuple and any(item is cur for item in value):
+            found.append(value)
     return found
 
 
 def _search(
     obj: Any, queue: deque[Any], parent: dict[int, Any], depth: dict[int, int], skip: set[int],
-    locals_of: dict[int, list[types.FrameType]], max_depth: int,
-) -> list[Any]:
+    locals_of: tuple[list[Any], list[types.FrameType]], max_depth: int,
+) -> Holders:
     skip.add(id(sys._getframe()))
     deepest = obj
+    bare: set[int] = set()  # ids of the objects met with no referrer at all
     while queue:
         cur = queue.popleft()
         if _is_root(cur) and cur is not obj:
-            return _path(cur, parent)
+            return Holders(_path(cur, parent), False)
         if depth[id(cur)] >= max_depth:
             continue
-        referrers = referrers_of(cur) + locals_of.get(id(cur), [])
+        referrers = referrers_of(cur) + _held_by_locals(cur, locals_of)
         skip.add(id(referrers))
         found = False
+        seen_any = False
         for ref in referrers:
-            if id(ref) in skip or id(ref) in parent or _is_own_frame(ref):
+            if id(ref) in skip or _is_own_frame(ref):
+                continue
+            seen_any = True
+            if id(ref) in parent:
                 continue
             found = True
             parent[id(ref)] = cur
             depth[id(ref)] = depth[id(cur)] + 1
             queue.append(ref)
         del referrers
+        if not seen_any:
+            bare.add(id(cur))
         if not found and _end_rank(cur, depth) > _end_rank(deepest, depth):
             deepest = cur
-    return _path(deepest, parent)
+    return Holders(_path(deepest, parent), id(deepest) in bare)
 
 
 def _end_rank(obj: Any, depth: dict[int, int]) -> tuple[bool, bool, int]:
@@ -342,9 +378,11 @@ def _is_own_frame(obj: Any) -> bool:
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def format_holders(chain: list[Any]) -> str:
+def format_holders(holders: Holders) -> str:
     """``[0] Tensor float32[] ..., grad_fn=PowBackward0 <- [1] list (len 1) via [0] <- [2] Loop via .outputs``
-    on one line per step (instance ``__dict__`` steps folded: Note [holder chains])."""
+    on one line per step (instance ``__dict__`` steps folded: Note [holder chains]); a last line when
+    nothing visible holds the chain's last object."""
+    chain = holders.chain
     folded = [
         item for i, item in enumerate(chain)
         if not (isinstance(item, dict) and i + 1 < len(chain) and _dict_of(chain[i + 1]) is item)
@@ -353,10 +391,13 @@ def format_holders(chain: list[Any]) -> str:
     for i in range(1, len(folded)):
         label = _edge_label(folded[i], folded[i - 1])
         lines.append(f"  <- [{i}] {_describe(folded[i])}" + (f" via {label}" if label else ""))
-    if not _is_root(folded[-1]):
+    if holders.unheld:
+        last = len(folded) - 1
         lines.append(
-            f"  (nothing the gc sees refers to [{len(folded) - 1}]: a local variable of a running function"
-            " or C code holds it; Python 3.13+ names the function)"
+            f"  (nothing the gc sees refers to [{last}], nor a local variable of a running function: C code holds it)"
+            if _LOCALS_SEEN else
+            f"  (nothing the gc sees refers to [{last}]: a local variable of a running function or C code holds it;"
+            " Python 3.13+ names the function)"
         )
     return "\n".join(lines)
 

@@ -30,7 +30,15 @@ CPython we know of tracks tuples only once complete (3.14 and later not tried he
    alone. The scan's own references are counted once per process on a probe tuple with exactly one
    holder (``_tuple_threshold``).
 
-Lists and dicts are always complete objects to Python, so only tuples need rule 2.
+Lists and dicts that CPython itself builds are complete whenever Python code can run, so only tuples
+need rule 2 (a C extension that fills a ``PyList_New(n)`` while calling back into Python could expose
+one with empty slots: not guarded).
+
+Known limits: an audit hook (``sys.addaudithook``) runs Python code at each ``gc.get_referrers`` call
+of rule 2's check, while the scan holds the referrers; a hook that lets another thread run reopens the
+window. So does an exception raised inside the pipeline (``MemoryError``) while its traceback holds the
+list. A tuple held only by a running function's local variable looks, to the collector, like one being
+built (its frame is no container while it runs, from Python 3.11 on), so it is left out.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable, Iterator
 from functools import partial
-from itertools import chain, compress, repeat, starmap
+from itertools import chain, compress, islice, repeat, starmap
 from operator import ge, is_not, not_
 from typing import Any
 
@@ -83,38 +91,60 @@ def referrers_of(obj: Any) -> list[Any]:
     other threads]): those may be under construction in another thread, or in the caller's own
     ``tuple(generator)``.
 
+    Args:
+        obj: any object; its referrers are looked up, nothing is called on it.
+
     Returns:
-        The referrers, non-tuples first; a fresh list nothing else refers to.
+        The referrers, non-tuples first; a fresh list nothing else refers to. At most
+        ``_TUPLES_CHECKED`` tuples are checked (each check is a heap scan); further tuples are left out.
+
+    Raises:
+        RuntimeError: when the scan cannot measure its own references once per process (then no tuple
+            could be handed out safely); the next call measures again.
     """
     return _referrers(obj, _tuple_threshold())
 
 
+_TUPLES_CHECKED = 8  # tuples among one object's referrers that are checked for a holder (a heap scan each)
+
+
 def _referrers(obj: Any, threshold: int) -> list[Any]:
     """The one C-level pass of :func:`referrers_of`: tuples kept when ``len(gc.get_referrers(t))``, the
-    scan's own containers included, is at least ``threshold``."""
-    box: list[Any] = []  # the referrers, inside the call only: emptied by its last step
+    scan's own containers included, is at least ``threshold``; the candidates after the first
+    ``_TUPLES_CHECKED`` are read to the end into ``sink`` and dropped, so no iterator left behind holds one."""
+    box: list[Any] = []  # the referrers, inside the call only: emptied by its last steps
+    sink: list[Any] = []  # the unchecked rest, likewise
     fill = starmap(box.extend, ((chain.from_iterable(starmap(gc.get_referrers, ((obj,),))),),))
     firsts = _each_twice(iter(box))
     others = compress(firsts, map(not_, map(issubclass, map(type, firsts), repeat(tuple))))
     seconds = _each_twice(iter(box))
-    tuples = _each_twice(compress(seconds, map(issubclass, map(type, seconds), repeat(tuple))))
+    candidates = islice(compress(seconds, map(issubclass, map(type, seconds), repeat(tuple))), _TUPLES_CHECKED)
+    tuples = _each_twice(candidates)
     held = compress(tuples, map(ge, map(len, map(gc.get_referrers, tuples)), repeat(threshold)))
+    rest = starmap(sink.extend, ((seconds,),))
     empty = starmap(box.clear, ((),))
+    empty_sink = starmap(sink.clear, ((),))
     with automatic_gc_paused(always=True):
-        return list(filter(partial(is_not, None), chain(fill, others, held, empty)))
+        return list(filter(partial(is_not, None), chain(fill, others, held, rest, empty, empty_sink)))
 
 
 def _tuple_threshold() -> int:
     """How many referrers a tuple with exactly one holder shows inside :func:`_referrers` (the scan's own
-    containers and the holder), measured once on a probe: a tuple with fewer has no holder the collector
-    sees."""
+    containers and the holder), measured once per process on a probe, the collector paused throughout: a
+    tuple with fewer has no holder the collector sees. The probe holds a list, which the collector never
+    untracks (it untracks a tuple of untracked items), and every threshold up to the measured one must
+    keep it, or nothing is cached and :class:`RuntimeError` says so."""
     global _threshold
     if _threshold is None:
-        marker = object()
+        marker: list[Any] = []
         holder = [(marker,)]  # the probe tuple's one holder; no Python variable refers to the tuple
-        kept = [n for n in range(1, 16) if any(type(r) is tuple for r in _referrers(marker, n))]
-        if not kept:
-            raise RuntimeError("ppbackward.leaks: the referrer scan could not measure its own references")
-        _threshold = max(kept)
+        with automatic_gc_paused(always=True):
+            kept = [n for n in range(1, 16) if any(type(r) is tuple for r in _referrers(marker, n))]
         del holder
+        if len(kept) < 2 or kept != list(range(1, len(kept) + 1)):
+            raise RuntimeError(
+                f"ppbackward.leaks: the referrer scan could not measure its own references (kept at {kept}); "
+                "no tuple is handed out"
+            )
+        _threshold = kept[-1]
     return _threshold
