@@ -23,8 +23,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 cd "$(dirname "$0")/.."
-py=python
-[ -x .venv/bin/python ] && py=.venv/bin/python
+# $PYTHON, else the `python` on PATH when it has ppbackward (a nox session's), else the checkout's .venv
+py="${PYTHON:-python}"
+if ! "$py" -c 'import ppbackward' 2>/dev/null && [ -x .venv/bin/python ]; then py=.venv/bin/python; fi
 if [ "$device" = cuda ]; then
   "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)' \
     || { echo "gpu_bench.sh: no CUDA device (use --device cpu)" >&2; exit 3; }
