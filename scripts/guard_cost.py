@@ -13,7 +13,7 @@ import time
 
 import torch
 
-import ppbackward._param_groups as pgm
+import ppbackward._handoff as pgm
 import ppbackward.backward as bw
 from ppbackward._tools.bench.impls import run_b, run_w
 from ppbackward._tools.harness.models import Config, build, reset_grads

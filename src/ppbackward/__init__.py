@@ -15,8 +15,8 @@ Public surface (see ``docs/api.md``):
 
 from ppbackward._compat import SUPPORTED_TORCH, UnsupportedTorchError, UntestedTorchWarning
 from ppbackward._errors import StageBackwardError
+from ppbackward._handoff import ParamGroups
 from ppbackward._install import active_adapter, install, installed, is_installed, merge_bw_enabled, uninstall
-from ppbackward._param_groups import ParamGroups
 from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
 
 __version__ = "0.2.0"

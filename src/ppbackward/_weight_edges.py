@@ -14,7 +14,8 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
-from ppbackward._param_groups import Contribution, NodeCall, WeightWork
+from ppbackward._handoff import WeightWork
+from ppbackward._param_groups import Contribution, NodeCall
 from ppbackward._saved import release_saved_tensors
 
 __all__ = ["accumulate", "run_weight_work", "weight_edge_grads"]  # private module: what other modules use
@@ -227,7 +228,7 @@ def accumulate(roots: list, grads: list, inputs: list, retain_graph: bool) -> No
 
 
 def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
-    """W's two engine calls for one chunk of its work (Note [W in chunks] in ``ppbackward._param_groups``):
+    """W's two engine calls for one chunk of its work (Note [W in chunks] in ``ppbackward._handoff``):
     the intermediates' weight edges (:func:`weight_edge_grads`), then every gradient of the chunk handed
     to one accumulating call (:func:`accumulate`) in the order of Note [accumulation order].
 

@@ -48,8 +48,9 @@ from ppbackward._graph import (
     gradient_edge,
     is_accumulate_grad,
 )
+from ppbackward._handoff import CONSUMED, ParamGroups, WeightSet
 from ppbackward._node_owner import candidate_owners, owners_needed
-from ppbackward._param_groups import CONSUMED, Contribution, NodeCall, ParamGroup, ParamGroups, WeightSet
+from ppbackward._param_groups import Contribution, NodeCall, ParamGroup
 from ppbackward._saved import holds_saved_tensors, hook_kinds, pin_saved_inputs, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
 from ppbackward._weight_edges import run_weight_work
@@ -305,7 +306,7 @@ def w_edges_of(specs: list, node: Any) -> tuple[int, ...]:
 
 class _Captured(NamedTuple):
     """What a capture hook saw (Note [capturing intermediates]): the gradients, and their versions then
-    (Note [captured gradients are checked at W] in ``ppbackward._param_groups``)."""
+    (Note [captured gradients are checked at W] in ``ppbackward._handoff``)."""
 
     grads: tuple
     versions: tuple
@@ -439,7 +440,7 @@ def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> Eager
 # that ``AccumulateGrad`` already and does not run it for this microbatch either. So the hooks registered
 # on those leaves during B's engine call are B's: B lists them (the leaf and the hook ids, after its call),
 # and W mutes exactly those for its accumulating calls and puts them back, in order, afterwards (Note
-# [W mutes B's hooks] in ``ppbackward._param_groups``); hooks registered after B returned run in W, as
+# [W mutes B's hooks] in ``ppbackward._handoff``); hooks registered after B returned run in W, as
 # every parameter hook does. Cost: ``RemovableHandle.next_id`` (torch's counter of every hook registered
 # through a handle, ``Tensor.register_hook`` included) is read before and after the call; only when it moved
 # are the captured leaves' hook dicts read.
@@ -493,7 +494,7 @@ def _hooks_registered(nodes: list[Any]) -> list[tuple[torch.Tensor, tuple[int, .
 def _capture_inputs(box: list, grad_outputs: tuple) -> None:
     """A node pre-hook (bound to ``box`` by ``functools.partial``) that stores the gradients flowing into
     the node, and their versions then, in ``box`` (Note [captured gradients are checked at W] in
-    ``ppbackward._param_groups``)."""
+    ``ppbackward._handoff``)."""
     versions = []
     for g in grad_outputs:
         versions.append(None if g is None else g._version)
@@ -679,7 +680,7 @@ def stage_backward_weight(
     backward, so tensor hooks and ``register_post_accumulate_grad_hook`` hooks (DDP,
     optimizer-in-backward; pytorch/pytorch#144530) fire once per parameter, and the grad layout is
     the one a full backward produces. Two engine calls per chunk of param groups holding about 4 MiB
-    of parameters (one chunk for a small stage; Note [W in chunks] in ``ppbackward._param_groups``): one
+    of parameters (one chunk for a small stage; Note [W in chunks] in ``ppbackward._handoff``): one
     computes the intermediates' weight edges (Note [W computes only weight edges] in
     ``ppbackward._weight_edges``), one runs the weight-only subgraphs and accumulates every parameter of
     the chunk exactly once.

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
-import ppbackward._param_groups as _param_groups
+import ppbackward._handoff as _handoff
 import ppbackward._weight_edges as _weight_edges
 import ppbackward.backward as backward
 from ppbackward._gc_pause import automatic_gc_paused
@@ -29,7 +29,7 @@ def _stage() -> tuple[nn.Module, torch.Tensor]:
 
 
 # B's and W's work: B's after its argument checks; W's chunks as they are made and run
-_WORK = {backward._backward_input.__code__, _param_groups._weight_work.__code__, _weight_edges.run_weight_work.__code__}
+_WORK = {backward._backward_input.__code__, _handoff._weight_work.__code__, _weight_edges.run_weight_work.__code__}
 
 
 def _inside_work() -> bool:

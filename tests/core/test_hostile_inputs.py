@@ -6,9 +6,9 @@ with exact values (``torch.equal``).
   nodes] in ``ppbackward._weight_edges``);
 * a parameter frozen after its forward (the same Note);
 * a tensor hook registered on a parameter during B (Note [hooks registered during B] in
-  ``ppbackward.backward``, Note [W mutes B's hooks] in ``ppbackward._param_groups``);
+  ``ppbackward.backward``, Note [W mutes B's hooks] in ``ppbackward._handoff``);
 * a multi-grad hook over a stage's parameters, with W in several chunks (Note [parameters with tensor hooks
-  accumulate in one call] in ``ppbackward._param_groups``);
+  accumulate in one call] in ``ppbackward._handoff``);
 * writes into ``param_groups`` that W could not honour: refused when written, nothing consumed.
 """
 
@@ -25,7 +25,7 @@ from torch.distributed.pipelining import _backward as upstream
 from torch.utils.checkpoint import checkpoint
 
 import ppbackward as pb
-import ppbackward._param_groups as param_groups
+import ppbackward._handoff as handoff
 from tests.core.stages import Matmul
 
 Step = Callable[[nn.Module], object]
@@ -181,7 +181,7 @@ def _halving_hook_registered_during_backward(module: nn.Sequential, calls: list)
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_hook_registered_on_a_norm_weight_during_b_runs_once(chunked, monkeypatch):
     if chunked:
-        monkeypatch.setattr(param_groups, "_W_CHUNK_BYTES", 1)
+        monkeypatch.setattr(handoff, "_W_CHUNK_BYTES", 1)
     x0, g = _data()
     results = []
     for split in (False, True):
@@ -281,7 +281,7 @@ def test_a_multi_grad_hook_over_the_stage_fires_once_as_in_a_full_backward(mode)
         out = module(x)
         if split:
             _, groups = pb.stage_backward_input([out], [g], [x], params)
-            assert len(list(param_groups._runs(groups._groups, param_groups._W_CHUNK_BYTES))) == 3
+            assert len(list(handoff._runs(groups._groups, handoff._W_CHUNK_BYTES))) == 3
             pb.stage_backward_weight(params, groups)
         else:
             torch.autograd.backward([out], [g])
@@ -308,8 +308,8 @@ def test_w_stays_in_chunks_where_no_parameter_has_a_tensor_hook(monkeypatch):
     """The join is only where tensor hooks are: post-accumulate-grad hooks (DDP, optimizer-in-backward) group
     nothing by engine call, and the chunks stay (Note [W in chunks])."""
     chunks: list[int] = []
-    real = param_groups._weight_work
-    monkeypatch.setattr(param_groups, "_weight_work", lambda groups: chunks.append(len(groups)) or real(groups))
+    real = handoff._weight_work
+    monkeypatch.setattr(handoff, "_weight_work", lambda groups: chunks.append(len(groups)) or real(groups))
     module = _wide_stage()
     fired: list = []
     for p in module.parameters():

@@ -1,7 +1,7 @@
 """Mistakes that used to fail late, deep inside autograd, or silently: each is now a clear error naming the
 gradient, parameter, output or index, raised before anything accumulates (issue 21).
 
-Note [captured gradients are checked at W] (``ppbackward._param_groups``), Note [anomaly mode names W's
+Note [captured gradients are checked at W] (``ppbackward._handoff``), Note [anomaly mode names W's
 nodes] (``ppbackward._weight_edges``).
 """
 
@@ -69,9 +69,9 @@ def test_gradients_left_alone_pass_the_check_and_w_is_exact():
 def test_a_hook_of_an_earlier_chunk_changing_a_later_chunks_gradient_is_caught(monkeypatch):
     """W in chunks (one param group each here): a post-accumulate-grad hook fired by the first chunk changes
     in place a gradient only a later chunk reads; that chunk is checked again before it runs and refused."""
-    import ppbackward._param_groups as param_groups
+    import ppbackward._handoff as handoff
 
-    monkeypatch.setattr(param_groups, "_W_CHUNK_BYTES", 1)
+    monkeypatch.setattr(handoff, "_W_CHUNK_BYTES", 1)
     mod = _stage()
     x = torch.randn(2, 4, requires_grad=True)
     _, groups = pb.stage_backward_input((mod(x),), (torch.ones(2, 3),), [x], mod.parameters())

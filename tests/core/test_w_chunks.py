@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ppbackward as pb
-import ppbackward._param_groups as param_groups
+import ppbackward._handoff as handoff
 import ppbackward.backward as backward
 from tests.core import test_exactness, test_hooks, test_random_stages
 from tests.core.helpers import clone_inputs, output_grads
@@ -23,14 +23,14 @@ from tests.core.stages import ZOO, build
 @pytest.fixture
 def one_group_per_chunk(monkeypatch):
     chunks = []
-    real = param_groups._weight_work
+    real = handoff._weight_work
 
     def spy(groups):
         chunks.append(len(groups))
         return real(groups)
 
-    monkeypatch.setattr(param_groups, "_W_CHUNK_BYTES", 1)
-    monkeypatch.setattr(param_groups, "_weight_work", spy)
+    monkeypatch.setattr(handoff, "_W_CHUNK_BYTES", 1)
+    monkeypatch.setattr(handoff, "_weight_work", spy)
     return chunks
 
 
@@ -39,11 +39,11 @@ def test_chunks_partition_the_groups_in_order_by_parameter_bytes():
         return backward.ParamGroup([], [], [torch.zeros(n) for n in numels])  # float32: 4 bytes each
 
     groups = [group(1), group(2), group(5), group(1), group(1)]
-    assert [len(c) for c in param_groups._runs(groups, 12)] == [2, 1, 2]  # 12 B, 20 B, 8 B (last, smaller)
-    assert [g for c in param_groups._runs(groups, 12) for g in c] == groups
-    assert [len(c) for c in param_groups._runs(groups, 1)] == [1] * 5
-    assert [len(c) for c in param_groups._runs(groups, 10**9)] == [5]
-    assert list(param_groups._runs([], 1)) == []
+    assert [len(c) for c in handoff._runs(groups, 12)] == [2, 1, 2]  # 12 B, 20 B, 8 B (last, smaller)
+    assert [g for c in handoff._runs(groups, 12) for g in c] == groups
+    assert [len(c) for c in handoff._runs(groups, 1)] == [1] * 5
+    assert [len(c) for c in handoff._runs(groups, 10**9)] == [5]
+    assert list(handoff._runs([], 1)) == []
 
 
 @pytest.mark.parametrize("order", ["BWBW", "BBWW-reversed"])
