@@ -103,7 +103,9 @@ def _python_of(venv: Path) -> str | None:
 def _shared_venv(session: nox.Session, torch_version: str, *extra: str) -> None:
     """Put torch ``torch_version``, ppbackward's dependencies and test extra, and ``extra`` in the shared venv
     ``CACHE/torch-VERSION`` (built once, reused after), make them visible to the session's venv, and install
-    this checkout there, editable."""
+    this checkout there, editable. The building commands are ``session.run_install``'s, as ``session.install``
+    is: ``nox -s SESSION --install-only`` builds the shared venv ahead of a run (``session.run`` is skipped
+    there), and ``-R`` (``--no-install`` on a reused session venv) installs nothing."""
     torch_req = f"torch=={torch_version}"
     project = _project()
     others = [r for r in project["dependencies"] + project["optional-dependencies"]["test"]
@@ -115,19 +117,20 @@ def _shared_venv(session: nox.Session, torch_version: str, *extra: str) -> None:
     with _locked(CACHE / f"torch-{torch_version}.lock"):
         if _python_of(venv) != wanted_python:
             session.log(f"building {venv} (python {wanted_python}, {torch_req}; several GB, a few minutes)")
-            shutil.rmtree(venv, ignore_errors=True)
-            session.run(sys.executable, "-m", "venv", str(venv), external=True)
+            session.run_install(sys.executable, "-m", "venv", "--clear", str(venv), external=True)
         else:
             session.log(f"reusing {venv}")
         # pip leaves what is already there alone: seconds when the venv holds everything
-        session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *requirements, env=pip_env,
-                    external=True)
-    shared = subprocess.run([str(venv / "bin" / "python"), "-c", PURELIB], capture_output=True, text=True,
-                            check=True).stdout.strip()
-    own = session.run("python", "-c", PURELIB, silent=True, log=False)
-    assert isinstance(own, str)
-    # site.addsitedir also runs the shared venv's own .pth files; the session's packages come first on sys.path
-    (Path(own.strip()) / "ppbackward-shared-venv.pth").write_text(f"import site; site.addsitedir({shared!r})\n")
+        session.run_install(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *requirements,
+                            env=pip_env, external=True)
+    if _python_of(venv) != wanted_python:  # -R skipped the build
+        session.error(f"{venv} has no python {wanted_python}: run the session without -R/--no-install to build it")
+    own = session.run_install("python", "-c", PURELIB, silent=True, log=False)
+    if isinstance(own, str):  # else -R: the session venv is reused as it is, its .pth file in place
+        shared = subprocess.run([str(venv / "bin" / "python"), "-c", PURELIB], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        # site.addsitedir also runs the shared venv's own .pth files; the session's packages come first on sys.path
+        (Path(own.strip()) / "ppbackward-shared-venv.pth").write_text(f"import site; site.addsitedir({shared!r})\n")
     session.install("--no-deps", "-e", ".")
     session.run("python", "-c", WHICH, torch_version, str(ROOT / "src"))
 
