@@ -6,9 +6,11 @@ Note [custom Function nodes need an owner]: before torch 2.13, the Python object
 ``autograd.Function`` node (``BackwardCFunction``) holds its C++ node weakly, and so may a
 ``GradientEdge`` to it. Once B has detached the stage outputs, a custom node that B's
 ``ParamGroups`` reaches only by such an edge (an output edge; a weight edge of a custom
-intermediate, which ran in B) may have no owner left, and W then fails with a ``RuntimeError``
-(``element 0 of tensors does not require grad``) or, depending on the call path, crashes the
-process (a dead node handed to the engine). :func:`custom_nodes_need_owner` probes this once, the
+intermediate, which ran in B) or by its Python object (a custom intermediate a group lists, which
+a write into its ``"grads"`` entry makes W call again) may have no owner left, and W then fails
+with a ``RuntimeError`` (``element 0 of tensors does not require grad``) or, depending on the
+call path, crashes the process (a dead node handed to the engine, or its input metadata read
+where such a write is checked: torch 2.5.1). :func:`custom_nodes_need_owner` probes this once, the
 way B holds nodes; where it holds and B's param groups reference a custom node,
 :func:`candidate_owners` gives one C++ node per stage output (a view of it), taken before B runs,
 and B stores them in its ``ParamGroups`` (:func:`owners_needed`); W's release drops them. This

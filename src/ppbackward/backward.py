@@ -287,7 +287,9 @@ def _backward_input(
         pinned = pin_saved_inputs(
             [n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in done_in_b]
         )
-    owners = owners_needed(owners, [(group.calls, group.ready) for group in groups])
+    # Note [custom Function nodes need an owner]: what W runs and the intermediates a group lists, which a write
+    # into "grads" makes W call again and whose input metadata checks the write (freed: a segfault on torch 2.5.1)
+    owners = owners_needed(owners, [(group.calls, group.ready, group._nodes) for group in groups])
     _detach_outputs(flat.tensors, analysis.used_nodes)
     result: list[torch.Tensor | None] = [None] * len(input_values)
     for i, t in wanted:
