@@ -18,6 +18,7 @@ import torch.nn as nn
 
 import ppbackward as pb
 from ppbackward import _node_owner, _weight_edges
+from ppbackward._saved import HOOKS_VISIBLE
 from ppbackward._tools.bench import memory as _memory
 from ppbackward._tools.bench.device_work import REGIMES, cheap_gradients_deferred, count, stage_work
 from ppbackward._tools.harness.models import Config
@@ -72,6 +73,8 @@ def _assert_same_work(work: dict, what: str, regime: str = "accumulating") -> No
 @pytest.mark.parametrize("regime", REGIMES)
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_split_dispatches_exactly_the_full_backwards_kernels(name, regime):
+    if name == "checkpointed" and not HOOKS_VISIBLE:
+        pytest.skip("this torch does not expose saved-tensor hooks to Python: W recomputes a checkpointed region too")
     _assert_same_work(_zoo_work(name, regime), f"{name} ({regime})", regime)
 
 

@@ -26,6 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 import ppbackward as pb
 import ppbackward._handoff as handoff
+from ppbackward import _node_owner
+from ppbackward._saved import HOOKS_VISIBLE
 from tests.core.stages import Matmul
 
 Step = Callable[[nn.Module], object]
@@ -143,7 +145,22 @@ def test_a_frozen_parameters_hooks_run_as_in_a_full_backward():
 
         grads = _full(module, freeze) if kind == "full" else _split(module, before_w=freeze)
         assert grads["1.weight"] is None
-    assert sorted(seen["split"]) == sorted(seen["full"]) and len(seen["full"]) == 12
+    want = [f"{kind} {n}" for n, _ in _stage().named_parameters() for kind in ("hook", "post")]
+    if not _post_hook_runs_on_a_frozen_leaf():
+        want.remove("post 1.weight")
+    assert sorted(seen["split"]) == sorted(seen["full"]) == sorted(want)
+
+
+def _post_hook_runs_on_a_frozen_leaf() -> bool:
+    """Whether this torch's ``AccumulateGrad`` runs a post-accumulate-grad hook of a leaf frozen after its
+    forward (2.13 does; 2.5.1 returns before the hook)."""
+    w = torch.zeros(1, requires_grad=True)
+    ran: list[int] = []
+    w.register_post_accumulate_grad_hook(lambda _: ran.append(1))
+    out = w * 2
+    w.requires_grad_(False)
+    out.backward()
+    return bool(ran)
 
 
 def test_torchs_w_raises_on_a_parameter_frozen_after_b():
@@ -219,6 +236,9 @@ def test_a_hook_registered_on_a_norm_weight_between_b_and_w_runs_in_w():
     assert len(hooks) == 2 and hooks[0] == during_b[0]  # both kept, in registration order
 
 
+@pytest.mark.skipif(
+    not HOOKS_VISIBLE, reason="this torch does not expose saved-tensor hooks to Python: no weight is on B's frontier"
+)
 def test_a_hook_registered_during_b_on_a_frontier_weight_runs_once_and_the_old_ones_keep_their_order():
     """A checkpointed region's bias (B runs the region's weight work, and captures the bias's gradient at its
     ``AccumulateGrad``: Note [frontier captures skip leaf hooks]): a hook it had before B runs once, in W; one
@@ -416,6 +436,11 @@ def test_gradients_written_for_a_custom_function_that_saved_nothing_are_what_w_c
     assert results[0] is not None and torch.equal(results[0], results[1])
 
 
+@pytest.mark.skipif(
+    _node_owner.custom_nodes_need_owner(),
+    reason="on this torch a custom Function node dies with its last output: torch's W then calls a freed node "
+           "(a segfault on torch 2.5.1)",
+)
 def test_torchs_w_runs_a_custom_function_again_from_written_gradients():
     """The other side of the row in docs/api.md: torch 2.13's W succeeds on that write."""
     torch.manual_seed(0)

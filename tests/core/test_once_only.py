@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import ppbackward as pb
+from ppbackward._saved import HOOKS_VISIBLE
 
 _WAIT = 60.0  # a safety net against a hang; never reached when the code works
 
@@ -132,6 +133,10 @@ def test_two_threads_running_w_on_the_same_param_groups_one_runs_the_other_is_re
 # -- B ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(
+    not HOOKS_VISIBLE,
+    reason="this torch does not expose saved-tensor hooks to Python: B cannot see an earlier B's release",
+)
 def test_a_refused_second_b_runs_nothing_and_leaves_the_first_microbatchs_w_intact():
     """The issue's repro: a view output cannot be detached in place, so a second B reached the graph; the
     first B's release hooks made it look hooked, it ran without retaining the graph and freed it."""

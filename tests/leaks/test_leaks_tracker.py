@@ -21,10 +21,16 @@ from ppbackward.leaks import (
     check_tensor_leaks,
     track_activations,
 )
+from ppbackward.leaks._saved_hooks import top_hooks
 from tests.leaks.gc_threads import another_thread_collecting
 from tests.leaks.leaky_variants import HIDDEN_BYTES, OUT_BYTES, make_input, make_stage
 
 WEIGHT_BYTES = 16 * 8 * 4
+# Note [tracker composes with saved-tensor hooks] reads the hooks in force, which torch 2.5 does not expose
+composes = pytest.mark.skipif(
+    top_hooks is None,
+    reason="this torch has no torch._C._autograd._top_saved_tensors_default_hooks: the tracker cannot compose",
+)
 
 
 def _rows(activations: list[SavedActivation]) -> list[tuple]:
@@ -193,6 +199,7 @@ def _user_hooks(calls: list[int]) -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
+@composes
 @pytest.mark.parametrize("where", ["outside", "inside"])
 def test_composes_with_user_saved_tensor_hooks(where):
     stage, x = make_stage(), make_input()
@@ -215,6 +222,7 @@ def test_composes_with_user_saved_tensor_hooks(where):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@composes
 def test_composes_with_activation_checkpointing():
     stage, x = make_stage(), make_input()
     expected = _reference_grads(stage, x)
@@ -229,6 +237,7 @@ def test_composes_with_activation_checkpointing():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@composes
 def test_nested_trackers_record_each_tensor_once_each():
     stage, x = make_stage(), make_input()
     with track_activations() as outer:
@@ -296,6 +305,7 @@ def _identity_hooks():
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
+@composes
 @pytest.mark.parametrize("retain_graph", [True, False], ids=["negative-control-retained", "released"])
 def test_a_node_holding_itself_through_a_pack_hook_is_caught_where_the_gc_sees_nothing(retain_graph):
     """``tanh`` saves its own output; a pack hook returning that tensor closes node -> tensor -> node in
