@@ -65,6 +65,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ppbackward._compat import torch_release
+from ppbackward._saved import HOOKS_VISIBLE
+
 __all__ = [
     "CORE_MODELS",
     "MODELS",
@@ -91,6 +94,7 @@ __all__ = [
     "reset_grads",
     "stage_examples",
     "sum_squared_error",
+    "unavailable",
 ]
 
 D = 16  # hidden size
@@ -404,11 +408,9 @@ class _HiddenGradBridge(torch.autograd.Function):
 
 def _fsdp_module(module: nn.Module) -> Any:
     """``module`` if FSDP2 wraps it (``fully_shard``), else ``None``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2's public name
-        return None
-    return module if isinstance(module, FSDPModule) else None
+    from ppbackward._tools.harness.parallel import fsdp2
+
+    return module if isinstance(module, fsdp2().FSDPModule) else None
 
 
 def chunked_loss(lm_head: nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -536,6 +538,8 @@ class ModelSpec:
             ``lm_head`` applied in the loss: ``titan``); see :meth:`loss_of`.
         accumulations: ``parameter name ("stage{i}.{name}") -> AccumulateGrad calls per microbatch`` (1;
             titan's ``lm_head`` accumulates once per loss chunk, in the loss's own backwards).
+        selective_checkpointing: the stages run selective activation checkpointing (Note [what torch 2.5
+            cannot run]).
     """
 
     name: str
@@ -553,6 +557,7 @@ class ModelSpec:
     warmup_steps: int = 0
     loss_for: Callable[[nn.Module], Callable[[Any, torch.Tensor], torch.Tensor]] | None = None
     accumulations: Callable[[str], int] = lambda name: 1
+    selective_checkpointing: bool = False
 
     def loss_of(self, last_stage: nn.Module | None) -> Callable[[Any, torch.Tensor], torch.Tensor]:
         """The loss for a pipeline whose last stage module is ``last_stage`` (``None`` on a rank without
@@ -630,6 +635,7 @@ MODELS: dict[str, ModelSpec] = {
             build_stage=lambda i, n: SACStage(i),
             side_effects=_side_effects_recompute,
             metadata="static",  # as for custom-fn: shape inference would recompute once more
+            selective_checkpointing=True,
         ),
         ModelSpec(
             name="titan",
@@ -652,6 +658,7 @@ MODELS: dict[str, ModelSpec] = {
             loss_for=_titan_loss,
             accumulations=_titan_accumulations,
             metadata="static",
+            selective_checkpointing=True,
         ),
     )
 }
@@ -671,6 +678,37 @@ def model_names(text: str) -> list[str]:
     for name in names:
         get_model(name)
     return names
+
+
+# Note [what torch 2.5 cannot run]: the cases the harness skips on torch 2.5, each for something that torch
+# cannot do, with its own backward as with ppbackward's (found by ``nox -s torch-2.5.1``, 2026-12-02):
+#
+# * ``compiled``: torch 2.5.1's ``torch.compile`` (aot_eager) keeps tensors the compiled region saved alive
+#   after every backward, a plain ``autograd.backward`` of the stage too (2.13.0 frees them): the lifetime
+#   check would fail on torch's compiler, whatever the backward;
+# * a model with selective activation checkpointing under a schedule that runs B and W apart: this torch
+#   does not expose saved-tensor hooks to Python (``ppbackward._saved.HOOKS_VISIBLE``), so B cannot do the
+#   checkpointed region's weight work itself and W recomputes the region once more, which selective
+#   checkpointing refuses ("Trying to backward an extra time"), as with torch's own split
+#   (docs/compatibility.md);
+# * FSDP2 (the ``fsdp``, ``fsdp-keep`` and ``fsdp-titan`` wraps) on CPU: torch 2.5's FSDP2 runs on CUDA only
+#   (its forward raises "FSDP requires CUDA for streams"): ``parallel.wrap_unavailable``.
+
+
+def unavailable(spec: ModelSpec, split_backward: bool) -> str | None:
+    """Why ``spec`` cannot run on the installed torch under a schedule that runs B and W apart
+    (``split_backward``) or not, or ``None`` (Note [what torch 2.5 cannot run])."""
+    if spec.name == "compiled" and torch_release()[:2] == (2, 5):
+        return (
+            f"torch {torch.__version__}'s torch.compile (aot_eager) keeps the compiled region's saved tensors "
+            "alive after the backward (a plain autograd.backward too)"
+        )
+    if spec.selective_checkpointing and split_backward and not HOOKS_VISIBLE:
+        return (
+            f"torch {torch.__version__} does not expose saved-tensor hooks to Python: W would recompute the "
+            "selectively checkpointed region a second time, which it refuses (as with torch's own split)"
+        )
+    return None
 
 
 def get_model(name: str) -> ModelSpec:

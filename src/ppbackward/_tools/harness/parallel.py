@@ -30,17 +30,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ppbackward._compat import torch_release
+
 __all__ = [
     "WRAPS",
     "WRAPS_WITHOUT_DP",
     "Groups",
     "Layout",
     "batch_seed",
+    "fsdp2",
     "full_grads",
     "make_groups",
     "make_mesh",
     "replica_failures",
     "wrap",
+    "wrap_unavailable",
 ]
 
 #: ``none``: plain stage modules; ``ddp``: ``DistributedDataParallel(process_group=dp group)``; ``fsdp``:
@@ -129,9 +133,7 @@ def wrap(module: nn.Module, kind: str, groups: Groups) -> nn.Module:
 
         return DistributedDataParallel(module, process_group=groups.dp)
     if kind in ("fsdp", "fsdp-keep"):
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(module, mesh=groups.mesh["dp"], reshard_after_forward=kind == "fsdp")
+        fsdp2().fully_shard(module, mesh=groups.mesh["dp"], reshard_after_forward=kind == "fsdp")
         return module
     raise ValueError(f"unknown wrap {kind!r}; known: {', '.join(WRAPS)}")
 
@@ -141,13 +143,32 @@ def _shard_like_torchtitan(module: nn.Module, mesh: Any) -> None:
     of ``module.fsdp_units()`` (a module or a list of modules sharded together; the whole module where it
     has no such method), then the stage module itself, all with ``reshard_after_forward=False`` (its
     pipeline default; Note [torchtitan's final norm] in ``ppbackward._tools.harness.models``)."""
-    from torch.distributed.fsdp import fully_shard
-
+    fully_shard = fsdp2().fully_shard
     fsdp_units = getattr(module, "fsdp_units", None)
     units = fsdp_units() if callable(fsdp_units) else []
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=False)
     fully_shard(module, mesh=mesh, reshard_after_forward=False)
+
+
+def wrap_unavailable(kind: str, device: torch.device) -> str | None:
+    """Why the wrap ``kind`` cannot run on ``device`` with the installed torch, or ``None`` (Note [what torch
+    2.5 cannot run] in ``ppbackward._tools.harness.models``)."""
+    if kind.startswith("fsdp") and device.type == "cpu" and torch_release()[:2] == (2, 5):
+        return f"torch {torch.__version__}'s FSDP2 runs on CUDA only ('FSDP requires CUDA for streams' on CPU)"
+    return None
+
+
+def fsdp2() -> Any:
+    """The module of FSDP2's public names (``fully_shard``, ``FSDPModule``): ``torch.distributed.fsdp`` from
+    torch 2.6, ``torch.distributed._composable.fsdp`` on 2.5 (the only place 2.5 has them)."""
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "fully_shard"):
+        return fsdp
+    from torch.distributed._composable import fsdp as composable
+
+    return composable
 
 
 @functools.lru_cache(maxsize=1)

@@ -359,8 +359,11 @@ def _new_record(case: sched.ScheduleCase, spec: zoo.ModelSpec, c: _Case) -> Case
         id=case_id(case.name, spec.name, c.wrap), schedule=case.name, model=spec.name, wrap=c.wrap,
         world_size=c.layout.dp * c.layout.pp, dp=c.layout.dp, dp_rank=dp_rank,
     )
-    if case.skip:
-        record.status, record.reason = "skip", case.skip
+    unavailable = None  # Note [what torch 2.5 cannot run] in ppbackward._tools.harness.models
+    if case.rule is not None:
+        unavailable = zoo.unavailable(spec, case.rule.split_backward) or parallel.wrap_unavailable(c.wrap, c.device)
+    if case.skip or unavailable:
+        record.status, record.reason = "skip", case.skip or unavailable
     elif case.error:
         record.status, record.failures = "fail", [Failure("case", diagnose.OTHER.key, case.error)]
     else:
@@ -377,7 +380,7 @@ def run_case(case: sched.ScheduleCase, spec: zoo.ModelSpec, c: _Case) -> CaseRec
     module. An exception is recorded (status ``error``, its failure's kind set here), never raised.
     """
     record = _new_record(case, spec, c)
-    if case.skip or case.error:
+    if record.status != "pass":  # skipped, or failed before it runs
         return record
     groups = parallel.make_groups(c.layout, c.backend, c.case_timeout, c.mesh)
     check: list[runner.Probe] = []
