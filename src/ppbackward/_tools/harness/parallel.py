@@ -93,20 +93,38 @@ def make_mesh(layout: Layout, device_type: str = "cpu") -> Any:
     return init_device_mesh(device_type, (layout.dp, layout.pp), mesh_dim_names=("dp", "pp"))
 
 
+# Note [case groups outlive the case before torch 2.8]: torch 2.5's ``ProcessGroup`` binding destroys the C++
+# group with the GIL held, and ``~ProcessGroupGloo`` takes the lock under which a gloo worker thread destroys
+# the work it just ran; when that work holds the last reference to a tensor Python had handed it (the replica
+# check's ``all_gather``, a stage's P2P buffers), the worker waits for the GIL while holding the lock: the
+# rank deadlocks as the case's last reference to its group goes (seen on torch 2.5.1 in ``training-dp``, one
+# run in two: a rank stuck at the end of a DDP case, its main thread in ``~ProcessGroupGloo``, a worker in
+# ``~AsyncAllgatherWork`` waiting for the GIL). pytorch/pytorch#154976 (June 2025, torch 2.8) releases the GIL
+# in that destructor. Before 2.8 every case group is kept until the process exits, when its workers are idle.
+_KEEP_GROUPS = torch_release()[:2] < (2, 8)
+_KEPT_GROUPS: list[Any] = []
+
+
 def make_groups(layout: Layout, backend: str, timeout: float, mesh: Any = None) -> Groups:
     """The case's groups (Note [dp x pp layout]); every rank must call it, in the same order."""
     span = timedelta(seconds=timeout)
     if layout.dp == 1:
         group = dist.new_group(backend=backend, timeout=span)
-        return Groups(pp=group, dp=None, mesh=None, made=[group])
-    dp, pp = layout.dp, layout.pp
-    pp_group, _ = dist.new_subgroups_by_enumeration(
-        [[d * pp + j for j in range(pp)] for d in range(dp)], timeout=span, backend=backend
-    )
-    dp_group, _ = dist.new_subgroups_by_enumeration(
-        [[d * pp + j for d in range(dp)] for j in range(pp)], timeout=span, backend=backend
-    )
-    return Groups(pp=pp_group, dp=dp_group, mesh=mesh, made=[pp_group, dp_group])
+        made = [group]
+        groups = Groups(pp=group, dp=None, mesh=None, made=made)
+    else:
+        dp, pp = layout.dp, layout.pp
+        pp_group, _ = dist.new_subgroups_by_enumeration(
+            [[d * pp + j for j in range(pp)] for d in range(dp)], timeout=span, backend=backend
+        )
+        dp_group, _ = dist.new_subgroups_by_enumeration(
+            [[d * pp + j for d in range(dp)] for j in range(pp)], timeout=span, backend=backend
+        )
+        made = [pp_group, dp_group]
+        groups = Groups(pp=pp_group, dp=dp_group, mesh=mesh, made=made)
+    if _KEEP_GROUPS:  # Note [case groups outlive the case before torch 2.8]
+        _KEPT_GROUPS.extend(made)
+    return groups
 
 
 def batch_seed(seed: int, step: int, dp_rank: int) -> int:
