@@ -18,7 +18,7 @@ import collections.abc
 import itertools
 import threading
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -28,7 +28,7 @@ from ppbackward._graph import Intermediate
 from ppbackward._tree import check_like
 
 # private module: what other modules use (ppbackward._handoff, backward, _weight_edges)
-__all__ = ["CLAIM_LOCK", "Contribution", "NodeCall", "ParamGroup"]
+__all__ = ["CLAIM_LOCK", "Contribution", "NodeCall", "ParamGroup", "RegionCall"]
 
 
 class NodeCall(NamedTuple):
@@ -59,6 +59,19 @@ class Contribution(NamedTuple):
     edge: GradientEdge
     grad: torch.Tensor
     seq: float
+
+
+class RegionCall(NamedTuple):
+    """A compiled region B split: W runs its weight half (Note [compiled regions split in two] in
+    ``ppbackward._compiled``).
+
+    Attributes:
+        node: the region's ``CompiledFunctionBackward`` node (its edges name where the gradients go).
+        pending: the weight half and the tensors it reads (a ``ppbackward._compiled.PendingWeightGrads``).
+    """
+
+    node: Node
+    pending: Any
 
 
 _KEYS = ("params", "intermediates", "grads")
@@ -134,6 +147,7 @@ class ParamGroup:
         "inputs",
         "params",
         "ready",
+        "regions",
     )
 
     def __init__(
@@ -145,9 +159,11 @@ class ParamGroup:
         leaves: list[Node] | None = None,
         replaced: dict[Node, list] | None = None,
         spent: frozenset[Node] = frozenset(),
+        regions: list[RegionCall] | None = None,
     ) -> None:
         self.calls = calls
         self.ready = ready
+        self.regions = regions or []
         self.params = params
         self._nodes = nodes if nodes is not None else [Intermediate(c.node, c.w_edges) for c in calls]
         self._leaves = leaves or []
@@ -250,11 +266,11 @@ class ParamGroup:
         """The gradients a caller wrote into ``group["grads"]`` (checked), or ``None``."""
         return self._written
 
-    def w_work(self) -> tuple[list[NodeCall], list[Contribution]]:
-        """``(calls, ready)`` W runs for this group: B's, or with the written gradients (Note [param groups
-        read like torch's])."""
+    def w_work(self) -> tuple[list[NodeCall], list[Contribution], list[RegionCall]]:
+        """``(calls, ready, regions)`` W runs for this group: B's, or with the written gradients (Note [param
+        groups read like torch's])."""
         if self._written is None:
-            return self.calls, self.ready
+            return self.calls, self.ready, self.regions
         calls: list[NodeCall] = []
         replaced: set[int] = set()
         kept = {call.node: call for call in self.calls}
@@ -266,18 +282,21 @@ class ParamGroup:
             replaced.update(id(entry) for entry in self._replaced.get(inter.node, ()))
             calls.append(NodeCall(inter.node, grads, inter.w_edges))
         ready = [c for c in self.ready if id(c) not in replaced]
-        return calls, ready
+        rerun = {call.node for call in calls}  # a region whose backward runs again on written gradients
+        return calls, ready, [r for r in self.regions if r.node not in rerun]
 
     def kept_gradients(self) -> Iterator[torch.Tensor]:
         """The gradient tensors B captured that W still reads (those a write into ``"grads"`` did not replace;
         the written ones are checked apart: ``_written_versions``)."""
-        calls, ready = self.w_work()
+        calls, ready, regions = self.w_work()
         mine = {id(call) for call in self.calls}
         for call in calls:
             if id(call) in mine:  # B's capture (written ones are checked apart)
                 yield from (g for g in call.grads if g is not None)
         for c in ready:
             yield c.grad
+        for region in regions:
+            yield from region.pending.tensors()
 
 
 def _checked_grads(

@@ -14,6 +14,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
+from ppbackward._compiled import deliver
 from ppbackward._handoff import WeightWork
 from ppbackward._param_groups import Contribution, NodeCall
 from ppbackward._saved import release_saved_tensors
@@ -239,6 +240,16 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
     """
     calls = work.calls
     contributions = list(work.ready)
+    halves: list = []  # roots that run a compiled region's weight half in the accumulating call
+    for node, pending in work.regions:  # Note [compiled regions split in two] in ppbackward._compiled
+        root = deliver(node, pending, _anchor(pending.device())[0])
+        if root is not None:  # Note [weight halves hand their gradients over]
+            halves.append(root)
+            continue
+        nf, seq = node.next_functions, node._sequence_nr()
+        for i, grad in zip(pending.positions, pending.run()):
+            if grad is not None:
+                contributions.append(Contribution(GradientEdge(*nf[i][:2]), grad, seq))
     if calls:
         new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
         for call, outs in zip(calls, weight_edge_grads(calls)):
@@ -249,11 +260,11 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
                     edge = new(GradientEdge, nf[i][:2])
                     contributions.append(new(Contribution, (edge, outs[i], seq)))
         del outs
-    if contributions:
+    if contributions or halves:
         contributions.sort(key=_BY_SEQ, reverse=True)
-        roots = [c.edge for c in contributions]
-        grads = [c.grad for c in contributions]
-        del contributions
+        roots = [c.edge for c in contributions] + halves
+        grads = [c.grad for c in contributions] + [_anchor(h.device)[1] for h in halves]
+        del contributions, halves
         accumulate(roots, grads, work.inputs, retain_graph)
         del roots, grads
     if calls and not retain_graph:

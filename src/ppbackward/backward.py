@@ -35,6 +35,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 from torch.utils.hooks import RemovableHandle
 
+from ppbackward._compiled import PendingWeightGrads, is_region, splitting
 from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
 from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._graph import (
@@ -50,7 +51,7 @@ from ppbackward._graph import (
 )
 from ppbackward._handoff import CONSUMED, ParamGroups, WeightSet
 from ppbackward._node_owner import candidate_owners, owners_needed
-from ppbackward._param_groups import Contribution, NodeCall, ParamGroup
+from ppbackward._param_groups import Contribution, NodeCall, ParamGroup, RegionCall
 from ppbackward._saved import holds_saved_tensors, hook_kinds, pin_saved_inputs, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
 from ppbackward._weight_edges import run_weight_work
@@ -259,7 +260,8 @@ def _backward_input(
     retain = any(not isinstance(n, BackwardCFunction) for n in deferred)
     # custom Functions whose saved tensors B releases, or its engine call frees: read before that call
     spent = frozenset([n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n)])
-    run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain)
+    regions = [(n, w_edges_of(specs, n)) for n in deferred if isinstance(n, BackwardCFunction) and is_region(n)]
+    run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions)
     captured: dict = {}
     for node, box in zip(deferred, run.boxes):  # _checked_capture's common case inline (Note [no frame per node])
         if not box:
@@ -273,7 +275,9 @@ def _backward_input(
         else:
             captured[node] = grads
 
-    groups = _build_groups(specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent)
+    groups = _build_groups(
+        specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent, run.halves
+    )
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
         called = set(deferred)
@@ -323,10 +327,11 @@ class _EngineCall(NamedTuple):
     found: dict[int, torch.Tensor | None]
     frontier: list[tuple[FrontierSlot | CheapLeaf, torch.Tensor | None]]
     hooked_in_b: list[tuple[torch.Tensor, tuple[int, ...]]]
+    halves: dict[Any, PendingWeightGrads]  # compiled region -> its weight half (Note [compiled regions split in two])
 
 
 def _engine_call(
-    flat: FlatOutputs, grad_inputs: list, deferred: list, eager: EagerWork, cheap: Any, retain: bool
+    flat: FlatOutputs, grad_inputs: list, deferred: list, eager: EagerWork, cheap: Any, retain: bool, regions: list
 ) -> _EngineCall:
     """B's one engine call, with a capture hook on each deferred intermediate, removed whatever happens.
 
@@ -350,10 +355,10 @@ def _engine_call(
             else:
                 handles.append(node.register_prehook(_capture_inputs_hook(box)))
         if not (grad_inputs or taken):
-            return _EngineCall(boxes, {}, [], [])
+            return _EngineCall(boxes, {}, [], [], {})
         frontier = [slot.edge.node for slot in eager.frontier]
         # cheap leaves have no hook to mute; watched for hooks registered during B, as the frontier's
-        with _leaf_hooks_muted(frontier, cheap.leaves) as hooked_in_b:
+        with _leaf_hooks_muted(frontier, cheap.leaves) as hooked_in_b, splitting(regions) as plans:
             results = torch.autograd.grad(
                 flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
                 [*grad_inputs, *taken],
@@ -366,7 +371,8 @@ def _engine_call(
     found: dict[int, torch.Tensor | None] = {id(t): g for t, g in zip(grad_inputs, results)}
     slots: list[FrontierSlot | CheapLeaf] = [*eager.frontier, *cheap.leaves]
     grads: list[torch.Tensor | None] = list(results[len(grad_inputs) :])
-    return _EngineCall(boxes, found, list(zip(slots, grads)), hooked_in_b)
+    halves = {node: plan.pending for node, plan in plans.items() if plan.pending is not None}
+    return _EngineCall(boxes, found, list(zip(slots, grads)), hooked_in_b, halves)
 
 
 # Note [B claims its outputs]: B registers the outputs it was given (by id, under a lock) before it runs
@@ -602,7 +608,8 @@ def _detach_outputs(outputs: list[Any], used_nodes: set) -> None:
 
 
 def _build_groups(
-    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes, spent: frozenset
+    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes, spent: frozenset,
+    halves: dict,
 ) -> list[ParamGroup]:
     """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls;
     ``cheap_edges``: intermediate -> the weight edges B computed itself) and the frontier gradients of
@@ -614,7 +621,8 @@ def _build_groups(
     tagged with the sequence number that orders it (Note [accumulation order] in
     ``ppbackward._weight_edges``). Intermediates B ran entirely are not in ``captured``: W does nothing
     for them, nor for an output whose gradient B's engine call already sent on (into a node B ran, or
-    into a frontier slot, whose gradient includes it).
+    into a frontier slot, whose gradient includes it). A compiled region B split (``halves``: node -> its
+    :class:`~ppbackward._compiled.PendingWeightGrads`) gives W its weight half to run instead of outputs.
     """
     extra: dict[int, list[Contribution]] = {}
     done = set()  # the frontier slots, whose gradients B's engine call already sent on (with the roots')
@@ -635,11 +643,18 @@ def _build_groups(
             if root_edges[i] not in done and root_edges[i].node not in eager_nodes:
                 ready.append(_new(Contribution, (root_edges[i], output_grads[i], _ROOT_SEQ)))
         ready += extra.get(id(spec), [])
+        regions: list[RegionCall] = []
         nodes = []  # Note [param groups read like torch's]: the intermediates W could still call
         replaced = dict(fed_by.get(id(spec), {}))  # node -> B's entries its written gradients replace
         for inter in spec.intermediates:
             node, w_edges = inter
             grads = captured.get(node)
+            pending = halves.get(node) if halves else None
+            if pending is not None:  # Note [compiled regions split in two]: W runs its weight half
+                regions.append(_new(RegionCall, (node, pending)))
+                replaced[node] = []
+                nodes.append(inter)
+                continue
             if grads is None:
                 continue
             for g in grads:
@@ -658,12 +673,12 @@ def _build_groups(
                 todo = w_edges if in_b is None else tuple([j for j in w_edges if j not in in_b])
                 deferred.append(_new(NodeCall, (node, tuple(grads), todo)))
                 nodes.append(inter)
-        if deferred or ready:
+        if deferred or ready or regions:
             params = []
             for leaf in spec.leaves:
                 params.append(leaf.variable)
             groups.append(
-                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent)
+                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent, regions)
             )
     return groups
 
