@@ -86,6 +86,8 @@ _original_call: list[Any] = []  # AotAutograd.__call__ while enabled (zero or on
 # threads, written under _lock by B's thread
 _PLANS: dict[Any, _Plan] = {}
 _fallback_logged: list[bool] = []
+# while any B splits regions: [donated_buffer as found, then one entry per B running]
+_DONATION_OFF: list[Any] = []
 
 
 class _Plan:
@@ -437,12 +439,16 @@ def splitting(regions: list[tuple[Any, tuple[int, ...]]]) -> Iterator[dict[Any, 
     config = torch._functorch.config
     with _lock:
         _PLANS.update(plans)
-    donated = config.donated_buffer
-    config.donated_buffer = False
+        if not _DONATION_OFF:  # the first of the Bs running at once turns it off, the last puts it back
+            _DONATION_OFF.append(config.donated_buffer)
+            config.donated_buffer = False
+        _DONATION_OFF.append(None)
     try:
         yield plans
     finally:
-        config.donated_buffer = donated
         with _lock:
             for node in plans:
                 _PLANS.pop(node, None)
+            _DONATION_OFF.pop()
+            if len(_DONATION_OFF) == 1:
+                config.donated_buffer = _DONATION_OFF.pop()

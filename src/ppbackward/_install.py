@@ -77,7 +77,10 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
 
     Idempotent. Call it before running a schedule step (stages look the names up at call time).
     The functions put in are those of the adapter for the installed torch (:func:`active_adapter`):
-    ppbackward's own on torch 2.6 to 2.15, list-returning wrappers with a stage-0-safe B on 2.5.
+    ppbackward's own on torch 2.6 to 2.15, list-returning wrappers with a stage-0-safe B on 2.5. While
+    installed, torch's zero-bubble schedules accept stages with ``torch.compile``'d modules, and on torch
+    2.13+ the backward graphs AOTAutograd compiles from then on can be split into B and W (Note [compiled
+    regions split in two] in ``ppbackward._compiled``).
 
     Args:
         allow_untested: on a torch newer than the newest known release (a nightly, the next
@@ -155,7 +158,7 @@ def _compiled_stages_allowed(stages: Any, schedule_name: str) -> None:
 def _lift_compile_refusal() -> None:
     """While installed, torch's zero-bubble schedules accept stages with ``torch.compile``'d modules, which
     they refuse on their own (pytorch/pytorch#161904); recorded in ``_originals``, put back by
-    :func:`uninstall`. Nothing to do on a torch without that check (2.5 to 2.8 have none)."""
+    :func:`uninstall`. Nothing to do on a torch without that check (2.5.1 has none)."""
     mod = importlib.import_module(_SCHEDULES)
     if hasattr(mod, _COMPILE_CHECK):
         _originals[(_SCHEDULES, _COMPILE_CHECK)] = getattr(mod, _COMPILE_CHECK)
