@@ -428,11 +428,12 @@ def is_region(node: Any) -> bool:
 
 
 @contextlib.contextmanager
-def splitting(regions: list[tuple[Any, tuple[int, ...]]]) -> Iterator[dict[Any, _Plan]]:
+def splitting(regions: list[tuple[Any, tuple[int, ...]]], donation_off: bool) -> Iterator[dict[Any, _Plan]]:
     """Within the block, the region nodes given (with their weight edges) run their input half when the
     engine reaches them; yields node -> plan, whose ``pending`` is set where a region was split. Removed
-    from the registry whatever happens. Donation is off meanwhile (Note [compiled regions split in two])."""
-    if not regions or not SUPPORTED:
+    from the registry whatever happens. Donation is off meanwhile where regions are split or
+    ``donation_off`` (B keeps the graph and runs regions: Note [compiled regions split in two])."""
+    if not (regions or donation_off) or not SUPPORTED:
         yield {}
         return
     plans = {node: _Plan(tuple(w_edges)) for node, w_edges in regions}

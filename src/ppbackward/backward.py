@@ -260,8 +260,11 @@ def _backward_input(
     retain = any(not isinstance(n, BackwardCFunction) for n in deferred)
     # custom Functions whose saved tensors B releases, or its engine call frees: read before that call
     spent = frozenset([n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n)])
+    # Note [compiled regions split in two] (ppbackward._compiled): B runs these regions' input halves; and
+    # where B keeps the graph, any region it runs must not be refused for its donated buffers
     regions = [(n, w_edges_of(specs, n)) for n in deferred if isinstance(n, BackwardCFunction) and is_region(n)]
-    run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions)
+    in_b = retain and any([isinstance(n, BackwardCFunction) and is_region(n) for n in b_only])
+    run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions, in_b)
     captured: dict = {}
     for node, box in zip(deferred, run.boxes):  # _checked_capture's common case inline (Note [no frame per node])
         if not box:
@@ -331,7 +334,8 @@ class _EngineCall(NamedTuple):
 
 
 def _engine_call(
-    flat: FlatOutputs, grad_inputs: list, deferred: list, eager: EagerWork, cheap: Any, retain: bool, regions: list
+    flat: FlatOutputs, grad_inputs: list, deferred: list, eager: EagerWork, cheap: Any, retain: bool, regions: list,
+    regions_in_b: bool = False,
 ) -> _EngineCall:
     """B's one engine call, with a capture hook on each deferred intermediate, removed whatever happens.
 
@@ -358,14 +362,15 @@ def _engine_call(
             return _EngineCall(boxes, {}, [], [], {})
         frontier = [slot.edge.node for slot in eager.frontier]
         # cheap leaves have no hook to mute; watched for hooks registered during B, as the frontier's
-        with _leaf_hooks_muted(frontier, cheap.leaves) as hooked_in_b, splitting(regions) as plans:
-            results = torch.autograd.grad(
-                flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
-                [*grad_inputs, *taken],
-                grad_outputs=flat.grads,
-                retain_graph=retain,
-                allow_unused=True,
-            )
+        with _leaf_hooks_muted(frontier, cheap.leaves) as hooked_in_b:  # noqa: SIM117 (3.9 has no parenthesised with)
+            with splitting(regions, retain and regions_in_b) as plans:
+                results = torch.autograd.grad(
+                    flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
+                    [*grad_inputs, *taken],
+                    grad_outputs=flat.grads,
+                    retain_graph=retain,
+                    allow_unused=True,
+                )
     finally:
         _remove_handles(handles)
     found: dict[int, torch.Tensor | None] = {id(t): g for t, g in zip(grad_inputs, results)}

@@ -8,12 +8,14 @@ the region runs whole in B, exactly as before: the negative control of the count
 from __future__ import annotations
 
 import collections
+import functools
 import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import ppbackward as pb
 from ppbackward import _compiled, stage_backward, stage_backward_input, stage_backward_weight
@@ -26,23 +28,39 @@ MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 
 
 class Block(nn.Module):
-    def __init__(self, d: int = D, graph_break: bool = False) -> None:
+    """``x + b(relu(a(x)))``: ``a.weight``'s gradient needs the gradient flowing into ``b``'s input, an
+    intermediate of the input gradient's computation (a live-in of the weight half)."""
+
+    def __init__(self, d: int = D, graph_break: bool = False, sac: bool = False) -> None:
         super().__init__()
         self.a = nn.Linear(d, 4 * d)
         self.b = nn.Linear(4 * d, d)
         self.graph_break = graph_break
+        self.sac = sac
 
     def forward(self, x):
+        if self.sac:  # selective activation checkpointing inside the region: the matmuls saved, the rest recomputed
+            context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+            return checkpoint(self._forward, x, use_reentrant=False, context_fn=context)
+        return self._forward(x)
+
+    def _forward(self, x):
         h = torch.relu(self.a(x))
         if self.graph_break:
             torch._dynamo.graph_break()
         return x + self.b(h)
 
 
+def _save_matmuls(ctx, op, *args, **kwargs):
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class Stage(nn.Module):
-    def __init__(self, n_blocks: int = 2, graph_break: bool = False) -> None:
+    def __init__(self, n_blocks: int = 2, graph_break: bool = False, sac: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Block(graph_break=graph_break) for _ in range(n_blocks)])
+        self.blocks = nn.ModuleList([Block(graph_break=graph_break, sac=sac) for _ in range(n_blocks)])
         # no bias: an eager bias's gradient, which B computes (Note [cheap weight gradients in B]), is copied
         # into an empty .grad by W (docs/performance.md, "Device work"), a cost of the eager path, not of this
         self.head = nn.Linear(D, D, bias=False)
@@ -65,11 +83,13 @@ class SharedHead(nn.Module):
         return self.head(h) + (h @ self.shared[0]).sum(-1, keepdim=True)
 
 
-def _compiled_stage(spelling: str, backend: str = "aot_eager", **kwargs) -> nn.Module:
+def _compiled_stage(spelling: str, backend: str = "aot_eager", dynamic: bool | None = None, **kwargs) -> nn.Module:
     torch.manual_seed(0)
     stage = Stage(**kwargs)
     if spelling == "child":  # torch.compile(block) as a child: an OptimizedModule
-        stage.blocks = nn.ModuleList([torch.compile(b, backend=backend) for b in stage.blocks])  # type: ignore[misc]
+        stage.blocks = nn.ModuleList(
+            [torch.compile(b, backend=backend, dynamic=dynamic) for b in stage.blocks]  # type: ignore[misc]
+        )
     elif spelling == "method":  # block.compile()
         for b in stage.blocks:
             b.compile(backend=backend)
@@ -269,7 +289,7 @@ def test_b_holds_only_what_the_weight_half_reads_and_w_lets_it_go():
     assert all(ref() is None or ref() is x for ref in refs)
 
 
-def test_w_never_called_frees_what_b_held_with_the_param_groups():
+def test_w_never_called_frees_what_b_held_with_the_param_groups_and_the_next_step_is_exact():
     with pb.installed():
         stage = _compiled_stage("child")
         (x0,) = _inputs(1)
@@ -279,17 +299,24 @@ def test_w_never_called_frees_what_b_held_with_the_param_groups():
         refs = [weakref.ref(t) for g in groups for r in g.regions for t in r.pending.tensors()]
         assert refs
         del groups
-    assert all(ref() is None or ref() is x for ref in refs)
+        assert all(ref() is None or ref() is x for ref in refs)
+        # the next step, on the same compiled regions, is exact
+        want, _ = _full(stage, [x0])
+        got, _ = _split(stage, [x0])
+    _assert_equal(got, want)
 
 
 @pytest.mark.parametrize(
-    "case", ["graph-break", "new-shape", "no-parameters", "frozen", "called-twice", "compiled-and-eager"]
+    "case",
+    ["graph-break", "new-shape", "dynamic", "no-parameters", "frozen", "called-twice", "compiled-and-eager", "sac"],
 )
 def test_hostile_compiled_stages_are_exact(case):
     with pb.installed():
-        stage = _compiled_stage("child", graph_break=case == "graph-break")  # a break: two regions per block
+        stage = _compiled_stage(  # a graph break: two regions per block
+            "child", graph_break=case == "graph-break", sac=case == "sac", dynamic=True if case == "dynamic" else None
+        )
         xs = _inputs()
-        if case == "new-shape":  # a recompile between microbatches
+        if case in ("new-shape", "dynamic"):  # a recompile between microbatches; sizes as symbols
             torch.manual_seed(2)
             xs[1] = torch.randn(BATCH + 2, D)
         elif case == "no-parameters":  # a compiled region without weights between the blocks
