@@ -57,6 +57,7 @@ __all__ = [
     "disable",
     "enable",
     "is_region",
+    "leaves_of",
     "splitting",
 ]
 
@@ -389,21 +390,23 @@ class PendingWeightGrads:
 # the weight half runs before that call and its gradients are roots, as a custom Function's outputs are.
 class _WeightHalf(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, pending: PendingWeightGrads, anchor: torch.Tensor, *leaves: torch.Tensor) -> torch.Tensor:
-        ctx.pending = pending
+    def forward(ctx: Any, pendings: list, anchor: torch.Tensor, *leaves: torch.Tensor) -> torch.Tensor:
+        ctx.pendings = pendings
         return anchor.view_as(anchor)
 
     @staticmethod
     def backward(ctx: Any, _grad: torch.Tensor) -> tuple:
-        pending, ctx.pending = ctx.pending, None
-        return (None, None, *pending.run())
+        pendings, ctx.pendings = ctx.pendings, None
+        grads: list = [None, None]
+        for pending in pendings:
+            grads += pending.run()
+        return tuple(grads)
 
 
-def deliver(node: Any, pending: PendingWeightGrads, anchor: torch.Tensor) -> torch.Tensor | None:
-    """A root for W's accumulating call that runs ``pending`` and hands its gradients to the leaves'
-    ``AccumulateGrad`` nodes of ``node``'s weight edges (Note [weight halves hand their gradients over]);
-    its gradient is W's one-element root gradient. ``None`` where an edge is not a leaf's ``AccumulateGrad``
-    the leaf still points at, or the leaf no longer requires grad."""
+def leaves_of(node: Any, pending: PendingWeightGrads) -> list[torch.Tensor] | None:
+    """The leaves whose graph ``AccumulateGrad`` nodes are ``node``'s weight edges, in ``pending``'s order;
+    ``None`` where an edge is not a leaf's ``AccumulateGrad`` the leaf still points at, or the leaf no longer
+    requires grad (Note [weight halves hand their gradients over])."""
     leaves = []
     nf = node.next_functions
     for i in pending.positions:
@@ -414,10 +417,17 @@ def deliver(node: Any, pending: PendingWeightGrads, anchor: torch.Tensor) -> tor
         if not leaf.requires_grad or torch.autograd.graph.get_gradient_edge(leaf).node is not acc:
             return None
         leaves.append(leaf)
+    return leaves
+
+
+def deliver(pendings: list[PendingWeightGrads], leaves: list[torch.Tensor], anchor: torch.Tensor) -> torch.Tensor:
+    """A root for W's accumulating call that runs each of ``pendings`` and hands their gradients to
+    ``leaves`` (theirs, concatenated: :func:`leaves_of`); its gradient is W's one-element root gradient
+    (Note [weight halves hand their gradients over]). One node for all the regions of a chunk."""
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(True)
     try:
-        return _WeightHalf.apply(pending, anchor, *leaves)
+        return _WeightHalf.apply(pendings, anchor, *leaves)
     finally:
         torch._C._set_grad_enabled(grad_was)
 

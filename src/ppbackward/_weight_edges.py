@@ -14,7 +14,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
-from ppbackward._compiled import deliver
+from ppbackward._compiled import deliver, leaves_of
 from ppbackward._handoff import WeightWork
 from ppbackward._param_groups import Contribution, NodeCall
 from ppbackward._saved import release_saved_tensors
@@ -240,16 +240,22 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
     """
     calls = work.calls
     contributions = list(work.ready)
-    halves: list = []  # roots that run a compiled region's weight half in the accumulating call
+    halves: list = []  # root(s) that run compiled regions' weight halves in the accumulating call
+    pendings: list = []
+    leaves: list = []
     for node, pending in work.regions:  # Note [compiled regions split in two] in ppbackward._compiled
-        root = deliver(node, pending, _anchor(pending.device())[0])
-        if root is not None:  # Note [weight halves hand their gradients over]
-            halves.append(root)
+        theirs = leaves_of(node, pending)
+        if theirs is not None:  # Note [weight halves hand their gradients over]
+            pendings.append(pending)
+            leaves += theirs
             continue
         nf, seq = node.next_functions, node._sequence_nr()
         for i, grad in zip(pending.positions, pending.run()):
             if grad is not None:
                 contributions.append(Contribution(GradientEdge(*nf[i][:2]), grad, seq))
+    if pendings:
+        halves.append(deliver(pendings, leaves, _anchor(pendings[0].device())[0]))
+        del pendings, leaves
     if calls:
         new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
         for call, outs in zip(calls, weight_edge_grads(calls)):
