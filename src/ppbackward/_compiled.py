@@ -1,7 +1,8 @@
 """torch.compile'd regions split in two: B runs a region's input-gradient graph, W its weight-gradient graph.
 
 Private module used by ``ppbackward._install`` (:func:`enable`, :func:`disable`), ``ppbackward.backward``
-(:func:`splitting`, B's side) and ``ppbackward._weight_edges`` (:class:`PendingWeightGrads`, W's side).
+(:func:`splitting`, B's side) and ``ppbackward._weight_edges`` (:class:`PendingWeightGrads`, W's side). The
+graph cut itself is ``ppbackward._graph_halves``.
 
 Note [compiled regions split in two]: a region compiled by ``torch.compile`` (a block given to
 ``torch.compile``, ``block.compile()``, a compiled ``forward``, a whole compiled stage; each graph break
@@ -10,54 +11,64 @@ graph computing every input's gradient at once: the activations' (B's work) and 
 Run as a node, all of it lands in B, and W has nothing left to fill the bubble with.
 
 So, while ppbackward is installed, every AOTAutograd backend (``inductor``, ``aot_eager``, ...) compiles
-its backward graphs through :func:`_compile_backward`, which keeps a copy of the backward FX graph beside
-the compiled one and returns a :class:`SplittableBackward`. Called as usual (a full backward, torch's own
-B, anything outside ppbackward's B) it runs the compiled graph it wraps: the same kernels, one dict test
-more. Inside ppbackward's B, for a region node B registered (:func:`splitting`: the node, and the indices of
-its edges that lead to weights, ``w_edges``), it runs instead the region's *input half*: the FX graph cut
-at the weight outputs, every node that is not needed only by the weight gradients, compiled once per
-(graph, ``w_edges``) by the same backend compiler. That graph returns the input gradients (``None`` at the
-weight edges, which the engine then leaves alone) and the *live-ins*: the values computed there that the
-*weight half* reads (e.g. the gradient flowing into a linear layer's matmul). B keeps those and the saved
-tensors the weight half reads, nothing else (the node's other saved tensors are freed as in a full
-backward), in a :class:`PendingWeightGrads`; W runs the weight half on them and hands its gradients to the
-weights' ``AccumulateGrad`` edges like a custom Function's outputs. Every op of the compiled backward runs
-exactly once, in B or in W.
+the backward graphs of the forwards it compiles from then on through :func:`_compile_backward`, which keeps
+a copy of the backward FX graph and its example inputs beside the compiled graph and returns a
+:class:`SplittableBackward`. Called as usual (a full backward, torch's own B, anything outside ppbackward's
+B) it runs the compiled graph it wraps: the same kernels, one dict test more. Inside ppbackward's B, for a
+region node B registered (:func:`splitting`: the node and its edges into weights, ``w_edges``), it runs
+instead the region's *input half*: the graph cut at the weight outputs (``ppbackward._graph_halves``),
+compiled once per (graph, weight outputs) by the same backend compiler. That half returns the input
+gradients (``None`` at the weight edges, which the engine then leaves alone) and the *live-ins*: the values
+computed there that the *weight half* reads (e.g. the gradient flowing into a linear layer's matmul). B
+keeps those and the saved tensors the weight half reads, nothing else (the node's other saved tensors are
+freed as in a full backward), with their versions at that moment, in a :class:`PendingWeightGrads`; B checks
+them at its end and W before it runs (Note [captured gradients are checked at W] in ``ppbackward._handoff``).
+W runs the weight half and hands its gradients to the weights' ``AccumulateGrad`` edges (Note [weight halves
+hand their gradients over] in ``ppbackward._weight_edges``). Every op of the compiled backward runs exactly
+once, in B or in W.
 
-Choices, each written down in ``docs/api.md``:
+A region runs whole in B, exactly as before and logged once per reason on the ``ppbackward`` logger, where
+it cannot be split: its forward was compiled before :func:`enable` (its backward compiler was captured
+then), its inputs or gradients are tensor subclasses (DTensor, float8: the compiled backward works on
+their inner tensors), inductor's CUDA graphs are on (the input half's outputs would live in the graph's
+pool until W), or the backend refused a half.
 
-* the split graphs are compiled without donated buffers (a donated saved tensor may be overwritten by the
-  input half while the weight half still needs it); and B, which may keep the graph (``retain_graph``),
-  runs a region's backward with ``torch._functorch.config.donated_buffer`` off: ppbackward never runs a
-  region's backward twice, so the donation check (which refuses ``retain_graph=True``) protects nothing;
-* AOTAutograd's cache is bypassed while compiling (a backward loaded from it is not compiled here, so it
-  could not be split): compile time as on a cold cache, run time unchanged;
-* a region whose backward was compiled before :func:`enable`, or that cannot be split (its graph outputs
-  do not line up with the node's edges, or the backend refused a half), runs whole in B, as before: exact,
-  not split. The first such region logs one line on the ``ppbackward`` logger.
+Donated buffers: a compiled backward may overwrite saved tensors it no longer needs, and torch refuses to
+run such a backward where the graph is kept (``retain_graph=True``, which B uses for the C++ intermediates W
+calls again). ppbackward runs a region's backward at most once, so while B keeps the graph and runs regions
+(split or whole), it clears the donation list of those regions' compiled functions (their
+``metadata.bw_donated_idxs``, reference-counted across threads, put back after B's engine call); the halves
+are compiled without donation (the input half must not overwrite what the weight half reads), against a
+copy of the compile's tracing context. AOTAutograd's cache is bypassed while a forward compiles (a backward
+loaded from it is not compiled here, so it could not be split): compile time as on a cold cache, run time
+unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import threading
+import warnings
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.fx as fx
+
+from ppbackward._errors import StageBackwardError
+from ppbackward._graph_halves import CannotSplit, split_backward_graph
 
 __all__ = [
     "SUPPORTED",
     "UNSUPPORTED_WHY",
     "PendingWeightGrads",
-    "deliver",
+    "SplittableBackward",
     "disable",
     "enable",
     "is_region",
-    "leaves_of",
     "splitting",
 ]
 
@@ -82,44 +93,53 @@ def _support() -> tuple[bool, str]:
 SUPPORTED, UNSUPPORTED_WHY = _support()
 
 _lock = threading.Lock()
-_original_call: list[Any] = []  # AotAutograd.__call__ while enabled (zero or one entry)
-# B's registered region nodes -> their _Plan (Note [compiled regions split in two]); read from the engine's
-# threads, written under _lock by B's thread
+_patched: dict[str, Any] = {}  # "call" -> AotAutograd.__call__ while enabled
+# B's registered region nodes -> their _Plan; read from the engine's threads, written under _lock
 _PLANS: dict[Any, _Plan] = {}
-_fallback_logged: list[bool] = []
-# while any B splits regions: [donated_buffer as found, then one entry per B running]
-_DONATION_OFF: list[Any] = []
+_logged: set[str] = set()  # the fallback reasons logged once each
+# compiled functions' metadata whose donation list B cleared: id -> [metadata, list as found, Bs using it]
+_UNDONATED: dict[int, list] = {}
 
 
 class _Plan:
-    """One region node of one B: the edges W computes, and what B's input half left for W."""
+    """One region node of one B: the edges W computes, and what the input half left for W (or why not)."""
 
-    __slots__ = ("pending", "w_edges")
+    __slots__ = ("declined", "pending", "w_edges")
 
     def __init__(self, w_edges: tuple[int, ...]) -> None:
         self.w_edges = w_edges
         self.pending: PendingWeightGrads | None = None
+        self.declined: str | None = None
 
 
 def enable() -> None:
-    """Compile AOTAutograd backward graphs through :func:`_compile_backward` from now on. Idempotent."""
+    """Compile the backward of every forward AOTAutograd compiles from now on through
+    :func:`_compile_backward`. Idempotent; nothing on a torch without the split (:data:`SUPPORTED`)."""
     if not SUPPORTED:
         return
     from torch._dynamo.backends.common import AotAutograd
 
     with _lock:
-        if _original_call:
+        if _patched:
             return
         original = AotAutograd.__call__
-        _original_call.append(original)
+        _patched["call"] = original
 
         def __call__(self: Any, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-            inner = self.kwargs.get("bw_compiler") or self.kwargs.get("fw_compiler")
-            if inner is not None and not getattr(inner, "_ppbackward_split", False):
-                self.kwargs["bw_compiler"] = _splitting_compiler(inner)
-            # a backward loaded from AOTAutograd's cache is not compiled here and could not be split
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                return original(self, gm, example_inputs, **kwargs)
+            kw = self.kwargs
+            had = "bw_compiler" in kw
+            before = kw.get("bw_compiler")
+            inner = before or kw.get("fw_compiler")
+            if inner is not None:  # for this compile only: a backend object reused later is left as found
+                kw["bw_compiler"] = _splitting_compiler(inner)
+            try:
+                with torch._functorch.config.patch(enable_autograd_cache=False):
+                    return original(self, gm, example_inputs, **kwargs)
+            finally:
+                if had:
+                    kw["bw_compiler"] = before
+                else:
+                    kw.pop("bw_compiler", None)
 
         AotAutograd.__call__ = __call__  # type: ignore[method-assign]
 
@@ -132,304 +152,220 @@ def disable() -> None:
     from torch._dynamo.backends.common import AotAutograd
 
     with _lock:
-        if _original_call:
-            AotAutograd.__call__ = _original_call.pop()  # type: ignore[method-assign]
+        if _patched:
+            AotAutograd.__call__ = _patched.pop("call")  # type: ignore[method-assign]
 
 
 def _splitting_compiler(inner: Any) -> Any:
+    """The backend's backward compiler, returning a :class:`SplittableBackward`."""
+
     def compile_backward(gm: fx.GraphModule, example_inputs: Any) -> Any:
         return _compile_backward(inner, gm, example_inputs)
 
-    compile_backward._ppbackward_split = True  # type: ignore[attr-defined]
     return compile_backward
 
 
 def _compile_backward(inner: Any, gm: fx.GraphModule, example_inputs: Any) -> SplittableBackward:
-    """The backend's compiled backward, wrapped with a copy of its FX graph (taken before the backend,
-    which may change ``gm``) and the contexts to compile its halves in later."""
+    """The backend's compiled backward, wrapped with a copy of its FX graph (taken first: the backend may
+    change ``gm``), its example inputs and the contexts to compile its halves in later."""
     from torch._guards import CompileContext, TracingContext
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    graph = copy.deepcopy(gm)
+    with unset_fake_temporarily():  # constants lifted into the graph are real tensors
+        graph = copy.deepcopy(gm)
+    declined = None
+    inductor = getattr(torch, "_inductor", None)
+    if inductor is not None and getattr(getattr(inductor.config, "triton", None), "cudagraphs", False):
+        declined = "inductor's CUDA graphs are on (the input half's outputs would stay in the graph's pool until W)"
     compiled = inner(gm, example_inputs)
-    return SplittableBackward(compiled, graph, inner, TracingContext.try_get(), CompileContext.try_get())
+    return SplittableBackward(
+        compiled, graph, list(example_inputs), inner, TracingContext.try_get(), CompileContext.try_get(), declined
+    )
 
 
 def _call(fn: Any, args: list) -> list:
-    """Call a compiled graph with AOTAutograd's conventions: boxed (one list, which it empties) or not."""
-    if getattr(fn, "_boxed_call", False):
-        out = fn(args)
-    else:
-        out = fn(*args)
+    """Call a compiled graph with AOTAutograd's conventions (boxed: one list, which it empties; or
+    unpacked); ``args`` is emptied either way."""
+    try:
+        out = fn(args) if getattr(fn, "_boxed_call", False) else fn(*args)
+    finally:
         args.clear()
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-class _Halves(NamedTuple):
-    """A backward graph cut at its weight outputs (:func:`split_backward_graph`), compiled."""
+class _Halves:
+    """A backward graph cut at its weight outputs (``ppbackward._graph_halves``), compiled."""
 
-    input_half: Any  # same inputs as the whole; returns the input gradients, then the live-ins
-    weight_half: Any  # inputs: held placeholders, then live-ins; returns the weight gradients
-    held: tuple[int, ...]  # indices of the backward's inputs the weight half reads
-    n_live: int  # how many live-ins the input half returns last
-    w_positions: tuple[int, ...]  # the outputs (edges) the weight half returns, in order
+    __slots__ = ("held", "input_half", "n_live", "weight_half")
+
+    def __init__(self, input_half: Any, weight_half: Any, held: tuple[int, ...], n_live: int) -> None:
+        self.input_half = input_half  # the whole backward's inputs -> input gradients, then the live-ins
+        self.weight_half = weight_half  # held inputs, then live-ins -> the weight gradients
+        self.held = held
+        self.n_live = n_live
 
 
 class SplittableBackward:
-    """A compiled region's backward, runnable whole or (in ppbackward's B) as its input half; see Note
-    [compiled regions split in two]. Called by AOTAutograd with the backward's flat inputs (saved
-    tensors, symbolic sizes, incoming gradients), boxed."""
+    """A compiled region's backward, runnable whole or (in ppbackward's B) as its input half (Note
+    [compiled regions split in two]). AOTAutograd calls it boxed with the backward's flat inputs (saved
+    tensors, symbolic sizes, incoming gradients) and reads one output per forward input (then any extra
+    outputs: tokens, the RNG offset)."""
 
-    def __init__(self, compiled: Any, graph: fx.GraphModule, compiler: Any, tracing: Any, compiling: Any) -> None:
+    def __init__(
+        self, compiled: Any, graph: fx.GraphModule, example_inputs: list, compiler: Any, tracing: Any,
+        compiling: Any, declined: str | None,
+    ) -> None:
         self._boxed_call = True  # an attribute of the instance: torch's disable() wrapper copies __dict__
         self.compiled = compiled
         self.graph = graph
+        self.example_inputs = example_inputs
         self.compiler = compiler
         self.tracing = tracing
         self.compiling = compiling
-        self.halves: dict[tuple[int, ...], _Halves | None] = {}
+        self.declined = declined
+        self.n_outputs = len(_outputs(graph))
+        self.halves: dict[tuple[int, ...], _Halves | str] = {}  # weight outputs -> halves, or why not
+        self.halves_lock = threading.Lock()
 
     def __call__(self, args: list) -> list:
         if _PLANS:
             node = torch._C._current_autograd_node()
             plan = _PLANS.get(node)
             if plan is not None:
-                positions = _output_positions(node, plan.w_edges)
-                halves = None if positions is None else self._halves(positions)
+                halves = self._halves_for(node, plan)
                 if halves is not None:
                     held = [args[i] for i in halves.held]
                     outs = _call(halves.input_half, args)
-                    live = outs[len(outs) - halves.n_live :]
-                    plan.pending = PendingWeightGrads(halves.weight_half, held + live, tuple(sorted(plan.w_edges)))
-                    return outs[: len(outs) - halves.n_live]
+                    cut = len(outs) - halves.n_live
+                    plan.pending = PendingWeightGrads(halves.weight_half, held + outs[cut:], plan.w_edges)
+                    return outs[:cut]
         return _call(self.compiled, args)
 
-    def _halves(self, w_edges: tuple[int, ...]) -> _Halves | None:
-        if w_edges in self.halves:
-            return self.halves[w_edges]
-        halves = None
-        try:
-            halves = self._compile_halves(w_edges)
-        except _CannotSplit as e:
-            _log_fallback(str(e))
-        except Exception as e:  # the backend refused a half: run whole, exactly as before
-            _log_fallback(f"compiling its halves failed ({type(e).__name__}: {e})")
-        self.halves[w_edges] = halves
+    def _halves_for(self, node: Any, plan: _Plan) -> _Halves | None:
+        """This region's halves for ``plan``'s weight edges (compiled on first use), or ``None`` with the
+        reason in ``plan.declined``."""
+        outputs = self.declined or _weight_outputs(node, plan.w_edges, self.n_outputs)
+        if isinstance(outputs, str):
+            plan.declined = outputs
+            return None
+        with self.halves_lock:
+            if outputs not in self.halves:
+                self.halves[outputs] = self._compile_halves(outputs)
+            halves = self.halves[outputs]
+        if isinstance(halves, str):
+            plan.declined = halves
+            return None
         return halves
 
-    def _compile_halves(self, w_edges: tuple[int, ...]) -> _Halves:
+    def _compile_halves(self, outputs: tuple[int, ...]) -> _Halves | str:
+        """Cut and compile; a string saying why where the graph cannot be cut or the backend refused a half."""
         from torch._guards import compile_context, tracing
 
-        split = split_backward_graph(self.graph, w_edges)
-        meta = getattr(self.tracing, "fw_metadata", None)
-        donated = getattr(meta, "bw_donated_idxs", None)
-        with tracing(self.tracing), compile_context(self.compiling):
-            if meta is not None:
-                meta.bw_donated_idxs = []  # the input half must not overwrite what the weight half reads
-            try:
-                input_half = self.compiler(split.input_graph, _example_inputs(split.input_graph))
-                weight_half = self.compiler(split.weight_graph, _example_inputs(split.weight_graph))
-            finally:
-                if meta is not None:
-                    meta.bw_donated_idxs = donated
-        return _Halves(input_half, weight_half, split.held, split.n_live, split.w_positions)
+        try:
+            cut = split_backward_graph(self.graph, outputs)
+        except CannotSplit as e:
+            return str(e)
+        example_w = [self.example_inputs[i] for i in cut.held] + [
+            n.meta.get("val") for n in cut.weight_graph.graph.nodes if n.op == "placeholder"
+        ][len(cut.held) :]
+        context = copy.copy(self.tracing)  # the halves are compiled without donated buffers
+        meta = getattr(context, "fw_metadata", None)
+        if meta is not None and getattr(meta, "bw_donated_idxs", None):
+            context.fw_metadata = dataclasses.replace(meta, bw_donated_idxs=[])
+        try:
+            with tracing(context), compile_context(self.compiling):
+                input_half = self.compiler(cut.input_graph, list(self.example_inputs))
+                weight_half = self.compiler(cut.weight_graph, example_w)
+        except Exception as e:  # the backend refused a half: the region runs whole, exactly as before
+            return f"the backend could not compile its halves ({type(e).__name__}: {str(e)[:200]})"
+        return _Halves(input_half, weight_half, cut.held, cut.n_live)
 
 
-def _output_positions(node: Any, w_edges: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The backward's output indices (one per forward input, sizes included) of the node's edges ``w_edges``
-    (one per tensor input): the inputs that need a gradient map, in order, to the edges that have a node.
-    ``None`` (run whole) where they do not line up."""
-    wanted = [i for i, needed in enumerate(node.needs_input_grad) if needed]
+def _outputs(gm: fx.GraphModule) -> list:
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outs = output.args[0]
+    return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+
+def _weight_outputs(node: Any, w_edges: tuple[int, ...], n_outputs: int) -> tuple[int, ...] | str:
+    """The backward graph's output indices (one per forward input, sizes included) of the node's edges
+    ``w_edges`` (one per tensor input): the inputs that need a gradient map, in order, to the edges that
+    have a node. A string saying why where they do not line up, or the region works on tensor subclasses."""
+    if getattr(node._forward_cls, "maybe_subclass_metadata", None) is not None:
+        return "its inputs or gradients are tensor subclasses (DTensor, float8): it works on their inner tensors"
+    needs = node.needs_input_grad
+    wanted = [i for i, needed in enumerate(needs) if needed]
     valid = [j for j, (nxt, _) in enumerate(node.next_functions) if nxt is not None]
-    if len(wanted) != len(valid):
-        _log_fallback(f"{len(wanted)} inputs need a gradient but the node has {len(valid)} edges")
-        return None
+    if len(wanted) != len(valid) or len(needs) > n_outputs:
+        return f"its {n_outputs} backward outputs do not line up with its {len(valid)} edges"
     by_edge = dict(zip(valid, wanted))
     if any(e not in by_edge for e in w_edges):
-        return None
+        return "a weight edge of it has no forward input"
     return tuple(sorted(by_edge[e] for e in w_edges))
 
 
-class _CannotSplit(Exception):
-    pass
-
-
-def _log_fallback(why: str) -> None:
-    if not _fallback_logged:
-        _fallback_logged.append(True)
+def _log_once(why: str) -> None:
+    if why not in _logged:
+        _logged.add(why)
         LOGGER.warning("ppbackward: a compiled region runs whole in B (not split into B and W): %s", why)
-
-
-def _example_inputs(gm: fx.GraphModule) -> list:
-    return [node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"]
-
-
-class SplitGraphs(NamedTuple):
-    """What :func:`split_backward_graph` returns."""
-
-    input_graph: fx.GraphModule
-    weight_graph: fx.GraphModule
-    held: tuple[int, ...]
-    n_live: int
-    w_positions: tuple[int, ...]
-
-
-def split_backward_graph(gm: fx.GraphModule, w_edges: tuple[int, ...]) -> SplitGraphs:
-    """Cut an AOTAutograd backward graph at its weight outputs.
-
-    Args:
-        gm: the backward graph: placeholders (saved tensors, sizes, incoming gradients), one output node
-            returning one gradient (or ``None``) per forward input, aligned with the node's edges.
-        w_edges: the output indices W computes (edges into weights).
-
-    Returns:
-        the input graph (every node but those only the weight outputs need; same placeholders; returns
-        every output with ``None`` at ``w_edges``, then the live-ins), the weight graph (placeholders: the
-        held inputs then the live-ins; returns the outputs at ``w_edges`` in order), the indices of the
-        held inputs among ``gm``'s placeholders, and the number of live-ins.
-
-    Raises:
-        _CannotSplit: ``w_edges`` names an output the graph does not have.
-    """
-    nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    (output,) = [n for n in nodes if n.op == "output"]
-    outs = output.args[0]
-    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    wanted = sorted(set(w_edges))
-    if wanted and wanted[-1] >= len(outs):
-        raise _CannotSplit(f"its backward graph has {len(outs)} outputs, edge {wanted[-1]} was asked")
-    w_set = set(wanted)
-    input_side = _ancestors([o for i, o in enumerate(outs) if i not in w_set])
-    weight_side = _ancestors([outs[i] for i in wanted])
-    weight_only = [n for n in nodes if n in weight_side and n not in input_side and n.op == "call_function"]
-    only = set(weight_only)
-    live: list[fx.Node] = []
-    for n in weight_only:
-        for a in n.all_input_nodes:
-            if a not in only and a not in live:
-                live.append(a)
-    for i in wanted:
-        o = outs[i]
-        if isinstance(o, fx.Node) and o not in only and o not in live:
-            live.append(o)
-    held = [n for n in live if n.op == "placeholder"]
-    computed = [n for n in live if n.op != "placeholder"]
-
-    graph_i = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        if n.op != "output" and n not in only:
-            env[n] = graph_i.node_copy(n, env.__getitem__)
-    returned = [None if (i in w_set or o is None) else env[o] for i, o in enumerate(outs)]
-    graph_i.output(tuple(returned + [env[n] for n in computed]))
-
-    graph_w = fx.Graph()
-    env_w: dict[fx.Node, fx.Node] = {}
-    for k, n in enumerate(held + computed):  # names outside "tangents*": inductor counts those as static
-        p = graph_w.placeholder(f"weight_half_input_{k}")
-        p.meta = dict(n.meta)
-        env_w[n] = p
-    for n in weight_only:
-        env_w[n] = graph_w.node_copy(n, env_w.__getitem__)
-    graph_w.output(tuple(None if outs[i] is None else env_w[outs[i]] for i in wanted))
-
-    index = {n: k for k, n in enumerate(placeholders)}
-    return SplitGraphs(
-        fx.GraphModule(gm, graph_i), fx.GraphModule(gm, graph_w), tuple(index[n] for n in held), len(computed),
-        tuple(wanted),
-    )
-
-
-def _ancestors(seeds: list) -> set:
-    seen: set = set()
-    stack = [n for n in seeds if isinstance(n, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 class PendingWeightGrads:
     """A split region's weight half, ready for W: the compiled graph and exactly the tensors it reads
-    (saved tensors and live-ins of the input half); see Note [compiled regions split in two].
-    :meth:`run` empties it."""
+    (saved tensors and live-ins of the input half), with their versions when the input half returned
+    (Note [compiled regions split in two]). :meth:`run` empties it; so does W's release."""
 
-    __slots__ = ("graph", "inputs", "positions")
+    __slots__ = ("graph", "inputs", "positions", "versions")
 
     def __init__(self, graph: Any, inputs: list, positions: tuple[int, ...]) -> None:
         self.graph = graph
         self.inputs = inputs
-        self.positions = positions
+        self.positions = tuple(sorted(positions))  # the node's edges the weight half's outputs go to, in order
+        self.versions = [(t, t._version) for t in inputs if isinstance(t, torch.Tensor)]
 
     def device(self) -> torch.device:
         """The device of the tensors it holds (CPU when it holds none)."""
-        return next((t.device for t in self.tensors()), torch.device("cpu"))
+        return next((t.device for t, _ in self.versions), torch.device("cpu"))
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors held for W (their versions are checked at W)."""
-        return [t for t in self.inputs if isinstance(t, torch.Tensor)]
+    def changed(self) -> torch.Tensor | None:
+        """A held tensor modified in place since the input half returned, or ``None``."""
+        for t, version in self.versions:
+            if t._version != version:
+                return t
+        return None
 
-    def run(self) -> list:
-        """The weight gradients, aligned with :attr:`positions`; the held tensors are dropped first."""
-        args, self.inputs = self.inputs, []
+    def run(self, node: Any) -> list:
+        """The weight gradients, aligned with :attr:`positions`; the held tensors are dropped as the graph
+        runs. Under anomaly mode, a NaN is reported as the engine does, naming the region ``node``.
+
+        Raises:
+            RuntimeError: anomaly mode found a NaN among them.
+        """
+        args, self.inputs, self.versions = self.inputs, [], []
         with torch.no_grad(), torch._C._DisableAutocast():
-            return _call(self.graph, args)
+            grads = _call(self.graph, args)
+        if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+            _check_nan(node, self.positions, grads)
+        return grads
+
+    def drop(self) -> None:
+        """Let go of everything it holds (W's release, W never called)."""
+        self.inputs, self.versions = [], []
 
 
-# Note [weight halves hand their gradients over]: a gradient given to the engine as a root is held by the
-# caller and by the call's GraphRoot, so an ``AccumulateGrad`` whose ``.grad`` is empty (the first microbatch
-# of a step) copies it instead of taking it (one ``new_empty_strided`` + ``copy_`` per parameter), which a
-# full backward does not: there the region's node returns the gradient into the engine, which hands it on
-# as its only owner. So where every weight edge of a split region is a leaf's ``AccumulateGrad`` (the
-# parameters are the region's inputs: compiled blocks, a compiled stage), W runs the weight half as the
-# backward of a node of its own, :class:`_WeightHalf`, whose edges are those leaves' (the graph's own
-# ``AccumulateGrad`` nodes, checked) and whose output is a root of W's accumulating call (a view of W's
-# one-element anchor: no kernel). Elsewhere (an edge into a weight-only node: a cast, FSDP2's unsharding)
-# the weight half runs before that call and its gradients are roots, as a custom Function's outputs are.
-class _WeightHalf(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, pendings: list, anchor: torch.Tensor, *leaves: torch.Tensor) -> torch.Tensor:
-        ctx.pendings = pendings
-        return anchor.view_as(anchor)
-
-    @staticmethod
-    def backward(ctx: Any, _grad: torch.Tensor) -> tuple:
-        pendings, ctx.pendings = ctx.pendings, None
-        grads: list = [None, None]
-        for pending in pendings:
-            grads += pending.run()
-        return tuple(grads)
-
-
-def leaves_of(node: Any, pending: PendingWeightGrads) -> list[torch.Tensor] | None:
-    """The leaves whose graph ``AccumulateGrad`` nodes are ``node``'s weight edges, in ``pending``'s order;
-    ``None`` where an edge is not a leaf's ``AccumulateGrad`` the leaf still points at, or the leaf no longer
-    requires grad (Note [weight halves hand their gradients over])."""
-    leaves = []
-    nf = node.next_functions
-    for i in pending.positions:
-        acc = nf[i][0]
-        if type(acc).__name__ != "AccumulateGrad":
-            return None
-        leaf = acc.variable
-        if not leaf.requires_grad or torch.autograd.graph.get_gradient_edge(leaf).node is not acc:
-            return None
-        leaves.append(leaf)
-    return leaves
-
-
-def deliver(pendings: list[PendingWeightGrads], leaves: list[torch.Tensor], anchor: torch.Tensor) -> torch.Tensor:
-    """A root for W's accumulating call that runs each of ``pendings`` and hands their gradients to
-    ``leaves`` (theirs, concatenated: :func:`leaves_of`); its gradient is W's one-element root gradient
-    (Note [weight halves hand their gradients over]). One node for all the regions of a chunk."""
-    grad_was = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(True)
-    try:
-        return _WeightHalf.apply(pendings, anchor, *leaves)
-    finally:
-        torch._C._set_grad_enabled(grad_was)
+def _check_nan(node: Any, positions: tuple[int, ...], grads: list) -> None:
+    """As the engine does for a node whose output is NaN (Note [anomaly mode names W's nodes] in
+    ``ppbackward._weight_edges``), naming the region."""
+    for i, g in zip(positions, grads):
+        if g is not None and torch.isnan(g).any():
+            trace = node.metadata.get("traceback_")
+            if trace:
+                warnings.warn(
+                    f"Error detected in {node.name()}. Traceback of forward call that caused the error:\n"
+                    + "".join(trace),
+                    stacklevel=2,
+                )
+            raise RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
 
 
 def is_region(node: Any) -> bool:
@@ -438,28 +374,61 @@ def is_region(node: Any) -> bool:
 
 
 @contextlib.contextmanager
-def splitting(regions: list[tuple[Any, tuple[int, ...]]], donation_off: bool) -> Iterator[dict[Any, _Plan]]:
-    """Within the block, the region nodes given (with their weight edges) run their input half when the
-    engine reaches them; yields node -> plan, whose ``pending`` is set where a region was split. Removed
-    from the registry whatever happens. Donation is off meanwhile where regions are split or
-    ``donation_off`` (B keeps the graph and runs regions: Note [compiled regions split in two])."""
-    if not (regions or donation_off) or not SUPPORTED:
+def splitting(split: list[tuple[Any, tuple[int, ...]]], whole: list[Any]) -> Iterator[dict[Any, _Plan]]:
+    """Within the block (B's engine call), the region nodes ``split`` (with their weight edges) run their
+    input half when the engine reaches them; yields node -> plan, whose ``pending`` is set where a region was
+    split. The regions of ``split`` and ``whole`` (those B runs whole, where B keeps the graph) have their
+    donation list cleared meanwhile. Everything is put back whatever happens (Note [compiled regions split
+    in two]).
+
+    Raises:
+        StageBackwardError: at the end of the block, a tensor a weight half holds was modified in place
+            during B (by a hook that ran later: autograd's contract forbids it).
+    """
+    if not (split or whole):
         yield {}
         return
-    plans = {node: _Plan(tuple(w_edges)) for node, w_edges in regions}
-    config = torch._functorch.config
+    plans = {node: _Plan(tuple(w_edges)) for node, w_edges in split} if SUPPORTED else {}
+    found = [getattr(node._forward_cls, "metadata", None) for node in [*(n for n, _ in split), *whole]]
+    metas: list[Any] = list({id(m): m for m in found if getattr(m, "bw_donated_idxs", None)}.values())
     with _lock:
         _PLANS.update(plans)
-        if not _DONATION_OFF:  # the first of the Bs running at once turns it off, the last puts it back
-            _DONATION_OFF.append(config.donated_buffer)
-            config.donated_buffer = False
-        _DONATION_OFF.append(None)
+        for meta in metas:
+            entry = _UNDONATED.setdefault(id(meta), [meta, meta.bw_donated_idxs, 0])
+            entry[2] += 1
+            meta.bw_donated_idxs = []
     try:
         yield plans
     finally:
         with _lock:
             for node in plans:
                 _PLANS.pop(node, None)
-            _DONATION_OFF.pop()
-            if len(_DONATION_OFF) == 1:
-                config.donated_buffer = _DONATION_OFF.pop()
+            for meta in metas:
+                entry = _UNDONATED[id(meta)]
+                entry[2] -= 1
+                if not entry[2]:
+                    meta.bw_donated_idxs = entry[1]
+                    del _UNDONATED[id(meta)]
+    for node, plan in plans.items():
+        if plan.pending is not None:
+            changed = plan.pending.changed()
+            if changed is not None:
+                plan.pending.drop()
+                raise StageBackwardError(
+                    f"stage_backward_input: a tensor the weight half of compiled region {node.name()} reads, "
+                    f"{changed.dtype} {list(changed.shape)}, was modified in place later in B, by a hook that "
+                    "received it. autograd's hooks must not change their argument in place (return a new "
+                    "tensor instead); W would compute the weight gradients from the changed values. Nothing "
+                    "was accumulated"
+                )
+        elif plan.declined is not None:
+            _log_once(plan.declined)
+
+
+def note_unsplit(node: Any) -> None:
+    """Log once that a region B registered ran without its compiled backward seeing the plan: its forward
+    was compiled before ``ppbackward.install()``."""
+    _log_once(
+        "its forward was compiled before ppbackward.install() (call install() before the first call of a "
+        "compiled module, or torch._dynamo.reset() after it)"
+    )

@@ -107,9 +107,9 @@ class ParamGroups:
             for c in group.ready:
                 g = c[1]
                 versions[id(g)] = (g, g._version)
-            for region in group.regions:  # what a compiled region's weight half reads
-                for g in region.pending.tensors():
-                    versions[id(g)] = (g, g._version)
+            for region in group.regions:  # what a compiled region's weight half reads, versions as B left them
+                for g, v in region.pending.versions:
+                    versions[id(g)] = (g, v)
             for p in group.params:
                 shapes.append((p, p.shape))
         self._versions = versions
@@ -194,7 +194,7 @@ class ParamGroups:
                     for c in group.ready:
                         read.append(versions[id(c[1])])
                     for region in group.regions:
-                        read += [versions[id(g)] for g in region.pending.tensors()]
+                        read += [versions[id(g)] for g, _ in region.pending.versions]
         else:  # what the written gradients left of B's
             kept = [g for group in groups for g in group.kept_gradients()]
             read = [self._versions[id(g)] for g in kept if id(g) in self._versions]
@@ -223,6 +223,9 @@ class ParamGroups:
 
     def _release(self) -> None:
         """Drop every node, tensor and gradient; mark consumed."""
+        for group in self._groups:  # a weight half W did not run (it raised, or an earlier chunk did)
+            for region in group.regions:
+                region.pending.drop()
         self._groups = []
         self._owners = ()
         self._pinned = []
@@ -365,7 +368,7 @@ def _changed_gradient(
             if c.grad is grad:
                 where = f"the gradient B captured for the edge into {c.edge.node.name()} (input {c.edge.output_nr})"
         for region in group.regions:
-            if any(g is grad for g in region.pending.tensors()):
+            if any(g is grad for g, _ in region.pending.versions):
                 where = f"a tensor the weight half of compiled region {region.node.name()} reads (held since B)"
         for i, entry in enumerate(group.written or ()):
             for j, g in enumerate(entry or ()):

@@ -18,11 +18,12 @@ import collections.abc
 import itertools
 import threading
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from ppbackward._compiled import PendingWeightGrads, is_region
 from ppbackward._errors import BadType, BadValue, StageBackwardError
 from ppbackward._graph import Intermediate
 from ppbackward._tree import check_like
@@ -67,11 +68,14 @@ class RegionCall(NamedTuple):
 
     Attributes:
         node: the region's ``CompiledFunctionBackward`` node (its edges name where the gradients go).
-        pending: the weight half and the tensors it reads (a ``ppbackward._compiled.PendingWeightGrads``).
+        pending: the weight half and the tensors it reads.
+        alone: the only source of its param group's gradients (Note [weight halves hand their gradients
+            over] in ``ppbackward._weight_edges``).
     """
 
     node: Node
-    pending: Any
+    pending: PendingWeightGrads
+    alone: bool
 
 
 _KEYS = ("params", "intermediates", "grads")
@@ -282,8 +286,7 @@ class ParamGroup:
             replaced.update(id(entry) for entry in self._replaced.get(inter.node, ()))
             calls.append(NodeCall(inter.node, grads, inter.w_edges))
         ready = [c for c in self.ready if id(c) not in replaced]
-        rerun = {call.node for call in calls}  # a region whose backward runs again on written gradients
-        return calls, ready, [r for r in self.regions if r.node not in rerun]
+        return calls, ready, self.regions  # a tuple for a compiled region is refused when written
 
     def kept_gradients(self) -> Iterator[torch.Tensor]:
         """The gradient tensors B captured that W still reads (those a write into ``"grads"`` did not replace;
@@ -296,7 +299,8 @@ class ParamGroup:
         for c in ready:
             yield c.grad
         for region in regions:
-            yield from region.pending.tensors()
+            for t, _ in region.pending.versions:
+                yield t
 
 
 def _checked_grads(
@@ -329,6 +333,13 @@ def _checked_grads(
         if not isinstance(entry, (list, tuple)):  # a caller's mistake of type
             raise BadType(
                 f"{path}: expected a tuple of gradients for {node.name()} (or None), got {type(entry).__name__}"
+            )
+        if is_region(node):  # only its Python type read: the node may be freed (torch 2.5-2.12)
+            raise BadValue(
+                f"{path}: {type(node).__name__} is a torch.compile'd region, whose backward ran in "
+                "stage_backward_input (whole, or its input half, the weight half waiting for W); W cannot run it "
+                "again from written gradients (what its compiled backward reads is gone). Write None to keep what "
+                "B computed, or run a full backward (stage_backward) where the gradients must change"
             )
         if node in spent:  # first: on torch 2.5-2.12 a spent node may be freed; only its Python type is safe
             raise BadValue(

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import operator
 import warnings
+from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
-from ppbackward._compiled import deliver, leaves_of
 from ppbackward._handoff import WeightWork
 from ppbackward._param_groups import Contribution, NodeCall
 from ppbackward._saved import release_saved_tensors
@@ -228,6 +228,66 @@ def accumulate(roots: list, grads: list, inputs: list, retain_graph: bool) -> No
         _ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True, True)
 
 
+# Note [weight halves hand their gradients over]: a gradient given to the engine as a root is held by the
+# caller and by the call's GraphRoot, so an ``AccumulateGrad`` whose ``.grad`` is empty (the first microbatch
+# of a step) copies it instead of taking it (one ``new_empty_strided`` + ``copy_`` per parameter), which a
+# full backward does not: there the region's node returns the gradient into the engine, which hands it on as
+# its only owner. So where a split compiled region is the only source of its param group's gradients and
+# every weight edge of it is a leaf's ``AccumulateGrad`` (the parameters are the region's inputs: compiled
+# blocks, a compiled stage), W runs its weight half as the backward of a node of its own, ``_WeightHalf`` (one
+# per chunk, for all such regions), whose edges are those leaves' (the graph's own ``AccumulateGrad`` nodes,
+# checked) and whose output is a root of W's accumulating call (a view of W's one-element anchor: no
+# kernel). Elsewhere (an edge into a weight-only node: a cast, FSDP2's unsharding; a weight that also gets
+# other gradients, whose order Note [accumulation order] keeps) the weight half runs before that call and
+# its gradients are roots tagged with the region's sequence number, as a custom Function's outputs are.
+class _WeightHalf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, regions: list, anchor: torch.Tensor, *leaves: torch.Tensor) -> torch.Tensor:
+        ctx.regions = regions
+        return anchor.view_as(anchor)
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple:
+        regions, ctx.regions = ctx.regions, None
+        grads: list = [None, None]
+        try:
+            for region in regions:
+                grads += region.pending.run(region.node)
+        finally:  # one that raised: the others let go of what they hold now, not with the traceback
+            for region in regions:
+                region.pending.drop()
+        return tuple(grads)
+
+
+def _leaves_of(node: Any, positions: tuple[int, ...]) -> list[torch.Tensor] | None:
+    """The leaves whose graph ``AccumulateGrad`` nodes are ``node``'s edges ``positions``, in order; ``None``
+    where an edge is not a leaf's ``AccumulateGrad`` the leaf still points at, or the leaf no longer
+    requires grad (Note [weight halves hand their gradients over])."""
+    leaves = []
+    nf = node.next_functions
+    for i in positions:
+        acc = nf[i][0]
+        if type(acc).__name__ != "AccumulateGrad":
+            return None
+        leaf = acc.variable
+        if not leaf.requires_grad or torch.autograd.graph.get_gradient_edge(leaf).node is not acc:
+            return None
+        leaves.append(leaf)
+    return leaves
+
+
+def _hand_over(regions: list, leaves: list[torch.Tensor], anchor: torch.Tensor) -> torch.Tensor:
+    """A root for W's accumulating call that runs each region's weight half and hands the gradients to
+    ``leaves`` (theirs, concatenated); its gradient is W's one-element root gradient (Note [weight halves hand
+    their gradients over])."""
+    grad_was = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(True)
+    try:
+        return _WeightHalf.apply(regions, anchor, *leaves)
+    finally:
+        torch._C._set_grad_enabled(grad_was)
+
+
 def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
     """W's two engine calls for one chunk of its work (Note [W in chunks] in ``ppbackward._handoff``):
     the intermediates' weight edges (:func:`weight_edge_grads`), then every gradient of the chunk handed
@@ -240,22 +300,23 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
     """
     calls = work.calls
     contributions = list(work.ready)
-    halves: list = []  # root(s) that run compiled regions' weight halves in the accumulating call
-    pendings: list = []
+    halves: list = []  # the root that runs compiled regions' weight halves in the accumulating call
+    handed: list = []
     leaves: list = []
-    for node, pending in work.regions:  # Note [compiled regions split in two] in ppbackward._compiled
-        theirs = leaves_of(node, pending)
+    for region in work.regions:  # Note [compiled regions split in two] in ppbackward._compiled
+        node, pending = region.node, region.pending
+        theirs = _leaves_of(node, pending.positions) if region.alone else None
         if theirs is not None:  # Note [weight halves hand their gradients over]
-            pendings.append(pending)
+            handed.append(region)
             leaves += theirs
             continue
         nf, seq = node.next_functions, node._sequence_nr()
-        for i, grad in zip(pending.positions, pending.run()):
+        for i, grad in zip(pending.positions, pending.run(node)):
             if grad is not None:
-                contributions.append(Contribution(GradientEdge(*nf[i][:2]), grad, seq))
-    if pendings:
-        halves.append(deliver(pendings, leaves, _anchor(pendings[0].device())[0]))
-        del pendings, leaves
+                contributions.append(Contribution(GradientEdge(*nf[i][:2]), grad, seq))  # type: ignore[arg-type]
+    if handed:
+        halves.append(_hand_over(handed, leaves, _anchor(handed[0].pending.device())[0]))
+        del handed, leaves
     if calls:
         new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
         for call, outs in zip(calls, weight_edge_grads(calls)):

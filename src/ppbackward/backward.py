@@ -35,7 +35,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 from torch.utils.hooks import RemovableHandle
 
-from ppbackward._compiled import PendingWeightGrads, is_region, splitting
+from ppbackward._compiled import PendingWeightGrads, is_region, note_unsplit, splitting
 from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
 from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._graph import (
@@ -261,10 +261,14 @@ def _backward_input(
     # custom Functions whose saved tensors B releases, or its engine call frees: read before that call
     spent = frozenset([n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n)])
     # Note [compiled regions split in two] (ppbackward._compiled): B runs these regions' input halves; and
-    # where B keeps the graph, any region it runs must not be refused for its donated buffers
-    regions = [(n, w_edges_of(specs, n)) for n in deferred if isinstance(n, BackwardCFunction) and is_region(n)]
-    in_b = retain and any([isinstance(n, BackwardCFunction) and is_region(n) for n in b_only])
-    run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions, in_b)
+    # where B keeps the graph, the regions it runs whole must not be refused for their donated buffers
+    found = [n for n in deferred if isinstance(n, BackwardCFunction) and is_region(n)]
+    regions = []
+    if found:
+        by_node = _w_edges_by_node(specs)
+        regions = [(n, by_node[n]) for n in found]
+    whole = [n for n in (*b_only, *eager.nodes) if isinstance(n, BackwardCFunction) and is_region(n)] if retain else []
+    run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions, whole)
     captured: dict = {}
     for node, box in zip(deferred, run.boxes):  # _checked_capture's common case inline (Note [no frame per node])
         if not box:
@@ -277,6 +281,9 @@ def _backward_input(
                 break
         else:
             captured[node] = grads
+    for node in run.unseen:  # Note [compiled regions split in two]: ran, but compiled before install()
+        if captured.get(node) is not None:
+            note_unsplit(node)
 
     groups = _build_groups(
         specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent, run.halves
@@ -300,6 +307,11 @@ def _backward_input(
     for i, t in wanted:
         result[i] = run.found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_set, owners, pinned, run.hooked_in_b)
+
+
+def _w_edges_by_node(specs: list) -> dict[Any, tuple[int, ...]]:
+    """The weight edges of every intermediate of the analysis' ``specs``, by node."""
+    return {inter.node: inter.w_edges for spec in specs for inter in spec.intermediates}
 
 
 def w_edges_of(specs: list, node: Any) -> tuple[int, ...]:
@@ -331,11 +343,12 @@ class _EngineCall(NamedTuple):
     frontier: list[tuple[FrontierSlot | CheapLeaf, torch.Tensor | None]]
     hooked_in_b: list[tuple[torch.Tensor, tuple[int, ...]]]
     halves: dict[Any, PendingWeightGrads]  # compiled region -> its weight half (Note [compiled regions split in two])
+    unseen: list  # the regions to split whose compiled backward never saw the plan (compiled before install)
 
 
 def _engine_call(
     flat: FlatOutputs, grad_inputs: list, deferred: list, eager: EagerWork, cheap: Any, retain: bool, regions: list,
-    regions_in_b: bool = False,
+    whole: list,
 ) -> _EngineCall:
     """B's one engine call, with a capture hook on each deferred intermediate, removed whatever happens.
 
@@ -344,7 +357,10 @@ def _engine_call(
     ``GradientEdge`` capture would see them before those hooks); W calls it again. A custom
     ``autograd.Function`` computes all its outputs whatever the engine needs (and may have side effects),
     so it must run once: a post-hook records its outputs in B, and W only routes the weight edges among
-    them (no re-run). torch.compile'd regions are such Functions. The intermediates B runs entirely
+    them (no re-run). A compiled region among the deferred ones (``regions``: ``(node, w_edges)``) runs only
+    its input half, and its weight half waits for W; the regions B runs whole (``whole``, where B keeps the
+    graph) have their donated buffers switched off for the call (Note [compiled regions split in two] in
+    ``ppbackward._compiled``). The intermediates B runs entirely
     (``eager``) need no capture: the engine call returns what they send to W's nodes, at the frontier
     edges; nor do those whose every weight edge B computes (``cheap``): the engine call returns the
     gradient at each such weight's ``AccumulateGrad``.
@@ -359,11 +375,11 @@ def _engine_call(
             else:
                 handles.append(node.register_prehook(_capture_inputs_hook(box)))
         if not (grad_inputs or taken):
-            return _EngineCall(boxes, {}, [], [], {})
+            return _EngineCall(boxes, {}, [], [], {}, [])
         frontier = [slot.edge.node for slot in eager.frontier]
         # cheap leaves have no hook to mute; watched for hooks registered during B, as the frontier's
         with _leaf_hooks_muted(frontier, cheap.leaves) as hooked_in_b:  # noqa: SIM117 (3.9 has no parenthesised with)
-            with splitting(regions, retain and regions_in_b) as plans:
+            with splitting(regions, whole) as plans:
                 results = torch.autograd.grad(
                     flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
                     [*grad_inputs, *taken],
@@ -377,7 +393,8 @@ def _engine_call(
     slots: list[FrontierSlot | CheapLeaf] = [*eager.frontier, *cheap.leaves]
     grads: list[torch.Tensor | None] = list(results[len(grad_inputs) :])
     halves = {node: plan.pending for node, plan in plans.items() if plan.pending is not None}
-    return _EngineCall(boxes, found, list(zip(slots, grads)), hooked_in_b, halves)
+    unseen = [node for node, plan in plans.items() if plan.pending is None and plan.declined is None]
+    return _EngineCall(boxes, found, list(zip(slots, grads)), hooked_in_b, halves, unseen)
 
 
 # Note [B claims its outputs]: B registers the outputs it was given (by id, under a lock) before it runs
@@ -648,7 +665,7 @@ def _build_groups(
             if root_edges[i] not in done and root_edges[i].node not in eager_nodes:
                 ready.append(_new(Contribution, (root_edges[i], output_grads[i], _ROOT_SEQ)))
         ready += extra.get(id(spec), [])
-        regions: list[RegionCall] = []
+        regions: list = []  # node, pending, node, pending...
         nodes = []  # Note [param groups read like torch's]: the intermediates W could still call
         replaced = dict(fed_by.get(id(spec), {}))  # node -> B's entries its written gradients replace
         for inter in spec.intermediates:
@@ -656,7 +673,8 @@ def _build_groups(
             grads = captured.get(node)
             pending = halves.get(node) if halves else None
             if pending is not None:  # Note [compiled regions split in two]: W runs its weight half
-                regions.append(_new(RegionCall, (node, pending)))
+                regions.append(node)
+                regions.append(pending)
                 replaced[node] = []
                 nodes.append(inter)
                 continue
@@ -682,8 +700,12 @@ def _build_groups(
             params = []
             for leaf in spec.leaves:
                 params.append(leaf.variable)
+            # the sole source of its group's gradients: W may hand them over (Note [weight halves hand their
+            # gradients over] in ppbackward._weight_edges)
+            alone = len(regions) == 2 and not deferred and not ready
+            calls = [_new(RegionCall, (regions[k], regions[k + 1], alone)) for k in range(0, len(regions), 2)]
             groups.append(
-                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent, regions)
+                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent, calls)
             )
     return groups
 
