@@ -444,8 +444,8 @@ def test_anomaly_mode_names_the_region_whose_weight_half_returned_nan():
 def test_a_backend_reused_for_many_regions_compiles_each_backward_once(monkeypatch):
     """``aot_autograd(...)`` made once and given to several ``torch.compile`` calls: the backward compiler is
     wrapped for each compile only, not once more per compile."""
-    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
 
     backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward))
     calls = []
