@@ -48,6 +48,7 @@ __all__ = [
     "NumericsRecord",
     "PartsRecord",
     "RankVerdict",
+    "RegionsRecord",
     "RssRecord",
     "ScheduleBench",
     "SchemaError",
@@ -70,7 +71,9 @@ SCHEMA_VERSION = 2
 
 #: What found a failure: a probe of a measured step, the exception a case stopped on, or the case itself
 #: (a schedule that cannot be built).
-CHECKS = ("garbage", "lifetime", "caches", "numerics", "replicas", "side effects", "hooks", "exception", "case")
+CHECKS = (
+    "garbage", "lifetime", "caches", "numerics", "replicas", "side effects", "hooks", "regions", "exception", "case",
+)
 
 #: The events of Note [event stream].
 EVENTS = ("started", "case_start", "step_end", "case_end", "done", "fatal")
@@ -301,6 +304,31 @@ class HooksRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class RegionsRecord:
+    """torch.compile'd regions ppbackward's B split into B and W (the regions probe, Note [compiled regions
+    split in two] in ``ppbackward._compiled``): over one step of one rank, or (``ppbackward check``'s cell)
+    summed over a case's ranks and steps.
+
+    Attributes:
+        b_calls: B calls (``stage_backward_input``) made.
+        b_split: of those, the calls that split at least one compiled region.
+        regions: compiled regions split, over every B call (the regions of their param groups).
+        fewest, most: the fewest and the most regions one B call split (0 without a B call).
+        expected: the regions every B call must split (the model's ``ModelSpec.regions_per_b``); 0 where it
+            is not judged (a torch without the split).
+        counted: whether B's param groups say which regions they split (ppbackward's do, torch's dicts not).
+    """
+
+    b_calls: int = 0
+    b_split: int = 0
+    regions: int = 0
+    fewest: int = 0
+    most: int = 0
+    expected: int = 0
+    counted: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class StepTime:
     """The step time probe's record: this rank's ``own_s`` and the slowest rank's ``slowest_s`` (seconds)."""
 
@@ -345,10 +373,10 @@ class RssRecord:
 class StepRecord:
     """One measured step of one case on one rank: its number (0-based), wall ``seconds`` of
     ``schedule.step`` on this rank, and the record of each probe that ran (``None`` for one that did not:
-    ``ppbackward check`` runs the first five, ``ppbackward bench --schedule`` the others, Note [probe
-    phases] in ``ppbackward._tools.harness.runner``); ``caches`` maps a place (``"schedule"``,
-    ``"stage 1"``) to its caches by attribute name; ``saved_peak_bytes`` is the peak bytes of live saved
-    activations."""
+    ``ppbackward check`` runs the first five, and ``regions`` for a model with compiled regions,
+    ``ppbackward bench --schedule`` the others, Note [probe phases] in ``ppbackward._tools.harness.runner``);
+    ``caches`` maps a place (``"schedule"``, ``"stage 1"``) to its caches by attribute name;
+    ``saved_peak_bytes`` is the peak bytes of live saved activations."""
 
     step: int
     seconds: float
@@ -361,6 +389,7 @@ class StepRecord:
     parts: PartsRecord | None = None
     rss: RssRecord | None = None
     saved_peak_bytes: int | None = None
+    regions: RegionsRecord | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -623,6 +652,7 @@ class StepMeasures:
         max_abs_grad_err: max |grad - reference| over the rank's parameters.
         hooks_fired: post-accumulate-grad hook calls in the step.
         hooks_expected: calls expected (once per trainable parameter per microbatch; 0 for a frozen rank).
+        regions: the compiled regions B split in the step; ``None`` where they were not counted.
     """
 
     step: int
@@ -633,6 +663,7 @@ class StepMeasures:
     max_abs_grad_err: float
     hooks_fired: int
     hooks_expected: int
+    regions: RegionsRecord | None = None
 
     @classmethod
     def from_record(cls, step: StepRecord) -> StepMeasures:
@@ -648,6 +679,7 @@ class StepMeasures:
             max_abs_grad_err=(step.numerics or NumericsRecord()).max_abs_grad_err,
             hooks_fired=hooks.fired,
             hooks_expected=hooks.expected,
+            regions=step.regions,
         )
 
 
