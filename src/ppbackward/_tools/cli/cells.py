@@ -195,7 +195,7 @@ class Measures:
         actions (dict[str, dict[str, int]]): the compute actions of one step, summed over ranks.
         grads_why (str | None): why ``max|dg|`` fails with nothing measured (:func:`_grads_why`).
         regions (RegionsRecord | None): the compiled regions B split, over the ranks and steps
-            (:func:`_summed_regions`); ``None`` where they were not counted.
+            (``RegionsRecord.summed``); ``None`` where they were not counted.
     """
 
     garbage: int
@@ -288,22 +288,7 @@ def _measures(records: dict[int, CaseRecord], steps: list[tuple[int, StepMeasure
         max_abs_grad_err=best["max|dg|"], hooks_fired=hooks.hooks_fired, hooks_expected=hooks.hooks_expected,
         step_seconds=max(sum(s) / len(s) for s in seconds.values()), worst=worst,
         wrap=next((r.wrap for r in records.values()), "none"), actions=_summed_actions(records),
-        grads_why=_grads_why(records), regions=_summed_regions([s.regions for _, s in steps]),
-    )
-
-
-def _summed_regions(found: list[RegionsRecord | None]) -> RegionsRecord | None:
-    """The regions B split over a case's ranks and steps: calls and regions summed, the fewest and the most
-    over the steps with a B call, counted only where every step's were; ``None`` where none was counted."""
-    known = [r for r in found if r is not None]
-    if not known:
-        return None
-    with_b = [r for r in known if r.b_calls]
-    return RegionsRecord(
-        b_calls=sum(r.b_calls for r in known), b_split=sum(r.b_split for r in known),
-        regions=sum(r.regions for r in known), fewest=min((r.fewest for r in with_b), default=0),
-        most=max((r.most for r in with_b), default=0), expected=max(r.expected for r in known),
-        counted=all(r.counted for r in known),
+        grads_why=_grads_why(records), regions=RegionsRecord.summed([s.regions for _, s in steps]),
     )
 
 

@@ -27,6 +27,7 @@ import os
 import time
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
@@ -326,6 +327,26 @@ class RegionsRecord:
     most: int = 0
     expected: int = 0
     counted: bool = True
+
+    @classmethod
+    def summed(cls, found: Sequence[RegionsRecord | None]) -> RegionsRecord | None:
+        """Several steps' or ranks' records as one: calls and regions summed, the fewest and the most over
+        the records with a B call, counted only where every one was; ``None`` where none was counted."""
+        known = [r for r in found if r is not None]
+        if not known:
+            return None
+        with_b = [r for r in known if r.b_calls]
+        return cls(
+            b_calls=sum(r.b_calls for r in known), b_split=sum(r.b_split for r in known),
+            regions=sum(r.regions for r in known), fewest=min((r.fewest for r in with_b), default=0),
+            most=max((r.most for r in with_b), default=0), expected=max(r.expected for r in known),
+            counted=all(r.counted for r in known),
+        )
+
+    @property
+    def all_split(self) -> bool:
+        """Every B call split every region it was expected to (vacuously where nothing is expected)."""
+        return not self.expected or not self.counted or self.fewest == self.most == self.expected or not self.b_calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -701,6 +722,10 @@ class ScheduleBench:
         memory: per variant, the maximum over the ranks of each figure.
         parts_ms, slices_ms: per variant, each rank's parts and slices in its fastest step (Note [step parts]).
         grads_match: every variant's grads and losses within the case's tolerance of the reference, on every rank.
+        compile: the ``torch.compile`` backend of every stage's layers (``bench --compile --schedule``); ``""``
+            for eager stages.
+        regions: with compiled stages, per variant, the compiled regions its B calls split in its exactness
+            step, summed over the ranks (Note [regions counted] in ``ppbackward._tools.harness.probes``).
     """
 
     ranks: int
@@ -718,3 +743,5 @@ class ScheduleBench:
     parts_ms: dict[str, list[StepParts]]
     slices_ms: dict[str, list[list[list[Any]]]]
     grads_match: bool
+    compile: str = ""
+    regions: dict[str, RegionsRecord] = dataclasses.field(default_factory=dict)
