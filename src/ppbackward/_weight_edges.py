@@ -259,33 +259,53 @@ class _WeightHalf(torch.autograd.Function):
         return tuple(grads)
 
 
-def _leaves_of(node: Any, positions: tuple[int, ...]) -> list[torch.Tensor] | None:
-    """The leaves whose graph ``AccumulateGrad`` nodes are ``node``'s edges ``positions``, in order; ``None``
-    where an edge is not a leaf's ``AccumulateGrad`` the leaf still points at, or the leaf no longer
-    requires grad (Note [weight halves hand their gradients over])."""
-    leaves = []
+def _leaves_of(node: Any, positions: tuple[int, ...]) -> list | None:
+    """The graph's ``AccumulateGrad`` nodes at ``node``'s edges ``positions`` and their leaves, flattened
+    ``[acc, leaf, acc, leaf, ...]``; ``None`` where an edge is not an ``AccumulateGrad`` or its leaf no longer
+    requires grad (Note [weight halves hand their gradients over]). Plain loop, no frame per edge (Note [no
+    frame per node] in ``ppbackward.backward``)."""
+    found = []
     nf = node.next_functions
     for i in positions:
-        acc = nf[i][0]
-        if type(acc).__name__ != "AccumulateGrad":
+        acc: Any = nf[i][0]
+        if type(acc) is not _ACCUMULATE_GRAD:
             return None
         leaf = acc.variable
-        if not leaf.requires_grad or torch.autograd.graph.get_gradient_edge(leaf).node is not acc:
+        if not leaf.requires_grad:
             return None
-        leaves.append(leaf)
-    return leaves
+        found.append(acc)
+        found.append(leaf)
+    return found
 
 
-def _hand_over(regions: list, leaves: list[torch.Tensor], anchor: torch.Tensor) -> torch.Tensor:
-    """A root for W's accumulating call that runs each region's weight half and hands the gradients to
-    ``leaves`` (theirs, concatenated); its gradient is W's one-element root gradient (Note [weight halves hand
-    their gradients over])."""
+def _hand_over(regions: list, found: list, anchor: torch.Tensor) -> torch.Tensor | None:
+    """A root for W's accumulating call that runs each region's weight half and hands the gradients to the
+    leaves of ``found`` (:func:`_leaves_of`'s, concatenated); its gradient is W's one-element root gradient
+    (Note [weight halves hand their gradients over]). ``None`` where a leaf no longer points at the graph's
+    ``AccumulateGrad`` node (``param.data`` of another dtype since the forward): the node made is dropped
+    unrun and W hands the gradients as roots instead."""
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(True)
     try:
-        return _WeightHalf.apply(regions, anchor, *leaves)
+        root = _WeightHalf.apply(regions, anchor, *found[1::2])
     finally:
         torch._C._set_grad_enabled(grad_was)
+    node: Any = root.grad_fn  # the node just made
+    edges = node.next_functions
+    accs = found[0::2]
+    for k in range(len(accs)):
+        if edges[k + 1][0] is not accs[k]:  # after the anchor's (the list of regions has no edge)
+            node.regions = None
+            return None
+    return root
+
+
+def _accumulate_grad_type() -> type:
+    leaf = torch.zeros((), requires_grad=True)
+    return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+
+
+_ACCUMULATE_GRAD: Any = _accumulate_grad_type()  # torch's C++ AccumulateGrad node type, read once
 
 
 def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
@@ -302,21 +322,27 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
     contributions = list(work.ready)
     halves: list = []  # the root that runs compiled regions' weight halves in the accumulating call
     handed: list = []
-    leaves: list = []
+    found: list = []
+    rest: list = []
     for region in work.regions:  # Note [compiled regions split in two] in ppbackward._compiled
-        node, pending = region.node, region.pending
-        theirs = _leaves_of(node, pending.positions) if region.alone else None
-        if theirs is not None:  # Note [weight halves hand their gradients over]
+        theirs = _leaves_of(region.node, region.pending.positions) if region.alone else None
+        if theirs is None:
+            rest.append(region)
+        else:  # Note [weight halves hand their gradients over]
             handed.append(region)
-            leaves += theirs
-            continue
+            found += theirs
+    if handed:
+        root = _hand_over(handed, found, _anchor(handed[0].pending.device())[0])
+        if root is None:
+            rest += handed
+        else:
+            halves.append(root)
+        del handed, found
+    for node, pending, _ in rest:
         nf, seq = node.next_functions, node._sequence_nr()
         for i, grad in zip(pending.positions, pending.run(node)):
             if grad is not None:
-                contributions.append(Contribution(GradientEdge(*nf[i][:2]), grad, seq))  # type: ignore[arg-type]
-    if handed:
-        halves.append(_hand_over(handed, leaves, _anchor(handed[0].pending.device())[0]))
-        del handed, leaves
+                contributions.append(Contribution(GradientEdge(*nf[i][:2]), grad, seq))
     if calls:
         new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
         for call, outs in zip(calls, weight_edge_grads(calls)):
