@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import ppbackward as pb
-from ppbackward import _compiled, stage_backward, stage_backward_input, stage_backward_weight
+from ppbackward import _compiled, _weight_edges, stage_backward, stage_backward_input, stage_backward_weight
 from ppbackward._tools.bench.device_work import REGIMES, stage_work
 
 pytestmark = pytest.mark.skipif(not _compiled.SUPPORTED, reason=f"no split here: {_compiled.UNSUPPORTED_WHY}")
@@ -518,3 +518,29 @@ def _split_of(stage: _Fn, xs: list) -> tuple[list, list]:
         input_grads.append(g)
         stage_backward_weight(stage.weights, groups)
     return [p.grad.clone() for p in stage.weights], input_grads
+
+
+def test_a_dtype_round_trip_between_forward_and_w_leaves_the_compiled_grads_exact(monkeypatch):
+    """``module.double(); module.float()`` after the forward gives each parameter a new ``AccumulateGrad``: W's
+    hand-over sees its node's edges are not the graph's and hands the gradients as roots (Note [weight halves
+    hand their gradients over]); every weight still accumulates, exactly."""
+    with pb.installed():
+        stage = _compiled_stage("child")
+        (x0,) = _inputs(1)
+        want, _ = _full(stage, [x0])
+        params = list(stage.parameters())
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        out = stage(x).sum()
+        stage.double()
+        stage.float()
+        _, groups = stage_backward_input([out], None, [x], params)
+        assert sum(len(group.regions) for group in groups) == 2
+        handed = []
+        real = _weight_edges._hand_over
+        monkeypatch.setattr(_weight_edges, "_hand_over", lambda *a: handed.append(real(*a)) or handed[-1])
+        stage_backward_weight(params, groups)
+        got = [p.grad for p in params]
+    assert handed == [None]  # the hand-over declined: the node it made pointed at the new accumulators
+    _assert_equal(got, want)
