@@ -40,7 +40,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from ppbackward._errors import BadValue, StageBackwardError
-from ppbackward._param_groups import CLAIM_LOCK, Contribution, NodeCall, ParamGroup
+from ppbackward._param_groups import CLAIM_LOCK, Contribution, NodeCall, ParamGroup, RegionCall
 from ppbackward._saved import release_pinned
 
 # ParamGroups is re-exported by ppbackward (for type hints); the rest is what B and W use
@@ -64,6 +64,7 @@ class WeightWork(NamedTuple):
     calls: list[NodeCall]
     ready: list[Contribution]
     inputs: list[GradientEdge | torch.Tensor]
+    regions: list[RegionCall]  # compiled regions' weight halves (Note [compiled regions split in two])
 
 
 class ParamGroups:
@@ -106,6 +107,9 @@ class ParamGroups:
             for c in group.ready:
                 g = c[1]
                 versions[id(g)] = (g, g._version)
+            for region in group.regions:  # what a compiled region's weight half reads, versions as B left them
+                for g, v in region.pending.versions:
+                    versions[id(g)] = (g, v)
             for p in group.params:
                 shapes.append((p, p.shape))
         self._versions = versions
@@ -189,6 +193,8 @@ class ParamGroups:
                                 read.append(versions[id(g)])
                     for c in group.ready:
                         read.append(versions[id(c[1])])
+                    for region in group.regions:
+                        read += [versions[id(g)] for g, _ in region.pending.versions]
         else:  # what the written gradients left of B's
             kept = [g for group in groups for g in group.kept_gradients()]
             read = [self._versions[id(g)] for g in kept if id(g) in self._versions]
@@ -217,6 +223,9 @@ class ParamGroups:
 
     def _release(self) -> None:
         """Drop every node, tensor and gradient; mark consumed."""
+        for group in self._groups:  # a weight half W did not run (it raised, or an earlier chunk did)
+            for region in group.regions:
+                region.pending.drop()
         self._groups = []
         self._owners = ()
         self._pinned = []
@@ -320,15 +329,18 @@ def _weight_work(groups: list[ParamGroup]) -> WeightWork:
     """The work of ``groups`` together (B's, or with the gradients a caller wrote)."""
     calls: list[NodeCall] = []
     ready: list[Contribution] = []
+    regions: list[RegionCall] = []
     for group in groups:
         if group._written is None:  # w_work's common case inline (Note [no frame per node] in ppbackward.backward)
             calls += group.calls
             ready += group.ready
+            regions += group.regions
             continue
-        group_calls, group_ready = group.w_work()
+        group_calls, group_ready, group_regions = group.w_work()
         calls += group_calls
         ready += group_ready
-    return WeightWork(calls, ready, [edge for group in groups for edge in group.inputs])  # one frame
+        regions += group_regions
+    return WeightWork(calls, ready, [edge for group in groups for edge in group.inputs], regions)  # one frame
 
 # code that checks what it holds (``isinstance(groups, Sequence)``) sees the form of torch's list of dicts
 # (ParamGroup is registered as a Mapping in ppbackward._param_groups)
@@ -355,6 +367,9 @@ def _changed_gradient(
         for c in group.ready:
             if c.grad is grad:
                 where = f"the gradient B captured for the edge into {c.edge.node.name()} (input {c.edge.output_nr})"
+        for region in group.regions:
+            if any(g is grad for g, _ in region.pending.versions):
+                where = f"a tensor the weight half of compiled region {region.node.name()} reads (held since B)"
         for i, entry in enumerate(group.written or ()):
             for j, g in enumerate(entry or ()):
                 if g is grad:

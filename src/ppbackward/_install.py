@@ -42,7 +42,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from ppbackward import _merge
+from ppbackward import _compiled, _merge
 from ppbackward._compat import (
     ALLOW_UNTESTED_ENV,
     Adapter,
@@ -77,7 +77,10 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
 
     Idempotent. Call it before running a schedule step (stages look the names up at call time).
     The functions put in are those of the adapter for the installed torch (:func:`active_adapter`):
-    ppbackward's own on torch 2.6 to 2.15, list-returning wrappers with a stage-0-safe B on 2.5.
+    ppbackward's own on torch 2.6 to 2.15, list-returning wrappers with a stage-0-safe B on 2.5. While
+    installed, torch's zero-bubble schedules accept stages with ``torch.compile``'d modules, and on torch
+    2.13+ the backward graphs AOTAutograd compiles from then on can be split into B and W (Note [compiled
+    regions split in two] in ``ppbackward._compiled``).
 
     Args:
         allow_untested: on a torch newer than the newest known release (a nightly, the next
@@ -127,6 +130,8 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
             for name in NAMES:
                 setattr(mod, name, adapter.functions[name])
         _originals.update(found)
+        _lift_compile_refusal()
+        _compiled.enable()
         _active.append(adapter)
         _set_merge(bool(merge_bw))
     _announce(adapter, bool(merge_bw))
@@ -139,6 +144,25 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
             UntestedTorchWarning,
             stacklevel=2,
         )
+
+
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+_COMPILE_CHECK = "_check_torch_compile_compatibility"
+
+
+def _compiled_stages_allowed(stages: Any, schedule_name: str) -> None:
+    """Put in for torch's ``_check_torch_compile_compatibility`` while installed: ppbackward's B and W take
+    stages with compiled blocks (Note [compiled regions split in two] in ``ppbackward._compiled``)."""
+
+
+def _lift_compile_refusal() -> None:
+    """While installed, torch's zero-bubble schedules accept stages with ``torch.compile``'d modules, which
+    they refuse on their own (pytorch/pytorch#161904); recorded in ``_originals``, put back by
+    :func:`uninstall`. Nothing to do on a torch without that check (2.5.1 has none)."""
+    mod = importlib.import_module(_SCHEDULES)
+    if hasattr(mod, _COMPILE_CHECK):
+        _originals[(_SCHEDULES, _COMPILE_CHECK)] = getattr(mod, _COMPILE_CHECK)
+        setattr(mod, _COMPILE_CHECK, _compiled_stages_allowed)
 
 
 def _rank_zero() -> bool:
@@ -162,6 +186,9 @@ def _announce(adapter: Adapter, merge_bw: bool) -> None:
         "ppbackward %s installed: torch %s's pipeline stages run ppbackward's stage backward (%s, merge_bw %s)",
         __version__, adapter.version, adapter.name, "on" if merge_bw else "off",
     )
+    if not _compiled.SUPPORTED:  # Note [compiled regions split in two] in ppbackward._compiled
+        LOGGER.info("ppbackward: torch.compile'd regions run whole in B, not split into B and W: %s",
+                    _compiled.UNSUPPORTED_WHY)
 
 
 def uninstall() -> None:
@@ -172,6 +199,7 @@ def uninstall() -> None:
         for (mod_name, name), original in _originals.items():
             setattr(importlib.import_module(mod_name), name, original)
         _originals.clear()
+        _compiled.disable()
         _active.clear()
         _set_merge(False)
 

@@ -23,12 +23,13 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from ppbackward._compiled import PendingWeightGrads, is_region
 from ppbackward._errors import BadType, BadValue, StageBackwardError
 from ppbackward._graph import Intermediate
 from ppbackward._tree import check_like
 
 # private module: what other modules use (ppbackward._handoff, backward, _weight_edges)
-__all__ = ["CLAIM_LOCK", "Contribution", "NodeCall", "ParamGroup"]
+__all__ = ["CLAIM_LOCK", "Contribution", "NodeCall", "ParamGroup", "RegionCall"]
 
 
 class NodeCall(NamedTuple):
@@ -59,6 +60,22 @@ class Contribution(NamedTuple):
     edge: GradientEdge
     grad: torch.Tensor
     seq: float
+
+
+class RegionCall(NamedTuple):
+    """A compiled region B split: W runs its weight half (Note [compiled regions split in two] in
+    ``ppbackward._compiled``).
+
+    Attributes:
+        node: the region's ``CompiledFunctionBackward`` node (its edges name where the gradients go).
+        pending: the weight half and the tensors it reads.
+        alone: the only source of its param group's gradients (Note [weight halves hand their gradients
+            over] in ``ppbackward._weight_edges``).
+    """
+
+    node: Node
+    pending: PendingWeightGrads
+    alone: bool
 
 
 _KEYS = ("params", "intermediates", "grads")
@@ -134,6 +151,7 @@ class ParamGroup:
         "inputs",
         "params",
         "ready",
+        "regions",
     )
 
     def __init__(
@@ -145,9 +163,11 @@ class ParamGroup:
         leaves: list[Node] | None = None,
         replaced: dict[Node, list] | None = None,
         spent: frozenset[Node] = frozenset(),
+        regions: list[RegionCall] | None = None,
     ) -> None:
         self.calls = calls
         self.ready = ready
+        self.regions = regions or []
         self.params = params
         self._nodes = nodes if nodes is not None else [Intermediate(c.node, c.w_edges) for c in calls]
         self._leaves = leaves or []
@@ -250,11 +270,11 @@ class ParamGroup:
         """The gradients a caller wrote into ``group["grads"]`` (checked), or ``None``."""
         return self._written
 
-    def w_work(self) -> tuple[list[NodeCall], list[Contribution]]:
-        """``(calls, ready)`` W runs for this group: B's, or with the written gradients (Note [param groups
-        read like torch's])."""
+    def w_work(self) -> tuple[list[NodeCall], list[Contribution], list[RegionCall]]:
+        """``(calls, ready, regions)`` W runs for this group: B's, or with the written gradients (Note [param
+        groups read like torch's])."""
         if self._written is None:
-            return self.calls, self.ready
+            return self.calls, self.ready, self.regions
         calls: list[NodeCall] = []
         replaced: set[int] = set()
         kept = {call.node: call for call in self.calls}
@@ -266,18 +286,21 @@ class ParamGroup:
             replaced.update(id(entry) for entry in self._replaced.get(inter.node, ()))
             calls.append(NodeCall(inter.node, grads, inter.w_edges))
         ready = [c for c in self.ready if id(c) not in replaced]
-        return calls, ready
+        return calls, ready, self.regions  # a tuple for a compiled region is refused when written
 
     def kept_gradients(self) -> Iterator[torch.Tensor]:
         """The gradient tensors B captured that W still reads (those a write into ``"grads"`` did not replace;
         the written ones are checked apart: ``_written_versions``)."""
-        calls, ready = self.w_work()
+        calls, ready, regions = self.w_work()
         mine = {id(call) for call in self.calls}
         for call in calls:
             if id(call) in mine:  # B's capture (written ones are checked apart)
                 yield from (g for g in call.grads if g is not None)
         for c in ready:
             yield c.grad
+        for region in regions:
+            for t, _ in region.pending.versions:
+                yield t
 
 
 def _checked_grads(
@@ -310,6 +333,13 @@ def _checked_grads(
         if not isinstance(entry, (list, tuple)):  # a caller's mistake of type
             raise BadType(
                 f"{path}: expected a tuple of gradients for {node.name()} (or None), got {type(entry).__name__}"
+            )
+        if is_region(node):  # only its Python type read: the node may be freed (torch 2.5-2.12)
+            raise BadValue(
+                f"{path}: {type(node).__name__} is a torch.compile'd region, whose backward ran in "
+                "stage_backward_input (whole, or its input half, the weight half waiting for W); W cannot run it "
+                "again from written gradients (what its compiled backward reads is gone). Write None to keep what "
+                "B computed, or run a full backward (stage_backward) where the gradients must change"
             )
         if node in spent:  # first: on torch 2.5-2.12 a spent node may be freed; only its Python type is safe
             raise BadValue(

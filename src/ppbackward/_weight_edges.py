@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -227,6 +228,86 @@ def accumulate(roots: list, grads: list, inputs: list, retain_graph: bool) -> No
         _ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True, True)
 
 
+# Note [weight halves hand their gradients over]: a gradient given to the engine as a root is held by the
+# caller and by the call's GraphRoot, so an ``AccumulateGrad`` whose ``.grad`` is empty (the first microbatch
+# of a step) copies it instead of taking it (one ``new_empty_strided`` + ``copy_`` per parameter), which a
+# full backward does not: there the region's node returns the gradient into the engine, which hands it on as
+# its only owner. So where a split compiled region is the only source of its param group's gradients and
+# every weight edge of it is a leaf's ``AccumulateGrad`` (the parameters are the region's inputs: compiled
+# blocks, a compiled stage), W runs its weight half as the backward of a node of its own, ``_WeightHalf`` (one
+# per chunk, for all such regions), whose edges are those leaves' (the graph's own ``AccumulateGrad`` nodes,
+# checked) and whose output is a root of W's accumulating call (a view of W's one-element anchor: no
+# kernel). Elsewhere (an edge into a weight-only node: a cast, FSDP2's unsharding; a weight that also gets
+# other gradients, whose order Note [accumulation order] keeps) the weight half runs before that call and
+# its gradients are roots tagged with the region's sequence number, as a custom Function's outputs are.
+class _WeightHalf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, regions: list, anchor: torch.Tensor, *leaves: torch.Tensor) -> torch.Tensor:
+        ctx.regions = regions
+        return anchor.view_as(anchor)
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple:
+        regions, ctx.regions = ctx.regions, None
+        grads: list = [None, None]
+        try:
+            for region in regions:
+                grads += region.pending.run(region.node)
+        finally:  # one that raised: the others let go of what they hold now, not with the traceback
+            for region in regions:
+                region.pending.drop()
+        return tuple(grads)
+
+
+def _leaves_of(node: Any, positions: tuple[int, ...]) -> list | None:
+    """The graph's ``AccumulateGrad`` nodes at ``node``'s edges ``positions`` and their leaves, flattened
+    ``[acc, leaf, acc, leaf, ...]``; ``None`` where an edge is not an ``AccumulateGrad`` or its leaf no longer
+    requires grad (Note [weight halves hand their gradients over]). Plain loop, no frame per edge (Note [no
+    frame per node] in ``ppbackward.backward``)."""
+    found = []
+    nf = node.next_functions
+    for i in positions:
+        acc: Any = nf[i][0]
+        if type(acc) is not _ACCUMULATE_GRAD:
+            return None
+        leaf = acc.variable
+        if not leaf.requires_grad:
+            return None
+        found.append(acc)
+        found.append(leaf)
+    return found
+
+
+def _hand_over(regions: list, found: list, anchor: torch.Tensor) -> torch.Tensor | None:
+    """A root for W's accumulating call that runs each region's weight half and hands the gradients to the
+    leaves of ``found`` (:func:`_leaves_of`'s, concatenated); its gradient is W's one-element root gradient
+    (Note [weight halves hand their gradients over]). ``None`` where a leaf no longer points at the graph's
+    ``AccumulateGrad`` node (``param.data`` of another dtype since the forward): the node made is dropped
+    unrun and W hands the gradients as roots instead."""
+    grad_was = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(True)
+    try:
+        root = _WeightHalf.apply(regions, anchor, *found[1::2])
+    finally:
+        torch._C._set_grad_enabled(grad_was)
+    node: Any = root.grad_fn  # the node just made
+    edges = node.next_functions
+    accs = found[0::2]
+    for k in range(len(accs)):
+        if edges[k + 1][0] is not accs[k]:  # after the anchor's (the list of regions has no edge)
+            node.regions = None
+            return None
+    return root
+
+
+def _accumulate_grad_type() -> type:
+    leaf = torch.zeros((), requires_grad=True)
+    return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+
+
+_ACCUMULATE_GRAD: Any = _accumulate_grad_type()  # torch's C++ AccumulateGrad node type, read once
+
+
 def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
     """W's two engine calls for one chunk of its work (Note [W in chunks] in ``ppbackward._handoff``):
     the intermediates' weight edges (:func:`weight_edge_grads`), then every gradient of the chunk handed
@@ -239,6 +320,29 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
     """
     calls = work.calls
     contributions = list(work.ready)
+    halves: list = []  # the root that runs compiled regions' weight halves in the accumulating call
+    handed: list = []
+    found: list = []
+    rest: list = []
+    for region in work.regions:  # Note [compiled regions split in two] in ppbackward._compiled
+        theirs = _leaves_of(region.node, region.pending.positions) if region.alone else None
+        if theirs is None:
+            rest.append(region)
+        else:  # Note [weight halves hand their gradients over]
+            handed.append(region)
+            found += theirs
+    if handed:
+        root = _hand_over(handed, found, _anchor(handed[0].pending.device())[0])
+        if root is None:
+            rest += handed
+        else:
+            halves.append(root)
+        del handed, found
+    for node, pending, _ in rest:
+        nf, seq = node.next_functions, node._sequence_nr()
+        for i, grad in zip(pending.positions, pending.run(node)):
+            if grad is not None:
+                contributions.append(Contribution(GradientEdge(*nf[i][:2]), grad, seq))
     if calls:
         new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
         for call, outs in zip(calls, weight_edge_grads(calls)):
@@ -249,11 +353,11 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
                     edge = new(GradientEdge, nf[i][:2])
                     contributions.append(new(Contribution, (edge, outs[i], seq)))
         del outs
-    if contributions:
+    if contributions or halves:
         contributions.sort(key=_BY_SEQ, reverse=True)
-        roots = [c.edge for c in contributions]
-        grads = [c.grad for c in contributions]
-        del contributions
+        roots = [c.edge for c in contributions] + halves
+        grads = [c.grad for c in contributions] + [_anchor(h.device)[1] for h in halves]
+        del contributions, halves
         accumulate(roots, grads, work.inputs, retain_graph)
         del roots, grads
     if calls and not retain_graph:

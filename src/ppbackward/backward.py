@@ -35,6 +35,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 from torch.utils.hooks import RemovableHandle
 
+from ppbackward._compiled import PendingWeightGrads, is_region, note_unsplit, splitting
 from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
 from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._graph import (
@@ -50,7 +51,7 @@ from ppbackward._graph import (
 )
 from ppbackward._handoff import CONSUMED, ParamGroups, WeightSet
 from ppbackward._node_owner import candidate_owners, owners_needed
-from ppbackward._param_groups import Contribution, NodeCall, ParamGroup
+from ppbackward._param_groups import Contribution, NodeCall, ParamGroup, RegionCall
 from ppbackward._saved import holds_saved_tensors, hook_kinds, pin_saved_inputs, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
 from ppbackward._weight_edges import run_weight_work
@@ -259,7 +260,15 @@ def _backward_input(
     retain = any(not isinstance(n, BackwardCFunction) for n in deferred)
     # custom Functions whose saved tensors B releases, or its engine call frees: read before that call
     spent = frozenset([n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n)])
-    run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain)
+    # Note [compiled regions split in two] (ppbackward._compiled): B runs these regions' input halves; and
+    # where B keeps the graph, the regions it runs whole must not be refused for their donated buffers
+    found = [n for n in deferred if isinstance(n, BackwardCFunction) and is_region(n)]
+    regions = []
+    if found:
+        by_node = _w_edges_by_node(specs)
+        regions = [(n, by_node[n]) for n in found]
+    whole = [n for n in (*b_only, *eager.nodes) if isinstance(n, BackwardCFunction) and is_region(n)] if retain else []
+    run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions, whole)
     captured: dict = {}
     for node, box in zip(deferred, run.boxes):  # _checked_capture's common case inline (Note [no frame per node])
         if not box:
@@ -272,8 +281,13 @@ def _backward_input(
                 break
         else:
             captured[node] = grads
+    for node in run.unseen:  # Note [compiled regions split in two]: ran, but compiled before install()
+        if captured.get(node) is not None:
+            note_unsplit(node)
 
-    groups = _build_groups(specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent)
+    groups = _build_groups(
+        specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent, run.halves
+    )
     pinned: list = []
     if groups:  # Note [release unread saved tensors]
         called = set(deferred)
@@ -295,6 +309,11 @@ def _backward_input(
     for i, t in wanted:
         result[i] = run.found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_set, owners, pinned, run.hooked_in_b)
+
+
+def _w_edges_by_node(specs: list) -> dict[Any, tuple[int, ...]]:
+    """The weight edges of every intermediate of the analysis' ``specs``, by node."""
+    return {inter.node: inter.w_edges for spec in specs for inter in spec.intermediates}
 
 
 def w_edges_of(specs: list, node: Any) -> tuple[int, ...]:
@@ -325,10 +344,13 @@ class _EngineCall(NamedTuple):
     found: dict[int, torch.Tensor | None]
     frontier: list[tuple[FrontierSlot | CheapLeaf, torch.Tensor | None]]
     hooked_in_b: list[tuple[torch.Tensor, tuple[int, ...]]]
+    halves: dict[Any, PendingWeightGrads]  # compiled region -> its weight half (Note [compiled regions split in two])
+    unseen: list  # the regions to split whose compiled backward never saw the plan (compiled before install)
 
 
 def _engine_call(
-    flat: FlatOutputs, grad_inputs: list, deferred: list, eager: EagerWork, cheap: Any, retain: bool
+    flat: FlatOutputs, grad_inputs: list, deferred: list, eager: EagerWork, cheap: Any, retain: bool, regions: list,
+    whole: list,
 ) -> _EngineCall:
     """B's one engine call, with a capture hook on each deferred intermediate, removed whatever happens.
 
@@ -337,7 +359,10 @@ def _engine_call(
     ``GradientEdge`` capture would see them before those hooks); W calls it again. A custom
     ``autograd.Function`` computes all its outputs whatever the engine needs (and may have side effects),
     so it must run once: a post-hook records its outputs in B, and W only routes the weight edges among
-    them (no re-run). torch.compile'd regions are such Functions. The intermediates B runs entirely
+    them (no re-run). A compiled region among the deferred ones (``regions``: ``(node, w_edges)``) runs only
+    its input half, and its weight half waits for W; the regions B runs whole (``whole``, where B keeps the
+    graph) have their donated buffers switched off for the call (Note [compiled regions split in two] in
+    ``ppbackward._compiled``). The intermediates B runs entirely
     (``eager``) need no capture: the engine call returns what they send to W's nodes, at the frontier
     edges; nor do those whose every weight edge B computes (``cheap``): the engine call returns the
     gradient at each such weight's ``AccumulateGrad``.
@@ -352,23 +377,26 @@ def _engine_call(
             else:
                 handles.append(node.register_prehook(_capture_inputs_hook(box)))
         if not (grad_inputs or taken):
-            return _EngineCall(boxes, {}, [], [])
+            return _EngineCall(boxes, {}, [], [], {}, [])
         frontier = [slot.edge.node for slot in eager.frontier]
         # cheap leaves have no hook to mute; watched for hooks registered during B, as the frontier's
-        with _leaf_hooks_muted(frontier, cheap.leaves) as hooked_in_b:
-            results = torch.autograd.grad(
-                flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
-                [*grad_inputs, *taken],
-                grad_outputs=flat.grads,
-                retain_graph=retain,
-                allow_unused=True,
-            )
+        with _leaf_hooks_muted(frontier, cheap.leaves) as hooked_in_b:  # noqa: SIM117 (3.9 has no parenthesised with)
+            with splitting(regions, whole) as plans:
+                results = torch.autograd.grad(
+                    flat.tensors,  # type: ignore[arg-type]  # mixed tensors and edges: accepted, not in torch's stub
+                    [*grad_inputs, *taken],
+                    grad_outputs=flat.grads,
+                    retain_graph=retain,
+                    allow_unused=True,
+                )
     finally:
         _remove_handles(handles)
     found: dict[int, torch.Tensor | None] = {id(t): g for t, g in zip(grad_inputs, results)}
     slots: list[FrontierSlot | CheapLeaf] = [*eager.frontier, *cheap.leaves]
     grads: list[torch.Tensor | None] = list(results[len(grad_inputs) :])
-    return _EngineCall(boxes, found, list(zip(slots, grads)), hooked_in_b)
+    halves = {node: plan.pending for node, plan in plans.items() if plan.pending is not None}
+    unseen = [node for node, plan in plans.items() if plan.pending is None and plan.declined is None]
+    return _EngineCall(boxes, found, list(zip(slots, grads)), hooked_in_b, halves, unseen)
 
 
 # Note [B claims its outputs]: B registers the outputs it was given (by id, under a lock) before it runs
@@ -604,7 +632,8 @@ def _detach_outputs(outputs: list[Any], used_nodes: set) -> None:
 
 
 def _build_groups(
-    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes, spent: frozenset
+    specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes, spent: frozenset,
+    halves: dict,
 ) -> list[ParamGroup]:
     """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls;
     ``cheap_edges``: intermediate -> the weight edges B computed itself) and the frontier gradients of
@@ -616,7 +645,8 @@ def _build_groups(
     tagged with the sequence number that orders it (Note [accumulation order] in
     ``ppbackward._weight_edges``). Intermediates B ran entirely are not in ``captured``: W does nothing
     for them, nor for an output whose gradient B's engine call already sent on (into a node B ran, or
-    into a frontier slot, whose gradient includes it).
+    into a frontier slot, whose gradient includes it). A compiled region B split (``halves``: node -> its
+    :class:`~ppbackward._compiled.PendingWeightGrads`) gives W its weight half to run instead of outputs.
     """
     extra: dict[int, list[Contribution]] = {}
     done = set()  # the frontier slots, whose gradients B's engine call already sent on (with the roots')
@@ -637,11 +667,19 @@ def _build_groups(
             if root_edges[i] not in done and root_edges[i].node not in eager_nodes:
                 ready.append(_new(Contribution, (root_edges[i], output_grads[i], _ROOT_SEQ)))
         ready += extra.get(id(spec), [])
+        regions: list = []  # node, pending, node, pending...
         nodes = []  # Note [param groups read like torch's]: the intermediates W could still call
         replaced = dict(fed_by.get(id(spec), {}))  # node -> B's entries its written gradients replace
         for inter in spec.intermediates:
             node, w_edges = inter
             grads = captured.get(node)
+            pending = halves.get(node) if halves else None
+            if pending is not None:  # Note [compiled regions split in two]: W runs its weight half
+                regions.append(node)
+                regions.append(pending)
+                replaced[node] = []
+                nodes.append(inter)
+                continue
             if grads is None:
                 continue
             for g in grads:
@@ -660,12 +698,16 @@ def _build_groups(
                 todo = w_edges if in_b is None else tuple([j for j in w_edges if j not in in_b])
                 deferred.append(_new(NodeCall, (node, tuple(grads), todo)))
                 nodes.append(inter)
-        if deferred or ready:
+        if deferred or ready or regions:
             params = []
             for leaf in spec.leaves:
                 params.append(leaf.variable)
+            # the sole source of its group's gradients: W may hand them over (Note [weight halves hand their
+            # gradients over] in ppbackward._weight_edges)
+            alone = len(regions) == 2 and not deferred and not ready
+            calls = [_new(RegionCall, (regions[k], regions[k + 1], alone)) for k in range(0, len(regions), 2)]
             groups.append(
-                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent)
+                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent, calls)
             )
     return groups
 

@@ -39,6 +39,6 @@ def test_options_in_their_order():
     flags = [a.option_strings[-1] for a in _parser()._actions]
     assert flags == [
         "--help", "--configs", "--repeats", "--budget", "--json", "--quick", "--schedule", "--schedule-repeats",
-        "--schedule-timeout", "--split", "--one-rank-step", "--device", "--schedule-d-model", "--trace", "--plot",
-        "--no-scaling", "--no-profile", "--profile-config",
+        "--schedule-timeout", "--split", "--one-rank-step", "--device", "--schedule-d-model", "--compile",
+        "--compile-backend", "--trace", "--plot", "--no-scaling", "--no-profile", "--profile-config",
     ]

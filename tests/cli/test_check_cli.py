@@ -29,6 +29,7 @@ from ppbackward._tools.harness.records import (
     HooksRecord,
     LifetimeRecord,
     NumericsRecord,
+    RegionsRecord,
     StepRecord,
 )
 
@@ -72,6 +73,9 @@ def _check_main(capsys, *args: str) -> tuple[int, str, str]:
         (["--logs", "/dev/null"], "--logs /dev/null: exists and is not a directory"),
         # issue 23: a name with spaces around it is still checked (and stripped, see below)
         (["--schedules", "ScheduleGPipe, ScheduleNope"], "unknown schedule(s) ScheduleNope; known: "),
+        # issue 37: a scenario of some schedules only, none of them asked for
+        (["--scenario", "compiled-zb", "--schedules", "ScheduleGPipe"], "nothing to check in compiled-zb: scenario "
+         "compiled-zb runs ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble only"),
     ],
 )
 def test_check_bad_input_is_a_clear_error(capsys, args, message):
@@ -150,6 +154,21 @@ def test_schedule_names_are_stripped_before_they_reach_the_workers():
     assert _check._schedule_names("all") is None
     everything = _check.worker_args("upstream", SCENARIOS["mlp"], _check._parser().parse_args([]), None)
     assert everything[everything.index("--schedules") + 1] == "all"
+
+
+def test_a_scenario_of_some_schedules_launches_those_asked_for_only():
+    """Issue 37: ``compiled-zb`` runs the zero-bubble schedules torch refuses compiled stages in."""
+    from ppbackward._tools.harness.scenarios import SCENARIOS
+
+    args = _check._parser().parse_args([])
+    worker = _check.worker_args("ppbackward", SCENARIOS["compiled-zb"], args, None)
+    assert worker[worker.index("--schedules") + 1] == "ScheduleInterleavedZeroBubble,ScheduleZBVZeroBubble"
+    assert worker[worker.index("--models") + 1] == "compiled-blocks"
+    only = ["ScheduleGPipe", "ScheduleZBVZeroBubble"]
+    worker = _check.worker_args("upstream", SCENARIOS["compiled-zb"], args, only)
+    assert worker[worker.index("--schedules") + 1] == "ScheduleZBVZeroBubble"
+    mlp = _check.worker_args("upstream", SCENARIOS["mlp"], args, only)
+    assert mlp[mlp.index("--schedules") + 1] == "ScheduleGPipe,ScheduleZBVZeroBubble"
 
 
 def test_merge_bw_reaches_ppbackwards_workers_only():
@@ -316,6 +335,49 @@ def test_ddp_shape_inference_is_named_from_the_kind_the_rank_recorded():
     assert rows == "    in: ddp S1" and example == "    e.g. rank 0, exception: " + message
 
 
+def _regions_step(step: int, per_b: list[int], expected: int = 2, counted: bool = True) -> StepRecord:
+    record = RegionsRecord(
+        b_calls=len(per_b), b_split=sum(n > 0 for n in per_b), regions=sum(per_b), fewest=min(per_b, default=0),
+        most=max(per_b, default=0), expected=expected, counted=counted,
+    )
+    return StepRecord(**{**vars(_step(step, 8, 8)), "regions": record})
+
+
+def test_the_split_column_shows_the_regions_each_b_split_where_they_were_counted():
+    """Issue 37: a model with compiled regions gets a ``split`` column (Note [regions counted]): the fewest
+    (-most) regions per B call over ranks and steps, ok only without a regions failure."""
+    whole = Failure("regions", "regions-whole", "1 of 2 B calls split 1 compiled regions, 2 expected", 1)
+    rows = {
+        "ZB/ok": {0: _case("pass", [_regions_step(0, [2, 2]), _regions_step(1, [2, 2])]),
+                  1: _case("pass", [_regions_step(0, [2]), _regions_step(1, [2])])},
+        "ZB/whole": {0: _case("fail", [_regions_step(0, [2, 2]), _regions_step(1, [1, 2])], [whole])},
+        "GPipe/none": {0: _case("pass", [_regions_step(0, [])])},
+        "ZB/torch": {0: _case("pass", [_regions_step(0, [0, 0], expected=0, counted=False)])},
+    }
+    cells = {name: _check_cells.cell_values(per_rank) for name, per_rank in rows.items()}
+    regions = _measures(cells["ZB/ok"]).regions
+    assert regions == RegionsRecord(b_calls=6, b_split=6, regions=12, fewest=2, most=2, expected=2, counted=True)
+    assert _check_cells.cell_values(rows["ZB/ok"]).to_json()["regions"]["regions"] == 12
+    text = _check_cells.table({"ppbackward": cells}, [(name, name) for name in cells], ("ppbackward",))
+    header, _, *lines = text.splitlines()
+    assert header.split()[-3:] == ["step", "split", "finding"]
+    split = {line.split()[0]: line.split("ms", 1)[1].split() for line in lines}
+    assert split["ZB/ok"] == ["2/B", "ok", "-"]
+    assert split["ZB/whole"] == ["1-2/B", "FAIL", "compiled", "region", "not", "split"]
+    assert split["GPipe/none"] == ["no", "B", "-"] and split["ZB/torch"] == ["-", "-"]
+    plain = {"ppbackward": {"S/m": _check_cells.cell_values({0: _case("pass", [_step(0, 8, 8)])})}}
+    assert "split" not in _check_cells.table(plain, [("S/m", "S")], ("ppbackward",)).splitlines()[0]
+
+
+def test_the_verdict_says_how_many_regions_b_split_where_a_model_has_them():
+    memory = {b: {"held_over_floor": 1.0, "after_w_bytes": 0} for b in _check.BACKWARDS}
+    tally = _check._Tally(ours_ran=2, regions_split=96, regions_b_calls=48)
+    verdict = _check._verdict(tally, memory, True, True)
+    assert verdict.startswith("ppbackward PASS on 2/2 cases and memory (compiled regions split into B and W: 96 "
+                              "in 48 B calls); torch's own backward failed 0/2")
+    assert "compiled regions" not in _check._verdict(_check._Tally(ours_ran=2), memory, True, True)
+
+
 def test_memory_passes_only_at_most_what_w_reads_and_nothing_after_w():
     assert _check._memory_ok({"held_over_floor": 1.0, "after_w_bytes": 0})
     assert not _check._memory_ok({"held_over_floor": 1.01, "after_w_bytes": 0})
@@ -440,3 +502,31 @@ def test_check_hung_rank_fails_in_bounded_time_with_each_rank_s_stack(tmp_path, 
     assert "rank 1 log tail" in text and " in recv" in text and " in barrier" in text  # each rank's stack
     assert "VERDICT: ppbackward FAIL" in text and f"logs: {tmp_path}" in text
     assert (tmp_path / "mlp" / "ppbackward" / "rank1.log").exists()  # kept: the run failed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a backstop: the launcher bounds each launch itself
+def test_check_compiled_zb_shows_torch_refusing_and_ppbackward_splitting_every_region(tmp_path, capsys):
+    """Issue 37: ``--scenario compiled-zb``: torch.compile(block) children under the zero-bubble schedules."""
+    from ppbackward import _compiled
+
+    if not _compiled.SUPPORTED:
+        pytest.skip(f"no split here: {_compiled.UNSUPPORTED_WHY}")
+    out = tmp_path / "check.json"
+    rc, text, err = _check_main(capsys, "--scenario", "compiled-zb", "--steps", "1", "--json", str(out))
+    assert rc == 0, text + err
+    rows = {tuple(line.split()[:2]): line for line in text.splitlines() if line.startswith("Schedule")}
+    assert sorted({name for name, _ in rows}) == ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
+    for name in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"):
+        assert rows[(name, "upstream")].endswith("FAIL: refuses torch.compile'd stages")
+        ours = rows[(name, "ppbackward")]
+        assert "FAIL" not in ours and " 2/B ok " in ours and "0.0e+00 ok" in ours
+    assert "- refuses torch.compile'd stages: torch's zero-bubble schedules refuse" in text
+    verdict = next(line for line in text.splitlines() if line.startswith("VERDICT:"))
+    assert verdict.startswith("VERDICT: ppbackward PASS on 2/2 cases and memory (compiled regions split into B and W: ")
+    assert "torch's own backward failed 2/2" in verdict
+    results = json.loads(out.read_text())["scenarios"]["compiled-zb"]["results"]
+    for case, cell in results["ppbackward"].items():
+        regions = cell["regions"]
+        assert regions["b_calls"] > 0 and regions["regions"] == 2 * regions["b_calls"], (case, regions)
+    assert {f["kind"] for c in results["upstream"].values() for f in c["findings"]} == {"compile-refused"}

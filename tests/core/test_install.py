@@ -81,7 +81,24 @@ def first_install(monkeypatch):
 
 
 def _install_records(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "ppbackward"]
+    """The install record (Note [install says so]), without the compiled-regions line of an older torch."""
+    return [r for r in caplog.records if r.name == "ppbackward" and "torch.compile'd regions" not in r.getMessage()]
+
+
+def test_install_says_once_that_compiled_regions_run_whole_on_a_torch_without_the_split(first_install, caplog):
+    """Note [compiled regions split in two]: on torch 2.5-2.12 one more INFO line at the install that logs."""
+    from ppbackward import _compiled
+
+    caplog.set_level(logging.INFO, logger="ppbackward")
+    pb.install()
+    pb.install()
+    lines = [r.getMessage() for r in caplog.records if "torch.compile'd regions" in r.getMessage()]
+    if _compiled.SUPPORTED:
+        assert lines == []
+    else:
+        assert lines == [
+            "ppbackward: torch.compile'd regions run whole in B, not split into B and W: " + _compiled.UNSUPPORTED_WHY
+        ]
 
 
 def test_install_logs_once_per_process_that_ppbackward_is_in_place(first_install, caplog):

@@ -13,6 +13,8 @@ TRAINING_ARGS = ("--models", "training")
 DP_ARGS = ("--models", "mlp,lora", "--dp", "2", "--wraps", "ddp,fsdp,fsdp-keep")
 TITAN_ARGS = ("--models", "titan,titan-sac", "--wraps", "none,fsdp-titan")  # issue 20
 ZB_SCHEDULES = ("--schedules", "ScheduleInterleavedZeroBubble,ScheduleZBVZeroBubble,ScheduleDualPipeV")
+# issue 37: torch.compile(block) children under the zero-bubble schedules torch refuses them in (check's compiled-zb)
+COMPILED_ZB_ARGS = ("--models", "compiled-blocks", "--schedules", "ScheduleInterleavedZeroBubble,ScheduleZBVZeroBubble")
 CONTROL_ARGS = (
     "--schedules", "Schedule1F1B,ScheduleInterleavedZeroBubble", "--models", "mlp", "--metadata", "static"
 )
@@ -50,6 +52,9 @@ LAUNCHES: dict[str, LaunchSpec] = {
     "merged-ws4": LaunchSpec(4, ("--backward", "ppbackward-merged", *ZB_SCHEDULES)),
     "merged-training-ws2": LaunchSpec(2, ("--backward", "ppbackward-merged", *TRAINING_ARGS, *ZB_SCHEDULES)),
     "merged-training-dp": LaunchSpec(4, ("--backward", "ppbackward-merged", *DP_ARGS, *ZB_SCHEDULES)),
+    # issue 37: compiled blocks under the zero-bubble schedules, each region split into B and W (test_compiled_zb.py)
+    "compiled-zb": LaunchSpec(2, ("--backward", "ppbackward", *COMPILED_ZB_ARGS)),
+    "upstream-compiled-zb": LaunchSpec(2, ("--backward", "upstream", *COMPILED_ZB_ARGS, "--case-timeout", "6")),
     # torch's own backward raises on some zero-bubble cases; its peers then wait for the case timeout
     # (6 s, scaled by the launch's measured start-up: Note [timeouts scale with start-up] in the worker)
     "upstream-ws2": LaunchSpec(2, ("--backward", "upstream", "--case-timeout", "6")),

@@ -21,6 +21,7 @@ from ppbackward._tools.harness.records import (
     EventWriter,
     Failure,
     RankVerdict,
+    RegionsRecord,
     to_json,
 )
 
@@ -290,6 +291,92 @@ def test_hook_counter_counts_post_accumulate_calls_and_removes_its_hooks() -> No
     assert counter.calls == {"stage0.weight": 2}
 
 
+def _b_through_the_stage_module(module: torch.nn.Module) -> None:
+    """One B as torch's stage calls it: through ``pipelining.stage``'s ``stage_backward_input``."""
+    from torch.distributed.pipelining import stage as stage_mod
+
+    x = torch.randn(2, models.D, requires_grad=True)
+    _, groups = stage_mod.stage_backward_input([module(x).sum()], None, [x], iter(list(module.parameters())))
+    del groups  # W never runs: B's param groups let go of what they held
+
+
+@pytest.mark.parametrize("compiled_before_install", [False, True], ids=["split", "run-whole"])
+def test_regions_probe_counts_the_regions_each_b_split_and_flags_one_run_whole(compiled_before_install: bool) -> None:
+    """Note [regions counted]; the negative control: a region whose backward was compiled before install
+    runs whole in B (exact), which the probe must report as ``regions-whole``."""
+    import torch._dynamo
+    from torch.distributed.pipelining import stage as stage_mod
+
+    import ppbackward
+    from ppbackward import _compiled
+
+    if not _compiled.SUPPORTED:
+        pytest.skip(f"no split here: {_compiled.UNSUPPORTED_WHY}")
+    ppbackward.uninstall()
+    torch._dynamo.reset()
+    spec = models.get_model("compiled-blocks")
+    module = spec.prepare(models.build_stages(spec, 2, seed=0)[1])
+    if compiled_before_install:
+        module(torch.randn(2, models.D, requires_grad=True)).sum().backward()  # forward and backward compiled
+    try:
+        with ppbackward.installed():
+            probe, step = probes.RegionsProbe(models.BLOCKS), runner.StepRun(0)
+            real = stage_mod.stage_backward_input
+            probe.before(step)
+            assert stage_mod.stage_backward_input is not real
+            for _ in range(2):
+                _b_through_the_stage_module(module)
+            probe.after_step(step)
+            assert stage_mod.stage_backward_input is real  # put back
+            record, failures = probe.finish(step)
+    finally:
+        torch._dynamo.reset()
+    if compiled_before_install:
+        assert (record.b_calls, record.b_split, record.regions, record.fewest, record.most) == (2, 0, 0, 0, 0)
+        (failure,) = failures
+        assert (failure.check, failure.kind, failure.step) == ("regions", "regions-whole", 0)
+        assert failure.message.startswith("2 of 2 B calls split 0 compiled regions, 2 expected")
+    else:
+        assert record == RegionsRecord(b_calls=2, b_split=2, regions=4, fewest=2, most=2, expected=2, counted=True)
+        assert failures == []
+
+
+def test_regions_probe_counts_nothing_in_torchs_param_groups_and_judges_nothing_unexpected() -> None:
+    import ppbackward
+
+    ppbackward.uninstall()  # torch's own B: its param groups are dicts, which do not say
+    eager = models.build_stages(models.get_model("compiled-blocks"), 2, seed=0)[1]
+    probe, step = probes.RegionsProbe(models.BLOCKS), runner.StepRun(1)
+    probe.before(step)
+    try:
+        _b_through_the_stage_module(eager)
+    finally:
+        probe.close()
+    record, failures = probe.finish(step)
+    assert (record.b_calls, record.counted, failures) == (1, False, [])
+    with ppbackward.installed():  # an eager stage under ppbackward: counted, 0 regions, judged only if expected
+        probe = probes.RegionsProbe(0)
+        probe.before(step)
+        _b_through_the_stage_module(eager)
+        probe.after_step(step)
+    record, failures = probe.finish(step)
+    assert (record.b_calls, record.counted, record.regions, record.expected, failures) == (1, True, 0, 0, [])
+
+
+def test_compiled_blocks_are_compiled_children_named_as_their_eager_reference() -> None:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    spec = models.get_model("compiled-blocks")
+    eager, compiled = models.build_stages(spec, 2, seed=0)[1], models.build_stages(spec, 2, seed=0)[1]
+    spec.prepare(compiled)
+    blocks = list(compiled.get_submodule("blocks").children())
+    assert all(isinstance(b, OptimizedModule) for b in blocks) and len(blocks) == models.BLOCKS
+    assert [n for n, _ in models.param_names(1, compiled)] == [n for n, _ in models.param_names(1, eager)]
+    assert spec.regions_per_b == models.BLOCKS and models.get_model("compiled").regions_per_b == 1
+    assert models.get_model("mlp").regions_per_b == 0  # nothing counted: no regions probe
+    assert "_orig_mod." in next(n for n, _ in compiled.named_parameters())
+
+
 def test_start_step_gives_args_to_the_first_stage_and_the_target_to_the_last_and_resets_grads() -> None:
     lin = torch.nn.Linear(2, 2)
     named = models.param_names(0, lin)
@@ -409,9 +496,17 @@ def test_scenarios_select_default_all_and_names_and_refuse_unknown_ones() -> Non
     assert ddp.layout == "4 ranks: dp 2 x pp 2"
     with pytest.raises(ValueError, match=r"unknown scenario.s. nope; known: transformer"):
         scenarios.select("lora,nope")
-    for scenario in scenarios.SCENARIOS.values():  # every scenario names real models and wrappers
+    for scenario in scenarios.SCENARIOS.values():  # every scenario names real models, wrappers and schedules
         assert models.model_names(",".join(scenario.models)) == list(scenario.models)
         assert set(scenario.wraps) <= set(parallel.WRAPS) and scenario.nproc % scenario.dp == 0
+        assert set(scenario.schedules or ()) <= set(schedules.RULES)
+    compiled = scenarios.select("compiled-zb")[0]  # issue 37: the zero-bubble schedules only
+    zb = ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
+    assert compiled.models == ("compiled-blocks",) and compiled.schedules_within(None) == zb
+    assert compiled.schedules_within(["ScheduleGPipe", "ScheduleZBVZeroBubble"]) == ["ScheduleZBVZeroBubble"]
+    assert compiled.schedules_within(["ScheduleGPipe"]) == []
+    assert ddp.schedules_within(["ScheduleGPipe"]) == ["ScheduleGPipe"]
+    assert ddp.schedules_within(None) is None
 
 
 def test_layout_puts_each_rank_on_one_dp_x_pp_coordinate() -> None:
@@ -436,6 +531,8 @@ def _raised(exc: BaseException) -> Failure:
         ("Trying to backward through the graph a second time (or ...", "shared-parameter"),
         ("Can't detach views in-place. Use detach() instead ...", "view-output"),
         ("rebuilt parameter indices size is not same as original model parameters size.", "ddp-shape-inference"),
+        ("The ScheduleZBVZeroBubble schedule is not supported with stage modules that have used torch.compile. "
+         "Found OptimizedModule in OptimizedModule", "compile-refused"),
         ("[gloo] Timed out waiting 6000ms for recv operation to complete", "peer-failed"),
         ("[gloo] Connection closed by peer [127.0.0.1]:14546. This is typically ...", "peer-failed"),
         ("never seen before", "other"),

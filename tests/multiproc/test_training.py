@@ -55,6 +55,11 @@ def assert_measured(record: CaseRecord) -> None:
                 assert step.hooks.expected > 0, f"{where}: no hook expected"
         if record.wrap == "ddp":
             assert step.numerics.max_replica_diff == 0.0, where
+        expected = models.get_model(record.model).regions_per_b
+        if expected:  # issue 37: every B split each compiled region of its stage (Note [regions counted])
+            regions = step.regions
+            assert regions is not None and regions.counted and regions.b_split == regions.b_calls, (where, regions)
+            assert not regions.b_calls or regions.fewest == regions.most == expected, (where, regions)
 
 
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)

@@ -16,6 +16,11 @@ Why each kind happens (one line each, with the public report, in ``diagnose.KIND
   torch's B finds no intermediate and its W computes nothing; under ``ScheduleDualPipeV``, which runs
   some microbatches as full backwards, the grads are partial instead (``grads-wrong``);
 * ``side-effects-twice`` (``custom-fn``): torch's W runs the custom Function's backward again;
+* ``donated-buffers`` (``compiled``, issue 37): torch's B keeps the graph (``retain_graph``), which the
+  compiled region's backward refuses for its donated buffers (pytorch/pytorch#161904); the case stops
+  there. (Before the activation tracker stepped aside in compiled regions, Note [tracker steps aside in
+  compiled regions] in ``ppbackward.leaks._saved_hooks``, the region ran eagerly under the check's probes
+  and torch's backward only skipped hooks.)
 * ``sac-second-backward`` (``sac``): torch's W recomputes the selectively checkpointed region in a second
   engine call, which selective checkpointing refuses; the case stops there (a rank waiting for the one
   that raised times out: ``peer-failed``, a consequence, not a kind of torch's, and not counted);
@@ -65,6 +70,8 @@ def expected_kinds(case: str) -> frozenset[str]:
         return frozenset({"hooks-skipped"})
     if model == "sac":
         return frozenset({"sac-second-backward"})
+    if model == "compiled":
+        return frozenset({"donated-buffers"})
     if wrap == "fsdp":
         return frozenset({"fsdp-swap"})
     if wrap == "fsdp-keep":

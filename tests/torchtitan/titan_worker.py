@@ -1,4 +1,4 @@
-"""Tests-only launcher of one torchtitan rank on CPU: the CPU adaptations, a grad recorder, then the target.
+"""Tests-only launcher of one torchtitan rank on CPU: the CPU adaptations, a step recorder, then the target.
 
 Run by ``tests/torchtitan/test_torchtitan.py`` under torchrun, through the project's harness launcher
 (``ppbackward._tools.harness.launch.launch(..., module="titan_worker")``), in the environment of
@@ -19,20 +19,27 @@ The CPU adaptations (none edits torchtitan's files; each is needed only because 
    compiles flex attention and its block masks; the guard is lifted and both run eagerly. torchtitan's
    ``--debug.deterministic`` would compile flex attention again (with inductor), so it is not passed; the
    launcher calls ``torch.use_deterministic_algorithms(True)`` itself (the rest of what that flag does
-   concerns CUDA).
+   concerns CUDA). With ``--compile.enable --compile.backend aot_eager`` torchtitan hands the flex region
+   inside each compiled block to inductor (``regional_inductor``), which cannot compile flex attention's
+   training graph on CPU; that scoop is switched off, so flex runs its dense implementation inside the
+   block's aot_eager graph (Note [torchtitan compiled on CPU] in the test).
 
 What it leaves in ``DIR`` (the harness launcher's files, Note [hang clock] in ``ppbackward._tools.harness.launch``):
 ``rank<r>.pid``; ``rank<r>.json``, rewritten after every optimizer step (a ``records.RankVerdict``: one
 case record per step, ``complete``, ``fatal``); ``rank<r>.events.jsonl`` (``started``, then one ``case_end``
 per step, Note [event stream] in ``ppbackward._tools.harness.records``); ``grads-rank<r>.pt``:
-``{step: {parameter fqn: grad before clipping, or None}}``; ``rank<r>.log``: this process's stdout and
-stderr, where ``faulthandler`` dumps every thread's stack on ``SIGUSR1`` or a fatal signal.
+``{step: {parameter fqn: grad before clipping, or None}}``; ``steps-rank<r>.json``: ``{step: {"loss": the
+step's loss on the rank that holds the last stage, else null, "regions": [per stage backward input (B) of
+the step, how many compiled regions its param groups split: sum(len(group.regions)), 0 for torch's]}}``;
+``rank<r>.log``: this process's stdout and stderr, where ``faulthandler`` dumps every thread's stack on
+``SIGUSR1`` or a fatal signal.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import os
 import runpy
 import signal
@@ -95,6 +102,9 @@ def adapt_to_cpu() -> None:
 
     attention.FlexAttention._compiled_flex_attn = flex.flex_attention
     attention._compiled_create_block_mask = flex.create_block_mask
+    import torchtitan.distributed.compile as titan_compile
+
+    titan_compile._maybe_regional_inductor_backend = lambda model, backend: backend
     torch.use_deterministic_algorithms(True)  # not --debug.deterministic: it recompiles flex attention
 
 
@@ -108,6 +118,7 @@ class _Verdict:
         self.record = RankVerdict(rank, int(os.environ.get("WORLD_SIZE", "1")), backward)
         self.events = EventWriter(out, rank, log=out / f"rank{rank}.log")
         self.grads: dict[int, dict[str, torch.Tensor | None]] = {}
+        self.steps: dict[int, dict[str, Any]] = {}
         self.t0 = time.monotonic()
 
     def write(self) -> None:
@@ -115,13 +126,15 @@ class _Verdict:
 
         write_verdict(self.out / f"rank{self.rank}.json", self.record)
 
-    def step(self, step: int, grads: dict[str, torch.Tensor | None], loss: float | None) -> None:
+    def step(self, step: int, grads: dict[str, torch.Tensor | None], loss: float | None, regions: list[int]) -> None:
         self.grads[step] = grads
         torch.save(self.grads, self.out / f"grads-rank{self.rank}.pt")
+        self.steps[step] = {"loss": loss, "regions": regions}
+        (self.out / f"steps-rank{self.rank}.json").write_text(json.dumps(self.steps))
         now = time.monotonic()
         from ppbackward._tools.harness.records import CaseRecord
 
-        case = CaseRecord(f"step {step}", seconds=now - self.t0)  # the loss is not recorded (no reader)
+        case = CaseRecord(f"step {step}", seconds=now - self.t0)
         self.record.cases.append(case)
         self.t0 = now
         self.write()
@@ -149,16 +162,25 @@ def _plain(grad: torch.Tensor | None) -> torch.Tensor | None:
     return local.detach().clone()
 
 
-def record_grads(verdict: _Verdict) -> None:
-    """Wrap ``Trainer.train_step`` and torchtitan's ``clip_grad_norm_`` to record every parameter's grad
-    before clipping (by fully qualified name as the model without checkpointing names it, :func:`_fqn`) and
-    the step's loss."""
+def record_steps(verdict: _Verdict) -> None:
+    """Wrap ``Trainer.train_step``, ``Trainer.forward_backward_step``, torchtitan's ``clip_grad_norm_`` and the
+    pipeline stage's ``stage_backward_input`` to record, per step, every parameter's grad before clipping (by
+    fully qualified name as the model without checkpointing names it, :func:`_fqn`), the loss (on the rank
+    that holds the last stage) and how many compiled regions each B split.
+
+    ``stage_backward_input`` is looked up by name in ``torch.distributed.pipelining.stage`` at every call, and
+    ``ppbackward.run`` puts ppbackward's in before torchtitan starts; so it is wrapped at the first step, over
+    whichever function is in place then. ppbackward's returns ParamGroups, each with a ``regions`` list
+    (Note [compiled regions split in two] in ``ppbackward._compiled``); torch's returns dicts: 0.
+    """
+    import torch.distributed.pipelining.stage as stage_mod
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.trainer as trainer_mod
 
-    current: dict[str, Any] = {}
+    current: dict[str, Any] = {"regions": []}
     clip = dist_utils.clip_grad_norm_
     train_step = trainer_mod.Trainer.train_step
+    forward_backward_step = trainer_mod.Trainer.forward_backward_step
 
     def clip_recorded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         trainer = current["trainer"]
@@ -167,14 +189,33 @@ def record_grads(verdict: _Verdict) -> None:
         }
         return clip(parameters, *args, **kwargs)
 
+    def forward_backward_step_recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        loss = forward_backward_step(self, *args, **kwargs)
+        if self.pp_has_last_stage:
+            current["loss"] = current.get("loss", 0.0) + float(loss.detach().sum().item())
+        return loss
+
+    def count_regions(stage_backward_input: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            grads, groups = stage_backward_input(*args, **kwargs)
+            current["regions"].append(sum(len(getattr(group, "regions", ())) for group in groups or ()))
+            return grads, groups
+
+        counted.titan_counted = True  # type: ignore[attr-defined]
+        return counted
+
     def train_step_recorded(self: Any, data_iterator: Any) -> Any:
+        if not getattr(stage_mod.stage_backward_input, "titan_counted", False):
+            stage_mod.stage_backward_input = count_regions(stage_mod.stage_backward_input)
         current["trainer"] = self
         result = train_step(self, data_iterator)
-        verdict.step(self.step, current.pop("grads"), None)
+        verdict.step(self.step, current.pop("grads"), current.pop("loss", None), current["regions"])
+        current["regions"] = []
         return result
 
     dist_utils.clip_grad_norm_ = clip_recorded
     trainer_mod.Trainer.train_step = train_step_recorded
+    trainer_mod.Trainer.forward_backward_step = forward_backward_step_recorded
 
 
 def _std(name: str) -> float | None:
@@ -241,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         adapt_to_cpu()
         init_by_name()
-        record_grads(verdict)
+        record_steps(verdict)
         code = _run_target(args.backward, rest)
     except BaseException as exc:  # every failure is this rank's verdict
         if isinstance(exc, SystemExit) and exc.code in (0, None):

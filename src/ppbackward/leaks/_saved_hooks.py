@@ -21,6 +21,15 @@ records the tensor autograd asked to save, before the user's pack hook transform
 (``RuntimeError``) to start where saved-tensor hooks are disabled
 (``torch.autograd.graph.disable_saved_tensors_hooks``). Not seen: a custom ``autograd.Function``
 run under hooks entered inside the block (``Function.apply`` does not go through torch-function modes).
+
+Note [tracker steps aside in compiled regions]
+Dynamo traces the torch-function modes in force into a ``torch.compile``'d region, and :class:`OpMode`'s
+calls (the hooks in force, the thread, autograd's sequence number) are builtins it cannot trace: it broke
+the graph at every op, so under the tracker a compiled region ran op by op, eagerly, never as the one
+compiled node it is without the tracker. While dynamo traces, :class:`OpMode` steps aside (it passes the
+op through), so the region compiles as it would untracked; what the region saves for backward is still
+recorded, by the tracker's pack hook, when the compiled region's node saves it. Not seen inside a compiled
+region: the nodes of its ops (it is one node) and hooks entered inside it.
 """
 
 from __future__ import annotations
@@ -45,6 +54,11 @@ __all__ = [  # private module: what other modules use
 peek_sequence_nr: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
 #: The innermost (pack, unpack) pair in force, or None.
 top_hooks: Callable[[bool], Any] | None = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+#: Whether dynamo is tracing right now (Note [tracker steps aside in compiled regions]); never on a torch
+#: without ``torch.compiler.is_compiling``.
+_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def hooks_enabled() -> bool:
@@ -87,6 +101,8 @@ class OpMode(TorchFunctionMode):
         self._tracker = tracker
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _compiling():  # Note [tracker steps aside in compiled regions]
+            return func(*args, **(kwargs or {}))
         tracker = self._tracker
         frame: list[Any] = []  # (record, storages) of leaves saved by this op, decided after it
         tracker._frames.append(frame)

@@ -67,7 +67,7 @@ def _schedule() -> dict[str, Any]:
         "ranks": 2, "stages": 4, "layers_per_stage": 4, "d_model": 128, "seq": 16, "microbatches": 8,
         "microbatch_size": 2, "repeats": 8, "variants": variants, "step_ms": step,
         "ratio_to_1f1b": {k: t / step["Interleaved1F1B/upstream"] for k, t in step.items()},
-        "memory": memory, "parts_ms": parts, "grads_match": True,
+        "memory": memory, "parts_ms": parts, "grads_match": True, "compile": "", "regions": {},
     }
 
 

@@ -9,8 +9,9 @@ analysis time against graph size), ``profile`` (where the time of B and W goes),
 chatter kept off the terminal, for ``alloc`` and ``profile``), ``device_work`` (the device work counted), the
 schedule steps under torchrun (in the harness: ``ppbackward._tools.harness.schedule_bench``), ``split`` and
 ``replay`` (the split's cost per microbatch-stage, and a schedule step replayed from it: ``--split``),
-``one_rank`` (the one-rank step), ``trace`` and ``plots`` (Chrome traces, PNGs), ``report`` (targets, tables,
-JSON). The configurations and their models are entries of the tooling's one model zoo,
+``compiled`` (the split's cost with every layer ``torch.compile``'d: ``--compile``), ``one_rank`` (the
+one-rank step), ``trace`` and ``plots`` (Chrome traces, PNGs), ``report`` (targets, tables, JSON). The
+configurations and their models are entries of the tooling's one model zoo,
 ``ppbackward._tools.harness.models`` (Note [bench configurations] there). Method and results:
 ``docs/performance.md``.
 

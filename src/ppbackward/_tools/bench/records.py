@@ -22,6 +22,8 @@ from typing import Any
 from ppbackward._tools.harness.records import ScheduleBench, SchemaError, from_json, to_json
 
 __all__ = [
+    "CompileRun",
+    "CompiledSplit",
     "HeldBytes",
     "PairRatios",
     "PairTimes",
@@ -237,4 +239,80 @@ class SplitRun:
             one_rank_step=data.get("one_rank_step"),
             targets=data.get("targets", []),
             calls=data.get("calls", []),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledSplit:
+    """``ppbackward bench --compile``'s in-process measurement (Note [compiled split cost] in
+    ``bench.compiled``): the split's cost on one stage whose layers are ``torch.compile``'d.
+
+    Attributes:
+        backend: the ``torch.compile`` backend of every layer (``inductor``, ``aot_eager``).
+        device: where it ran (``"cpu"``, ``"cuda"``).
+        config: the timings, as ``--split``'s (Note [split keys]): ``full`` is the compiled full backward
+            (ppbackward's ``stage_backward``, each region's compiled backward run whole), the one split
+            variant ``pp`` ppbackward's B then W (each region's input half, then its weight half); torch's
+            split is not timed (its B keeps the graph, which compiled regions' donated buffers refuse).
+        regions: the stage's compiled regions (one per layer).
+        eager_nodes: autograd nodes of the same stage's backward without compiling (``config.nodes``: with).
+        regions_per_b: the regions ppbackward's B split in the exactness check (``regions`` when all split).
+        grads_match: B then W's parameter and input grads equal the compiled full backward's within
+            ``|x - ref| <= 1e-6 + 1e-5 |ref|``.
+    """
+
+    backend: str
+    device: str
+    config: SplitConfig
+    regions: int
+    eager_nodes: int | None
+    regions_per_b: int
+    grads_match: bool
+
+
+@dataclasses.dataclass
+class CompileRun:
+    """The whole ``--compile`` report, as ``ppbackward bench --compile`` prints it and writes it (``--json``).
+
+    Attributes:
+        meta: the run's circumstances (``cli.bench._meta``), as :class:`SplitRun`'s.
+        compiled: the in-process measurement.
+        schedule: with ``--schedule``, the real torchrun step with compiled layers (``ScheduleBench.compile``
+            set); ``None`` without it or when it failed.
+        schedule_error: why the real step failed; ``None`` when it did not.
+        targets: the rows of ``report.target_row``, evaluated last.
+    """
+
+    meta: dict[str, Any]
+    compiled: CompiledSplit
+    schedule: ScheduleBench | None = None
+    schedule_error: str | None = None
+    targets: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def to_report(self) -> dict[str, Any]:
+        """The JSON object of ``--json``: ``meta``, ``compiled``, ``schedule`` where there is one (``{"error":
+        why}`` for a failed real step), ``targets``."""
+        out: dict[str, Any] = {"meta": self.meta, "compiled": to_json(self.compiled)}
+        if self.schedule_error is not None:
+            out["schedule"] = {"error": self.schedule_error}
+        elif self.schedule is not None:
+            out["schedule"] = to_json(self.schedule)
+        out["targets"] = self.targets
+        return out
+
+    @classmethod
+    def from_report(cls, data: dict[str, Any]) -> CompileRun:
+        """The run whose :meth:`to_report` is ``data``.
+
+        Raises:
+            SchemaError: ``compiled`` or ``schedule`` not of their record types (the path of the field named).
+        """
+        sched = data.get("schedule")
+        error = sched.get("error") if isinstance(sched, dict) else None
+        return cls(
+            meta=data["meta"],
+            compiled=from_json(CompiledSplit, data["compiled"], "compiled"),
+            schedule=None if sched is None or error is not None else from_json(ScheduleBench, sched, "schedule"),
+            schedule_error=error,
+            targets=data.get("targets", []),
         )

@@ -84,10 +84,10 @@ def _time_split(name: str, pair: Split, stage: Stage) -> dict[str, float]:
     return {split_key(name, "b"): t1 - t0, split_key(name, "w"): t2 - t1, split_key(name, "bw"): t2 - t0}
 
 
-def _variants(extra: dict[str, Split]) -> dict[str, Callable[[Stage], dict[str, float]]]:
+def _variants(extra: dict[str, Split], torch_split: bool = True) -> dict[str, Callable[[Stage], dict[str, float]]]:
     pairs: dict[str, Split] = {
         "pp": (_ours.stage_backward_input, _ours.stage_backward_weight),
-        "torch": (UPSTREAM_B, UPSTREAM_W),
+        **({"torch": (UPSTREAM_B, UPSTREAM_W)} if torch_split else {}),
         **extra,
     }
     runners: dict[str, Callable[[Stage], dict[str, float]]] = {"full": _time_full}
@@ -132,12 +132,15 @@ def measure_config(
     budget_s: float | None,
     extra: dict[str, Split] | None = None,
     device: torch.device | str = "cpu",
+    stage: Stage | None = None,
+    torch_split: bool = True,
 ) -> SplitConfig:
     """One configuration: min-of-N ms of every figure per regime, and the ratios to the full backward
-    (ppbackward's ``stage_backward``), for every split variant (``pp``, ``torch`` and ``extra``'s;
-    Note [split keys] in ``bench.records``); without ``costs_ms`` and ``replay`` (``measure`` adds them)."""
-    stage = on_device(build(cfg), device)
-    runners = _variants(extra or {})
+    (ppbackward's ``stage_backward``), for every split variant (``pp``, ``torch`` unless ``torch_split`` is
+    false, and ``extra``'s; Note [split keys] in ``bench.records``); without ``costs_ms`` and ``replay``
+    (``measure`` adds them). ``stage``: ``cfg`` built already (``bench.compiled``: its layers compiled)."""
+    stage = stage if stage is not None else on_device(build(cfg), device)
+    runners = _variants(extra or {}, torch_split)
     names = tuple(runners)
     for regime in REGIMES:  # warm-up
         _round(stage, runners, names, regime)
@@ -250,22 +253,29 @@ def targets(result: SplitResult, schedule: ScheduleBench | None = None) -> list[
     return rows
 
 
-def _real_step_targets(schedule: ScheduleBench) -> list[dict[str, Any]]:
+#: The real step's targets: each zero-bubble schedule's step over the Interleaved1F1B step (torch's backward).
+STEP_LIMITS = {"ZBVZeroBubble": 1.0, "InterleavedZeroBubble": 1.05}
+
+
+def _real_step_targets(schedule: ScheduleBench, label: str = "real step") -> list[dict[str, Any]]:
     """The real step's targets: ppbackward's full backward in Interleaved1F1B <= 1.01x torch's,
-    ZBVZeroBubble <= 1.00x and InterleavedZeroBubble <= 1.05x the Interleaved1F1B step (each variant that ran)."""
+    ZBVZeroBubble <= 1.00x and InterleavedZeroBubble <= 1.05x the Interleaved1F1B step (each variant that
+    ran); ``label`` starts each target's name (``bench --compile``: ``compiled real step``)."""
     from ppbackward._tools.bench.report import target_row
 
     rows = []
     where = f"torchrun {schedule.ranks} ranks, d {schedule.d_model}, {schedule.microbatches} microbatches"
+    if schedule.compile:
+        where += f", {schedule.compile}"
     plain = schedule.ratio_to_1f1b.get("Interleaved1F1B/ppbackward")
     if plain is not None:  # a user who installs ppbackward for correctness must not pay in a plain schedule
-        name = "real step: Interleaved1F1B, ppbackward's full backward <= 1.01x torch's"
+        name = f"{label}: Interleaved1F1B, ppbackward's full backward <= 1.01x torch's"
         rows.append(target_row(name, where, plain, 1.01))
-    for zb, limit in (("ZBVZeroBubble", 1.0), ("InterleavedZeroBubble", 1.05)):
+    for zb, limit in STEP_LIMITS.items():
         for backward in ("ppbackward", "merged"):
             value = schedule.ratio_to_1f1b.get(f"{zb}/{backward}")
             if value is not None:
-                name = f"real step: {zb} ({backward}) <= {limit:.2f}x Interleaved1F1B"
+                name = f"{label}: {zb} ({backward}) <= {limit:.2f}x Interleaved1F1B"
                 rows.append(target_row(name, where, value, limit))
     return rows
 

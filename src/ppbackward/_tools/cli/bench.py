@@ -42,8 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for add in (_add_run_options, _add_schedule_options, _add_split_options, _add_output_options,
-                _add_section_options):
+    for add in (_add_run_options, _add_schedule_options, _add_split_options, _add_compile_options,
+                _add_output_options, _add_section_options):
         add(p)
     return p
 
@@ -110,8 +110,25 @@ def _add_split_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", help="device of the --split measurement: cpu (default) or cuda")
     p.add_argument(
-        "--schedule-d-model", type=int, default=128,
-        help="d_model of the --schedule and --one-rank-step stages (default 128)"
+        "--schedule-d-model", type=int, default=None,
+        help="d_model of the --schedule and --one-rank-step stages (default 128; 256 with --compile)"
+    )
+
+
+def _add_compile_options(p: argparse.ArgumentParser) -> None:
+    """The split's cost on compiled stages: ``--compile``, ``--compile-backend``."""
+    p.add_argument(
+        "--compile", action="store_true",
+        help="only the split's cost where every layer is torch.compile'd (one compiled region each, split by "
+        "ppbackward into B and W): B, W, B+W against the compiled full backward on the host-bound 4x16x4 (or the "
+        "one --configs names), in this process; with --schedule also the real torchrun step with compiled layers "
+        "(2 ranks, 4 stages x 4 layers d --schedule-d-model, 8 microbatches): ppbackward's ZBVZeroBubble and "
+        "InterleavedZeroBubble against Interleaved1F1B; targets and verdicts",
+    )
+    p.add_argument(
+        "--compile-backend", default="inductor", metavar="BACKEND",
+        help="with --compile: the torch.compile backend of every layer (default inductor; aot_eager compiles in "
+        "seconds, a smoke test)",
     )
 
 
@@ -154,6 +171,12 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
     for flag, value in (("--budget", args.budget), ("--schedule-timeout", args.schedule_timeout)):
         if not math.isfinite(value) or value <= 0:
             parser.error(f"{flag} {value:g}: must be a positive number of seconds")
+    if args.schedule_d_model is None:
+        args.schedule_d_model = 256 if args.compile else 128
+    if args.compile and (args.split or args.one_rank_step or args.plot):
+        parser.error("--compile: not with --split, --one-rank-step or --plot (it measures the compiled split alone)")
+    if args.compile_backend != "inductor" and not args.compile:
+        parser.error("--compile-backend: only with --compile")
     repeats = args.repeats if args.repeats is not None else (20 if args.quick else 100)
     if repeats < 1 or args.schedule_repeats < 1:
         parser.error("--repeats and --schedule-repeats must be >= 1")
@@ -182,11 +205,15 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         )
     from ppbackward._tools.harness import models as _models  # the zoo: the parse needs no measurement module
 
-    step_only = bool(args.trace) and not args.split and args.configs is None
+    step_only = bool(args.trace) and not (args.split or args.compile) and args.configs is None
     asked = "all" if args.configs is None else args.configs
     try:
         if args.split:  # --split reads its own configurations (ppbackward._tools.bench.split.CONFIGS for 'all')
             configs = [] if asked == "all" else _models.parse_configs(asked)
+        elif args.compile:  # one configuration: 4x16x4 (ppbackward._tools.bench.compiled.CONFIG) or the one named
+            configs = [] if asked == "all" else _models.parse_configs(asked)
+            if len(configs) > 1:
+                parser.error(f"--compile: one configuration at a time, --configs {asked} names {len(configs)}")
         elif step_only:
             configs = []
         else:
@@ -364,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         from ppbackward._tools.bench import split as _split
 
         return _split.run(args, _meta(argv))
+    if args.compile:
+        from ppbackward._tools.bench import compiled as _compiled_bench
+
+        return _compiled_bench.run(args, _meta(argv))
 
     from ppbackward._tools.bench import report as _report
 

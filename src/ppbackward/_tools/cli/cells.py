@@ -12,7 +12,12 @@ Private module, used by ``ppbackward._tools.cli.check``. Columns (Note [worst ce
 * ``hooks``: post-accumulate-grad hook calls / expected (once per parameter per microbatch) of the
   rank and step furthest from expected;
 * ``step``: seconds per step, the slowest rank's mean over its steps (timing is not judged);
-* ``finding``: for a failing row, the kind of its first failure (``ppbackward._tools.harness.diagnose``).
+* ``finding``: for a failing row, the kind of its first failure (``ppbackward._tools.harness.diagnose``);
+* ``split`` (only in a table with a model of torch.compile'd regions: ``ModelSpec.regions_per_b``): the
+  regions each B call split into B and W, the fewest (``-most`` where they differ) over the ranks and
+  steps, ``ok`` when every B call split every region of its stage (Note [regions counted] in
+  ``ppbackward._tools.harness.probes``); ``no B`` where the schedule ran none, ``-`` where B's param groups
+  do not say (torch's own).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import dataclasses
 from typing import Any
 
 from ppbackward._tools.harness.diagnose import ORDER, Finding, diagnose
-from ppbackward._tools.harness.records import CaseRecord, Failure, StepMeasures
+from ppbackward._tools.harness.records import CaseRecord, Failure, RegionsRecord, StepMeasures
 from ppbackward._tools.text_table import format_table
 
 __all__ = [  # private module: what other modules use
@@ -44,6 +49,8 @@ __all__ = [  # private module: what other modules use
 ]
 
 COLUMNS = ("garbage", "gc-only", "held", "max|dg|", "hooks", "step", "finding")
+#: The column of compiled regions split per B, after ``step`` where a table has it (:func:`table`).
+SPLIT_COLUMN = "split"
 
 # Which check (``records.Failure.check``) each column reports.
 _CHECKS = {"garbage": "garbage", "gc-only": "lifetime", "held": "lifetime", "max|dg|": "numerics", "hooks": "hooks"}
@@ -187,6 +194,8 @@ class Measures:
         wrap (str): the case's wrapper.
         actions (dict[str, dict[str, int]]): the compute actions of one step, summed over ranks.
         grads_why (str | None): why ``max|dg|`` fails with nothing measured (:func:`_grads_why`).
+        regions (RegionsRecord | None): the compiled regions B split, over the ranks and steps
+            (``RegionsRecord.summed``); ``None`` where they were not counted.
     """
 
     garbage: int
@@ -200,6 +209,7 @@ class Measures:
     wrap: str
     actions: dict[str, dict[str, int]]
     grads_why: str | None
+    regions: RegionsRecord | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +246,7 @@ class Cell:
             "hooks_fired": m.hooks_fired, "hooks_expected": m.hooks_expected, "step_seconds": m.step_seconds,
             "worst": {column: list(where) for column, where in m.worst.items()}, "wrap": m.wrap,
             "actions": m.actions, "failures": texts, "failed": failed, "grads_why": m.grads_why,
-            "findings": findings,
+            "findings": findings, **({} if m.regions is None else {"regions": dataclasses.asdict(m.regions)}),
         }
 
 
@@ -278,7 +288,7 @@ def _measures(records: dict[int, CaseRecord], steps: list[tuple[int, StepMeasure
         max_abs_grad_err=best["max|dg|"], hooks_fired=hooks.hooks_fired, hooks_expected=hooks.hooks_expected,
         step_seconds=max(sum(s) / len(s) for s in seconds.values()), worst=worst,
         wrap=next((r.wrap for r in records.values()), "none"), actions=_summed_actions(records),
-        grads_why=_grads_why(records),
+        grads_why=_grads_why(records), regions=RegionsRecord.summed([s.regions for _, s in steps]),
     )
 
 
@@ -313,6 +323,7 @@ def cell_ok(cell: Cell) -> dict[str, bool]:
         "hooks": m.hooks_fired == m.hooks_expected,
         "step": True,
         "finding": cell.status == "pass",
+        SPLIT_COLUMN: "regions" not in checks,
     }
 
 
@@ -324,6 +335,8 @@ def format_cell(column: str, cell: Cell, ok: bool) -> str:
         return f"{m.grads_why} FAIL"
     if column == "finding":
         return "-" if cell.status == "pass" or not cell.findings else cell.findings[0].finding.kind.label
+    if column == SPLIT_COLUMN:
+        return _split_text(m.regions, ok)
     text = {
         "garbage": f"{m.garbage}",
         "gc-only": f"{m.bytes_freed_only_by_gc} B",
@@ -333,6 +346,17 @@ def format_cell(column: str, cell: Cell, ok: bool) -> str:
         "step": f"{m.step_seconds * 1e3:.0f} ms",
     }[column]
     return text if column == "step" else f"{text} {'ok' if ok else 'FAIL'}"
+
+
+def _split_text(regions: RegionsRecord | None, ok: bool) -> str:
+    """The ``split`` cell: regions per B call (``2/B``, ``1-2/B``), judged ``ok``/``FAIL`` where an expected
+    count applies; ``-`` where not counted (torch's B), ``no B`` where the case ran no B call."""
+    if regions is None or not regions.counted:
+        return "-"
+    if not regions.b_calls:
+        return "no B"
+    per = f"{regions.fewest}" if regions.fewest == regions.most else f"{regions.fewest}-{regions.most}"
+    return f"{per}/B" + ((" ok" if ok else " FAIL") if regions.expected else "")
 
 
 def _behind(cell: Cell) -> RankFailure | None:
@@ -430,8 +454,12 @@ def table(
     markdown: bool = False,
 ) -> str:
     """The table (str): one row per ``(case id, row label)`` and backward; a row without measurement spans
-    the metric columns with :func:`short_reason`. ``markdown``: GitHub-flavoured markdown (``check --markdown``)."""
-    header = ["case", "backward", *COLUMNS]
+    the metric columns with :func:`short_reason`. The ``split`` column comes after ``step`` where a row
+    counted compiled regions. ``markdown``: GitHub-flavoured markdown (``check --markdown``)."""
+    shown = [results[b].get(case) for case, _ in rows for b in backwards]
+    split = any(c is not None and c.measures is not None and c.measures.regions is not None for c in shown)
+    columns = (*COLUMNS[:-1], SPLIT_COLUMN, COLUMNS[-1]) if split else COLUMNS
+    header = ["case", "backward", *columns]
     lines_: list[list[str]] = []
     for case, label in rows:
         for backward in backwards:
@@ -440,5 +468,5 @@ def table(
                 lines_.append([label, backward, short_reason(cell)])
                 continue
             oks = cell_ok(cell)
-            lines_.append([label, backward, *(format_cell(c, cell, oks[c]) for c in COLUMNS)])
+            lines_.append([label, backward, *(format_cell(c, cell, oks[c]) for c in columns)])
     return format_table(header, lines_, markdown=markdown)

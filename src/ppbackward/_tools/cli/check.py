@@ -228,10 +228,13 @@ def _validate(args: argparse.Namespace) -> tuple[list[Any], list[str] | None]:
 
     runnable, reasons = [], set()
     for scenario in scenarios:
-        cases = schedules.matrix(scenario.nproc // scenario.dp, only, args.microbatches)
+        within = scenario.schedules_within(only)
+        cases = schedules.matrix(scenario.nproc // scenario.dp, within, args.microbatches)
         if any(not case.skip for case in cases):
             runnable.append(scenario)
         reasons |= {f"{c.skip} ({scenario.layout})" if args.model else c.skip for c in cases if c.skip}
+        if within == []:  # a scenario of some schedules only, none of them asked for
+            reasons.add(f"scenario {scenario.name} runs {', '.join(scenario.schedules)} only")
     if not runnable:  # nothing would run: say why instead of a vacuous pass
         names = ", ".join(s.name for s in scenarios)
         raise CheckError(f"nothing to check in {names}: {'; '.join(sorted(reasons))}")
@@ -315,8 +318,9 @@ def worker_args(backward: str, scenario: Any, args: argparse.Namespace, only: li
     """The harness worker's arguments for one launch; the schedules as validated (names stripped)."""
     if backward == "ppbackward" and getattr(args, "merge_bw", False):
         backward = "ppbackward-merged"  # install(merge_bw=True) in the workers; results stay under "ppbackward"
+    within = scenario.schedules_within(only)
     return [
-        "--backward", backward, *scenario.worker_args(), "--schedules", "all" if only is None else ",".join(only),
+        "--backward", backward, *scenario.worker_args(), "--schedules", "all" if within is None else ",".join(within),
         "--steps", str(args.steps), "--microbatches", str(args.microbatches),
         "--device", args.device, "--backend", args.backend,
         # a case that fails on one rank leaves the others waiting for it: keep that wait short
@@ -445,13 +449,16 @@ class _LaunchFailure:
 @dataclasses.dataclass
 class _Tally:
     """What the tables found, for the verdict: torch's failing rows ``(row name, cell)``, ppbackward's
-    failing cases, the launches that failed, and the cases ppbackward ran and skipped."""
+    failing cases, the launches that failed, the cases ppbackward ran and skipped, and the compiled regions
+    its B calls split (where a model has them)."""
 
     upstream_failing: list[tuple[str, cells.Cell | None]] = dataclasses.field(default_factory=list)
     ours_bad: list[str] = dataclasses.field(default_factory=list)
     launch_failed: list[_LaunchFailure] = dataclasses.field(default_factory=list)
     ours_ran: int = 0
     skipped: int = 0
+    regions_split: int = 0  # compiled regions ppbackward's B calls split (Note [regions counted])
+    regions_b_calls: int = 0  # the B calls they were counted over
 
     def launch_failures(self, backward: str) -> list[_LaunchFailure]:
         """The failed launches of ``backward`` (list[_LaunchFailure]), scenarios in order."""
@@ -487,6 +494,12 @@ def _tally_scenario(run: _ScenarioRun, only: list[str] | None, tally: _Tally) ->
     tally.ours_ran += len(ran)
     tally.skipped += len(cases) - len(ran)
     tally.ours_bad += [f"{scenario.name}/{c}" for c in bad]
+    for case in ran:
+        cell = ours.get(case)
+        regions = None if cell is None or cell.measures is None else cell.measures.regions
+        if regions is not None and regions.counted:
+            tally.regions_split += regions.regions
+            tally.regions_b_calls += regions.b_calls
     for case in cases:
         if _status(results["upstream"], case) not in ("pass", "skip"):
             row = f"{scenario.name} {_row_label(case, scenario)}"
@@ -568,6 +581,8 @@ def _verdict(tally: _Tally, memory: dict[str, Any], passed: bool, memory_ok: boo
         what = [f"{len(tally.ours_bad)}/{tally.ours_ran} cases"] if tally.ours_bad else []
         what += [] if memory_ok else ["memory"]
         outcome = f"FAIL on {' and '.join(what)}"
+    if tally.regions_b_calls:  # Note [regions counted] in ppbackward._tools.harness.probes
+        outcome += f" (compiled regions split into B and W: {tally.regions_split} in {tally.regions_b_calls} B calls)"
     upstream_launch = tally.launch_failures("upstream")
     upstream = (
         f"torch's own launch failed ({upstream_launch[0]})"

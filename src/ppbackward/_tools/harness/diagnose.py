@@ -71,6 +71,13 @@ KINDS: tuple[Kind, ...] = (
         ("donated buffers",),
     ),
     Kind(
+        "compile-refused", "refuses torch.compile'd stages",
+        "torch's zero-bubble schedules refuse, when built, a stage module holding a torch.compile'd module (an "
+        "OptimizedModule child): torch's B would run each compiled region whole, W having nothing of it left, "
+        "and B's retain_graph clashes with the region's donated buffers (pytorch/pytorch#161904)",
+        ("is not supported with stage modules that have used torch.compile",),
+    ),
+    Kind(
         "sac-second-backward", "selective AC: W recomputes",
         "selective activation checkpointing allows one backward per region: torch's W recomputes the region "
         "in a second engine call, which it refuses ('backward an extra time'; zero bubble with activation "
@@ -123,6 +130,12 @@ KINDS: tuple[Kind, ...] = (
     Kind(
         "grads-wrong", "wrong grads",
         "the grads differ from a single-process reference of the same microbatches",
+    ),
+    Kind(
+        "regions-whole", "compiled region not split",
+        "ppbackward's B ran a torch.compile'd region whole instead of splitting it into B and W (its backward "
+        "compiled before ppbackward.install(), or a graph it could not cut: Note [compiled regions split in two] "
+        "in ppbackward._compiled): exact, but W has none of that region's work to fill the bubble with",
     ),
     Kind(
         "hooks-skipped", "hooks skipped in W",

@@ -25,6 +25,11 @@ The training-setup models (:data:`TRAINING_MODELS`; issue 12):
 * ``compiled`` — each stage's MLP block has its ``forward`` compiled (``torch.compile``, ``aot_eager``,
   set on the instance, so the zero-bubble schedules' check for ``OptimizedModule`` children accepts it):
   the compiled region is one custom ``autograd.Function`` node in the graph, next to eager ops.
+* ``compiled-blocks`` — each stage is ``BLOCKS`` residual MLP blocks, each a ``torch.compile(block)`` child
+  (``aot_eager``; an ``OptimizedModule``, the spelling torch's zero-bubble schedules refuse): ``BLOCKS``
+  compiled regions per stage, every one of which ppbackward's B must split into B and W
+  (``ModelSpec.regions_per_b``, counted by the check's regions probe). Parameter names leave out the
+  wrapper's ``_orig_mod.`` (:func:`param_names`), so the eager reference's names match.
 * ``bf16`` — each stage runs under ``torch.autocast("cpu", dtype=torch.bfloat16)``, with a scaled loss
   (``LOSS_SCALE`` times the sum, as a GradScaler would): float32 parameters, bfloat16 activations.
 * ``sac`` — selective activation checkpointing, its policy by stage (save the matmuls, nothing,
@@ -100,7 +105,8 @@ __all__ = [
 D = 16  # hidden size
 RANK = 4  # LoRA adapter rank
 LOSS_SCALE = 1024.0  # the bf16 model's loss scale
-COMPILE_BACKEND = "aot_eager"  # the compiled model's torch.compile backend
+COMPILE_BACKEND = "aot_eager"  # the compiled models' torch.compile backend
+BLOCKS = 2  # compiled blocks per stage (compiled-blocks)
 SEQ = 4  # sequence length (transformer)
 HEADS = 2
 VOCAB = 32
@@ -241,6 +247,31 @@ class CompiledStage(nn.Module):
         return h + self.block(h)
 
 
+class ResidualBlock(nn.Module):
+    """``h + b(relu(a(h)))``: the block ``compiled-blocks`` compiles as a child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, 2 * D)
+        self.b = nn.Linear(2 * D, D)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.b(torch.relu(self.a(h)))
+
+
+class CompiledBlocksStage(nn.Module):
+    """``BLOCKS`` residual blocks in a row; the spec's ``prepare`` makes each a ``torch.compile(block)`` child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ResidualBlock() for _ in range(BLOCKS)])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
 class BF16Stage(MLPStage):
     """The MLP stage under ``torch.autocast("cpu", dtype=torch.bfloat16)``: bfloat16 activations."""
 
@@ -346,6 +377,15 @@ def _compile_blocks(module: nn.Module) -> nn.Module:
     which the zero-bubble schedules refuse; ``nn.Module.compile`` does not compile here on torch 2.13)."""
     if isinstance(module, CompiledStage):
         module.block.forward = torch.compile(module.block.forward, backend=COMPILE_BACKEND)  # type: ignore[method-assign]
+    return module
+
+
+def _compile_children(module: nn.Module) -> nn.Module:
+    """Put ``torch.compile(block)`` (``COMPILE_BACKEND``) in place of each block: an ``OptimizedModule``
+    child per block, the spelling torch's zero-bubble schedules refuse (``compiled-blocks``)."""
+    if isinstance(module, CompiledBlocksStage):
+        for i, block in enumerate(module.blocks):
+            module.blocks[i] = torch.compile(block, backend=COMPILE_BACKEND)  # type: ignore[assignment]
     return module
 
 
@@ -538,6 +578,9 @@ class ModelSpec:
             ``lm_head`` applied in the loss: ``titan``); see :meth:`loss_of`.
         accumulations: ``parameter name ("stage{i}.{name}") -> AccumulateGrad calls per microbatch`` (1;
             titan's ``lm_head`` accumulates once per loss chunk, in the loss's own backwards).
+        regions_per_b: the torch.compile'd regions of each stage, which every B ppbackward runs must split into
+            B and W (Note [compiled regions split in two] in ``ppbackward._compiled``; the check's regions
+            probe counts them); 0 for a model without compiled regions (nothing counted).
         selective_checkpointing: the stages run selective activation checkpointing (Note [what torch 2.5
             cannot run]).
     """
@@ -557,6 +600,7 @@ class ModelSpec:
     warmup_steps: int = 0
     loss_for: Callable[[nn.Module], Callable[[Any, torch.Tensor], torch.Tensor]] | None = None
     accumulations: Callable[[str], int] = lambda name: 1
+    regions_per_b: int = 0
     selective_checkpointing: bool = False
 
     def loss_of(self, last_stage: nn.Module | None) -> Callable[[Any, torch.Tensor], torch.Tensor]:
@@ -613,6 +657,16 @@ MODELS: dict[str, ModelSpec] = {
             build_stage=lambda i, n: CompiledStage(),
             prepare=_compile_blocks,
             warmup_steps=1,
+            regions_per_b=1,
+        ),
+        ModelSpec(
+            name="compiled-blocks",
+            features=f"{BLOCKS} residual MLP blocks per stage, each a torch.compile(block) child (aot_eager): "
+            "the compiled stages torch's zero-bubble schedules refuse",
+            build_stage=lambda i, n: CompiledBlocksStage(),
+            prepare=_compile_children,
+            warmup_steps=1,  # the first call of a compiled region compiles it
+            regions_per_b=BLOCKS,
         ),
         ModelSpec(
             name="bf16",
@@ -742,8 +796,10 @@ class ReferenceResult:
 
 
 def param_names(stage_index: int, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``("stage{i}.{name}", param)`` for every parameter of one stage, frozen ones included."""
-    return [(f"stage{stage_index}.{name}", p) for name, p in module.named_parameters()]
+    """``("stage{i}.{name}", param)`` for every parameter of one stage, frozen ones included; a
+    ``torch.compile(module)`` child's ``_orig_mod.`` left out, so that a compiled stage and its eager
+    reference name their parameters alike."""
+    return [(f"stage{stage_index}.{name.replace('_orig_mod.', '')}", p) for name, p in module.named_parameters()]
 
 
 def reference_step(

@@ -16,7 +16,20 @@ one field of the step's ``StepRecord``; :func:`check_probes` lists them in the o
   single-process reference (:func:`compare`, Note [one numerics rule]), and with DDP the replicas;
 * :class:`SideEffectsProbe` — the model's own side-effect counts (a checkpointed region recomputed once,
   a custom Function's backward run once);
-* :class:`HooksProbe` — ``register_post_accumulate_grad_hook`` calls per parameter (:class:`HookCounter`).
+* :class:`HooksProbe` — ``register_post_accumulate_grad_hook`` calls per parameter (:class:`HookCounter`);
+* :class:`RegionsProbe` — for a model with torch.compile'd regions (``ModelSpec.regions_per_b``), the
+  regions each B call split into B and W, counted from the param groups it returns (Note [regions
+  counted]).
+
+Note [regions counted]: ppbackward's B returns, in each param group, the compiled regions it split
+(``group.regions``: W runs their weight halves; Note [compiled regions split in two] in
+``ppbackward._compiled``). The regions probe puts a counting wrapper around the ``stage_backward_input``
+torch's stage calls (``torch.distributed.pipelining.stage``'s, whichever backward is installed) for the
+step, adds up ``len(group.regions)`` per call and lets the groups go. Every B call of ppbackward must split
+each of the stage's regions (``ModelSpec.regions_per_b``, exactly); a call that split fewer ran some region
+whole in B, exact but with nothing of it left for W (kind ``regions-whole``). torch's own B returns plain
+dicts, which say nothing of regions: counted as not counted. On a torch without the split
+(``ppbackward._compiled.SUPPORTED``) nothing is judged.
 
 Note [one numerics rule]: every comparison with a reference, the check's and the bench's, is
 :func:`compare`: each grad and each microbatch loss within ``|x - ref| <= atol + rtol * |ref|`` elementwise
@@ -78,6 +91,7 @@ from ppbackward._tools.harness.records import (
     KeptByDesign,
     LifetimeRecord,
     NumericsRecord,
+    RegionsRecord,
     Tolerance,
 )
 from ppbackward._tools.harness.runner import CaseRun, Probe, StepRun
@@ -93,6 +107,7 @@ __all__ = [
     "HooksProbe",
     "LifetimeProbe",
     "NumericsProbe",
+    "RegionsProbe",
     "SideEffectsProbe",
     "check_probes",
     "compare",
@@ -639,10 +654,78 @@ class HooksProbe(Probe):
         self.counter.remove()
 
 
+_STAGE_MODULE = "torch.distributed.pipelining.stage"
+
+
+class RegionsProbe(Probe):
+    """The compiled regions each B call of the step split (Note [regions counted]), against ``expected``
+    per call (0: counted, not judged)."""
+
+    field = "regions"
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self._per_call: list[int | None] = []  # regions split per B call; None where the groups do not say
+        self._module: Any = None
+        self._real: Any = None
+
+    def before(self, step: StepRun) -> None:
+        import importlib
+
+        self._per_call = []
+        self._module = importlib.import_module(_STAGE_MODULE)
+        self._real = real = self._module.stage_backward_input
+        counts = self._per_call
+
+        @functools.wraps(real)
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            grads, groups = real(*args, **kwargs)
+            regions: list[Any] = [getattr(g, "regions", None) for g in groups]
+            said = all(r is not None for r in regions)
+            counts.append(sum(len(r) for r in regions) if said else None)
+            del regions
+            return grads, groups
+
+        self._module.stage_backward_input = counting
+
+    def after_step(self, step: StepRun) -> None:
+        self.close()
+
+    def finish(self, step: StepRun) -> tuple[RegionsRecord, list[Failure]]:
+        known = [n for n in self._per_call if n is not None]
+        counted = len(known) == len(self._per_call)
+        record = RegionsRecord(
+            b_calls=len(self._per_call), b_split=sum(n > 0 for n in known), regions=sum(known),
+            fewest=min(known, default=0), most=max(known, default=0), expected=self.expected, counted=counted,
+        )
+        off = [n for n in known if n != self.expected]
+        if not (self.expected and counted and off):
+            return record, []
+        message = (f"{len(off)} of {record.b_calls} B calls split {min(off)}"
+                   f"{'' if min(off) == max(off) else f'-{max(off)}'} compiled regions, {self.expected} expected "
+                   "(the others ran whole in B, not split into B and W)")
+        return record, [Failure("regions", "regions-whole", message, step.step)]
+
+    def close(self) -> None:
+        if self._module is not None:
+            self._module.stage_backward_input = self._real
+            self._module = self._real = None
+
+
+def regions_expected(case: CaseRun) -> int:
+    """The regions every B call of ``case`` must split: ``ModelSpec.regions_per_b`` where ppbackward's B runs
+    (installed) on a torch with the split, else 0 (counted, not judged)."""
+    import ppbackward
+    from ppbackward import _compiled
+
+    return case.spec.regions_per_b if ppbackward.is_installed() and _compiled.SUPPORTED else 0
+
+
 def check_probes(case: CaseRun) -> list[Probe]:
     """The check's probes of ``case``, in the order they must run (Note [probe phases]): the garbage
-    probe's leak check ends before the lifetime probe's gc run; the hook counter is registered here."""
-    return [
+    probe's leak check ends before the lifetime probe's gc run; the hook counter is registered here; the
+    regions probe (a model with compiled regions only) wraps B innermost."""
+    found: list[Probe] = [
         CachesProbe(case.schedule, case.pp_stages, case.n_microbatches),
         GarbageProbe(),
         LifetimeProbe(case.pp_stages),
@@ -650,3 +733,6 @@ def check_probes(case: CaseRun) -> list[Probe]:
         SideEffectsProbe(case),
         HooksProbe(case),
     ]
+    if case.spec.regions_per_b:
+        found.append(RegionsProbe(regions_expected(case)))
+    return found

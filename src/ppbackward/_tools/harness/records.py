@@ -27,6 +27,7 @@ import os
 import time
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
@@ -48,6 +49,7 @@ __all__ = [
     "NumericsRecord",
     "PartsRecord",
     "RankVerdict",
+    "RegionsRecord",
     "RssRecord",
     "ScheduleBench",
     "SchemaError",
@@ -70,7 +72,9 @@ SCHEMA_VERSION = 2
 
 #: What found a failure: a probe of a measured step, the exception a case stopped on, or the case itself
 #: (a schedule that cannot be built).
-CHECKS = ("garbage", "lifetime", "caches", "numerics", "replicas", "side effects", "hooks", "exception", "case")
+CHECKS = (
+    "garbage", "lifetime", "caches", "numerics", "replicas", "side effects", "hooks", "regions", "exception", "case",
+)
 
 #: The events of Note [event stream].
 EVENTS = ("started", "case_start", "step_end", "case_end", "done", "fatal")
@@ -301,6 +305,51 @@ class HooksRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class RegionsRecord:
+    """torch.compile'd regions ppbackward's B split into B and W (the regions probe, Note [compiled regions
+    split in two] in ``ppbackward._compiled``): over one step of one rank, or (``ppbackward check``'s cell)
+    summed over a case's ranks and steps.
+
+    Attributes:
+        b_calls: B calls (``stage_backward_input``) made.
+        b_split: of those, the calls that split at least one compiled region.
+        regions: compiled regions split, over every B call (the regions of their param groups).
+        fewest, most: the fewest and the most regions one B call split (0 without a B call).
+        expected: the regions every B call must split (the model's ``ModelSpec.regions_per_b``); 0 where it
+            is not judged (a torch without the split).
+        counted: whether B's param groups say which regions they split (ppbackward's do, torch's dicts not).
+    """
+
+    b_calls: int = 0
+    b_split: int = 0
+    regions: int = 0
+    fewest: int = 0
+    most: int = 0
+    expected: int = 0
+    counted: bool = True
+
+    @classmethod
+    def summed(cls, found: Sequence[RegionsRecord | None]) -> RegionsRecord | None:
+        """Several steps' or ranks' records as one: calls and regions summed, the fewest and the most over
+        the records with a B call, counted only where every one was; ``None`` where none was counted."""
+        known = [r for r in found if r is not None]
+        if not known:
+            return None
+        with_b = [r for r in known if r.b_calls]
+        return cls(
+            b_calls=sum(r.b_calls for r in known), b_split=sum(r.b_split for r in known),
+            regions=sum(r.regions for r in known), fewest=min((r.fewest for r in with_b), default=0),
+            most=max((r.most for r in with_b), default=0), expected=max(r.expected for r in known),
+            counted=all(r.counted for r in known),
+        )
+
+    @property
+    def all_split(self) -> bool:
+        """Every B call split every region it was expected to (vacuously where nothing is expected)."""
+        return not self.expected or not self.counted or self.fewest == self.most == self.expected or not self.b_calls
+
+
+@dataclasses.dataclass(frozen=True)
 class StepTime:
     """The step time probe's record: this rank's ``own_s`` and the slowest rank's ``slowest_s`` (seconds)."""
 
@@ -345,10 +394,10 @@ class RssRecord:
 class StepRecord:
     """One measured step of one case on one rank: its number (0-based), wall ``seconds`` of
     ``schedule.step`` on this rank, and the record of each probe that ran (``None`` for one that did not:
-    ``ppbackward check`` runs the first five, ``ppbackward bench --schedule`` the others, Note [probe
-    phases] in ``ppbackward._tools.harness.runner``); ``caches`` maps a place (``"schedule"``,
-    ``"stage 1"``) to its caches by attribute name; ``saved_peak_bytes`` is the peak bytes of live saved
-    activations."""
+    ``ppbackward check`` runs the first five, and ``regions`` for a model with compiled regions,
+    ``ppbackward bench --schedule`` the others, Note [probe phases] in ``ppbackward._tools.harness.runner``);
+    ``caches`` maps a place (``"schedule"``, ``"stage 1"``) to its caches by attribute name;
+    ``saved_peak_bytes`` is the peak bytes of live saved activations."""
 
     step: int
     seconds: float
@@ -361,6 +410,7 @@ class StepRecord:
     parts: PartsRecord | None = None
     rss: RssRecord | None = None
     saved_peak_bytes: int | None = None
+    regions: RegionsRecord | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -623,6 +673,7 @@ class StepMeasures:
         max_abs_grad_err: max |grad - reference| over the rank's parameters.
         hooks_fired: post-accumulate-grad hook calls in the step.
         hooks_expected: calls expected (once per trainable parameter per microbatch; 0 for a frozen rank).
+        regions: the compiled regions B split in the step; ``None`` where they were not counted.
     """
 
     step: int
@@ -633,6 +684,7 @@ class StepMeasures:
     max_abs_grad_err: float
     hooks_fired: int
     hooks_expected: int
+    regions: RegionsRecord | None = None
 
     @classmethod
     def from_record(cls, step: StepRecord) -> StepMeasures:
@@ -648,6 +700,7 @@ class StepMeasures:
             max_abs_grad_err=(step.numerics or NumericsRecord()).max_abs_grad_err,
             hooks_fired=hooks.fired,
             hooks_expected=hooks.expected,
+            regions=step.regions,
         )
 
 
@@ -669,6 +722,10 @@ class ScheduleBench:
         memory: per variant, the maximum over the ranks of each figure.
         parts_ms, slices_ms: per variant, each rank's parts and slices in its fastest step (Note [step parts]).
         grads_match: every variant's grads and losses within the case's tolerance of the reference, on every rank.
+        compile: the ``torch.compile`` backend of every stage's layers (``bench --compile --schedule``); ``""``
+            for eager stages.
+        regions: with compiled stages, per variant, the compiled regions its B calls split in its exactness
+            step, summed over the ranks (Note [regions counted] in ``ppbackward._tools.harness.probes``).
     """
 
     ranks: int
@@ -686,3 +743,5 @@ class ScheduleBench:
     parts_ms: dict[str, list[StepParts]]
     slices_ms: dict[str, list[list[list[Any]]]]
     grads_match: bool
+    compile: str = ""
+    regions: dict[str, RegionsRecord] = dataclasses.field(default_factory=dict)

@@ -7,6 +7,8 @@ over every schedule of the installed torch. :data:`DEFAULT` is what ``ppbackward
 crashing torch's W (``transformer``), the frozen-prefix grads torch leaves ``None`` (``lora``), the DDP
 replicas it leaves apart (``ddp``) and selective activation checkpointing it refuses (``ac``), in about
 two minutes on 2 CPU cores; the bytes held between B and W are measured in process (``ppbackward._tools.cli.check``).
+A scenario may run only some schedules (``compiled-zb``: the zero-bubble schedules torch's refusal of
+compiled stages is about).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ __all__ = ["DEFAULT", "SCENARIOS", "Scenario", "select"]
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     """One launch configuration: ``models`` on ``nproc`` ranks, ``dp`` pipelines of them, each stage
-    module wrapped as each of ``wraps`` says."""
+    module wrapped as each of ``wraps`` says; ``schedules``, the schedule classes it runs (``None``: all)."""
 
     name: str
     title: str
@@ -27,6 +29,13 @@ class Scenario:
     models: tuple[str, ...]
     dp: int = 1
     wraps: tuple[str, ...] = ("none",)
+    schedules: tuple[str, ...] | None = None
+
+    def schedules_within(self, only: list[str] | None) -> list[str] | None:
+        """The schedules to run when ``--schedules`` asks for ``only`` (``None``: all): those of both lists."""
+        if self.schedules is None:
+            return only
+        return [s for s in self.schedules if only is None or s in only]
 
     def worker_args(self) -> list[str]:
         """The harness worker's arguments for this scenario (besides backward, schedules, steps, ...)."""
@@ -65,6 +74,11 @@ SCENARIOS: dict[str, Scenario] = {
             2, ("titan", "titan-sac"), wraps=("fsdp-titan",),
         ),
         Scenario("compiled", "a torch.compile'd block (aot_eager) inside every stage", 2, ("compiled",)),
+        Scenario(
+            "compiled-zb", "torch.compile(block) children (aot_eager) in every stage under the zero-bubble "
+            "schedules: torch refuses them, ppbackward splits each compiled region into B and W (counted)",
+            2, ("compiled-blocks",), schedules=("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"),
+        ),
         Scenario("bf16", "bfloat16 autocast stages with a scaled loss", 2, ("bf16",)),
         Scenario("custom-fn", "a custom autograd.Function whose backward has a side effect", 2, ("custom-fn",)),
         Scenario("mlp", "Linear-GELU-Linear stages", 2, ("mlp",)),

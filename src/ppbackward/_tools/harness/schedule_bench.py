@@ -16,6 +16,23 @@ Note [schedule benchmark]: the model is ``2 * world`` stages, each a stack of en
   ``install(merge_bw=True)`` was on (each B directly followed by its own W one full backward: Note
   [merged B and W] in ``ppbackward._merge``).
 
+Note [compiled schedule benchmark]: with ``compile`` (a ``torch.compile`` backend; ``ppbackward bench
+--compile --schedule``) every layer of every stage is a ``torch.compile(layer)`` child, compiled after the
+reference took its eager copy, and the variants are :data:`COMPILED_VARIANTS`: torch's own B/W refuses
+compiled stages when its zero-bubble schedules are built, so only ``Interleaved1F1B`` runs with torch's
+backward, the base of the ratios, against ppbackward's zero-bubble variants. Backward graphs are compiled
+through ppbackward's splitting compiler in every variant (``ppbackward._compiled.enable()``, also while
+torch's backward runs: outside ppbackward's B it runs the backend's compiled graph whole, one dictionary
+test more), so that a region first compiled under torch's variant can still be split by ppbackward's;
+and before any variant every rank compiles its stages, forward, backward and the split halves of each
+region, one stage after another, each announced as an event (:func:`_compile_stages`: compiling is not
+the step's time, and an inductor compile is minutes on a busy machine, which the launcher's hang clock
+must see progress through). Each variant's exactness step also counts the regions each B call split
+(``probes.RegionsProbe``: every layer of every stage but stage 0, whose B torch skips), which
+``ScheduleBench.regions`` reports; a region run whole in B would time something else than the split. The
+numerics rule stays :data:`BENCH_TOLERANCE` against the eager reference (inductor's kernels sum in
+another order: 2e-8 at most here, 4 layers d 256, 8 microbatches).
+
 Every step is one :func:`ppbackward._tools.harness.runner.run_step` under the bench's probes
 (:mod:`ppbackward._tools.harness.bench_probes`), the step time probe first (its barrier starts every
 rank together, before the other probes start their clocks). Exactness comes first, with each variant's
@@ -51,6 +68,7 @@ from ppbackward._tools.harness.records import (
     EventWriter,
     MemoryRecord,
     PartsRecord,
+    RegionsRecord,
     ScheduleBench,
     StepParts,
     StepRecord,
@@ -61,6 +79,7 @@ from ppbackward._tools.harness.records import (
 
 __all__ = [
     "BENCH_TOLERANCE",
+    "COMPILED_VARIANTS",
     "VARIANTS",
     "BenchConfig",
     "ScheduleBenchError",
@@ -82,6 +101,17 @@ VARIANTS = (
     ("ScheduleInterleavedZeroBubble", "loop", "ppbackward"),
     ("ScheduleInterleavedZeroBubble", "loop", "merged"),
     ("ScheduleZBVZeroBubble", "v", "upstream"),
+    ("ScheduleZBVZeroBubble", "v", "ppbackward"),
+    ("ScheduleZBVZeroBubble", "v", "merged"),
+)
+
+#: With compiled stages (Note [compiled schedule benchmark]): torch's own B/W refuses them in its zero-bubble
+#: schedules, so only its Interleaved1F1B runs, the base of ``ratio_to_1f1b``.
+COMPILED_VARIANTS = (
+    ("ScheduleInterleaved1F1B", "loop", "upstream"),
+    ("ScheduleInterleaved1F1B", "loop", "ppbackward"),
+    ("ScheduleInterleavedZeroBubble", "loop", "ppbackward"),
+    ("ScheduleInterleavedZeroBubble", "loop", "merged"),
     ("ScheduleZBVZeroBubble", "v", "ppbackward"),
     ("ScheduleZBVZeroBubble", "v", "merged"),
 )
@@ -110,12 +140,18 @@ class BenchConfig:
     seq: int = 16
     microbatches: int = 8
     microbatch_size: int = 2
+    compile: str = ""  # a torch.compile backend for every layer (Note [compiled schedule benchmark]); "": eager
 
     def worker_args(self) -> list[str]:
         """The worker's ``--mode bench`` options for this configuration."""
         return ["--mode", "bench", "--layers-per-stage", str(self.layers_per_stage), "--d-model", str(self.d_model),
                 "--seq", str(self.seq), "--microbatches", str(self.microbatches),
-                "--microbatch-size", str(self.microbatch_size)]
+                "--microbatch-size", str(self.microbatch_size), *(["--compile", self.compile] if self.compile else [])]
+
+    @property
+    def variants(self) -> tuple[tuple[str, str, str], ...]:
+        """(schedule, placement, backward) of every variant, the base of the ratios first."""
+        return COMPILED_VARIANTS if self.compile else VARIANTS
 
 
 def variant_name(schedule: str, backward: str) -> str:
@@ -129,14 +165,24 @@ def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def bench_spec(config: BenchConfig) -> zoo.ModelSpec:
-    """The bench's model as a zoo model: stage ``i`` is ``build_stack(layers_per_stage, d_model, seed=100 + i)``."""
+    """The bench's model as a zoo model: stage ``i`` is ``build_stack(layers_per_stage, d_model, seed=100 + i)``;
+    with ``compile``, each of its layers is a compiled region (:func:`compile_layers`, applied by ``_setup``)."""
     return zoo.ModelSpec(
         name=f"encoder-{config.layers_per_stage}x{config.d_model}x{config.seq}",
         features="stacks of nn.TransformerEncoderLayer, mean squared error (the schedule benchmark)",
         build_stage=lambda i, n: build_stack(config.layers_per_stage, config.d_model, seed=100 + i),
         loss_fn=mse_loss,
         metadata="static",
+        regions_per_b=config.layers_per_stage if config.compile else 0,
     )
+
+
+def compile_layers(stack: nn.Module, backend: str) -> nn.Module:
+    """Put ``torch.compile(layer, backend=backend)`` in place of every child of ``stack`` (a stack of
+    layers: a child ``OptimizedModule`` each, one compiled region per layer); returns ``stack``."""
+    for name, layer in list(stack.named_children()):
+        setattr(stack, name, torch.compile(layer, backend=backend))
+    return stack
 
 
 def build_stages(
@@ -193,7 +239,11 @@ class _Variant:
         cfg = bench.config
         shape = (cfg.microbatch_size, cfg.seq, cfg.d_model)
         stages = build_stages(bench.modules, self.stage_ids, 2 * bench.world, shape, torch.device("cpu"))
-        merge = ppbackward.installed(merge_bw=True) if backward == "merged" else contextlib.nullcontext()
+        merge: Any = contextlib.nullcontext()
+        if backward == "merged":
+            merge = ppbackward.installed(merge_bw=True)
+        elif backward == "ppbackward" and cfg.compile:  # torch's zero-bubble schedules refuse compiled stages
+            merge = ppbackward.installed()
         with merge:  # a schedule lowers its action list when it is built
             built = getattr(schedules, schedule)(stages, n_microbatches=cfg.microbatches, loss_fn=mse_loss,
                                                  scale_grads=False)
@@ -205,9 +255,19 @@ class _Variant:
     def step(self, bench: _Bench, probes: list[runner.Probe], step: int) -> tuple[StepRecord, list[Any]]:
         """One step under ``probes`` with this variant's backward installed; its record and failures."""
         import ppbackward
+        from ppbackward import _compiled
 
         (ppbackward.uninstall if self.backward == "upstream" else ppbackward.install)()
+        if bench.config.compile:  # Note [compiled schedule benchmark]: backward graphs stay splittable
+            _compiled.enable()
         return runner.run_step(self.case, probes, [bench.batch], step, bench.expected)
+
+    def regions_expected(self, bench: _Bench) -> int:
+        """The regions each B call of this variant must split (Note [compiled schedule benchmark])."""
+        from ppbackward import _compiled
+
+        split = self.backward != "upstream" and _compiled.SUPPORTED
+        return bench.spec.regions_per_b if split else 0
 
 
 @dataclasses.dataclass
@@ -229,13 +289,40 @@ def _setup(config: BenchConfig, rank: int, world: int) -> _Bench:
     spec = bench_spec(config)
     every = zoo.build_stages(spec, 2 * world, seed=0)  # build_stack seeds each stage itself
     reference = copy.deepcopy(every)
-    mine = sorted({i for _, placement, _ in VARIANTS for i in _stage_ids(placement, rank, world)})
+    mine = sorted({i for _, placement, _ in config.variants for i in _stage_ids(placement, rank, world)})
+    if config.compile:  # after the reference's copy: it stays eager (Note [compiled schedule benchmark])
+        for i in mine:
+            compile_layers(every[i], config.compile)
     gen = torch.Generator().manual_seed(7)
     size = config.microbatches * config.microbatch_size
     x = torch.randn(size, config.seq, config.d_model, generator=gen)
     batch = zoo.Batch(args=(x,), kwargs={}, target=torch.randn(size, config.seq, config.d_model, generator=gen))
     expected = zoo.reference_step(reference, batch, config.microbatches, spec.loss_fn)
     return _Bench(config, rank, world, spec, {i: every[i] for i in mine}, reference, batch, expected)
+
+
+def _compile_stages(bench: _Bench, events: EventWriter) -> None:
+    """Compile this rank's stages under ``ppbackward.install()``, one after another, each announced
+    (Note [compiled schedule benchmark]): a forward and ppbackward's B and W of one microbatch, which compiles
+    each region's forward, backward and split halves; stage 0, whose input needs no grad and whose B torch
+    skips (its W is a full backward), a forward and a full backward. The grads are dropped."""
+    import ppbackward
+
+    cfg = bench.config
+    with ppbackward.installed():
+        for i, module in sorted(bench.modules.items()):
+            events.emit("case_start", case=f"compile stage {i}")
+            x = torch.randn(cfg.microbatch_size, cfg.seq, cfg.d_model, requires_grad=i > 0)
+            params = list(module.parameters())
+            if i == 0:
+                module(x).sum().backward()
+            else:
+                _, groups = ppbackward.stage_backward_input([module(x).sum()], None, [x], iter(params))
+                ppbackward.stage_backward_weight(iter(params), groups)
+                del groups
+            del x
+            module.zero_grad(set_to_none=True)
+            events.emit("step_end", case=f"compile stage {i}", step=0)
 
 
 def _timed(bench: _Bench, variants: list[_Variant], repeats: int, events: EventWriter) -> dict[str, StepRecord]:
@@ -277,17 +364,25 @@ def _variant_record(best: StepRecord, memory: MemoryRecord) -> VariantRecord:
 
 def run(config: BenchConfig, repeats: int, rank: int, world: int, events: EventWriter) -> list[CaseRecord]:
     """The schedule benchmark on this rank (Note [schedule benchmark]): one record per variant, in
-    :data:`VARIANTS`' order, each with its exactness step (``steps[0]``, its numerics failures in
-    ``failures``) and its ``bench`` figures. Collective over the world group; raises what a step raised."""
+    :data:`VARIANTS`' order (:data:`COMPILED_VARIANTS`' with compiled stages), each with its exactness step
+    (``steps[0]``, its numerics failures in ``failures``; with compiled stages, the regions its B calls split
+    in ``steps[0].regions``) and its ``bench`` figures. Collective over the world group; raises what a step
+    raised."""
     import ppbackward
 
     bench = _setup(config, rank, world)
-    variants = [_Variant(s, placement, b, bench) for s, placement, b in VARIANTS]
     records = {}
     try:
+        if config.compile:
+            _compile_stages(bench, events)
+        variants = [_Variant(s, placement, b, bench) for s, placement, b in config.variants]
         for v in variants:  # exactness first; each variant's first step is also its warm-up
             events.emit("case_start", case=v.name)
-            step, failures = v.step(bench, [bench_probes.StepTimeProbe(), probes.NumericsProbe(v.case)], 0)
+            check: list[runner.Probe] = [bench_probes.StepTimeProbe(), probes.NumericsProbe(v.case)]
+            if config.compile:  # the regions each B split (Note [compiled schedule benchmark]), not a failure here
+                check.append(probes.RegionsProbe(v.regions_expected(bench)))
+            step, failures = v.step(bench, check, 0)
+            failures = [f for f in failures if f.check != "regions"]
             records[v.name] = CaseRecord(
                 id=v.name, schedule=v.schedule, model=bench.spec.name, status="fail" if failures else "pass",
                 failures=failures, steps=[step], world_size=world, stages=v.stage_ids, num_stages=2 * world,
@@ -319,7 +414,7 @@ def collect(verdicts: Sequence[Any], config: BenchConfig, repeats: int) -> Sched
     Raises:
         ValueError: a rank without a variant's figures.
     """
-    names = [variant_name(s, b) for s, _, b in VARIANTS]
+    names = [variant_name(s, b) for s, _, b in config.variants]
     per: dict[str, list[CaseRecord]] = {n: [next(c for c in v.cases if c.id == n) for v in verdicts] for n in names}
     figures: dict[str, list[VariantRecord]] = {}
     for name, cases in per.items():
@@ -342,12 +437,25 @@ def collect(verdicts: Sequence[Any], config: BenchConfig, repeats: int) -> Sched
         parts_ms={n: [f.parts for f in figures[n]] for n in names},
         slices_ms={n: [f.slices for f in figures[n]] for n in names},
         grads_match=all(c.status == "pass" for cases in per.values() for c in cases),
+        compile=config.compile,
+        regions=_regions(per) if config.compile else {},
     )
+
+
+def _regions(per: dict[str, list[CaseRecord]]) -> dict[str, RegionsRecord]:
+    """Per variant, the regions its exactness step's B calls split, summed over the ranks (variants without
+    a B call, or not counted, are left out)."""
+    out = {}
+    for name, cases in per.items():
+        summed = RegionsRecord.summed([c.steps[0].regions if c.steps else None for c in cases])
+        if summed is not None and summed.b_calls and summed.counted:
+            out[name] = summed
+    return out
 
 
 def run_schedule(
     repeats: int = 8, timeout_s: float = 300.0, nproc: int = 2, d_model: int = 128,
-    out_dir: str | None = None, worker_args: Sequence[str] = (),
+    out_dir: str | None = None, worker_args: Sequence[str] = (), compile: str = "",
 ) -> ScheduleBench:
     """Run the schedule benchmark under torchrun through the harness launcher and return its result.
 
@@ -360,6 +468,7 @@ def run_schedule(
         d_model: width of every stage's encoder layers.
         out_dir: folder for the launch's logs, verdicts and events (default: a temporary one, deleted).
         worker_args: further worker options (tests: ``--hang-rank``).
+        compile: a ``torch.compile`` backend for every layer (Note [compiled schedule benchmark]); ``""``: eager.
 
     Raises:
         ScheduleBenchError: a rank crashed, wrote no complete verdict, or the launch hung; the message
@@ -367,7 +476,7 @@ def run_schedule(
     """
     from ppbackward._tools.harness.launch import launch
 
-    config = BenchConfig(d_model=d_model)
+    config = BenchConfig(d_model=d_model, compile=compile)
     args = [*config.worker_args(), "--repeats", str(repeats), *worker_args]
     with tempfile.TemporaryDirectory(prefix="ppbackward-bench-") as tmp:
         result = launch(nproc, args, out_dir or tmp, timeout=timeout_s)

@@ -460,6 +460,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     bench.add_argument("--d-model", type=int, default=128, help="width of the encoder layers")
     bench.add_argument("--seq", type=int, default=16, help="sequence length")
     bench.add_argument("--microbatch-size", type=int, default=2, help="samples per microbatch")
+    bench.add_argument(
+        "--compile", default="", metavar="BACKEND",
+        help="torch.compile every layer with BACKEND (Note [compiled schedule benchmark] in "
+        "ppbackward._tools.harness.schedule_bench); default: eager",
+    )
     return p.parse_args(argv)
 
 
@@ -588,7 +593,7 @@ def _run_bench(args: argparse.Namespace, verdict: RankVerdict, events: EventWrit
     config = schedule_bench.BenchConfig(
         layers_per_stage=args.layers_per_stage, d_model=args.d_model, seq=args.seq,
         microbatches=args.microbatches or schedule_bench.BenchConfig.microbatches,
-        microbatch_size=args.microbatch_size,
+        microbatch_size=args.microbatch_size, compile=args.compile,
     )
     verdict.mode, verdict.tolerance = "bench", schedule_bench.BENCH_TOLERANCE
     verdict.cases = schedule_bench.run(config, args.repeats, verdict.rank, verdict.world_size, events)
