@@ -51,14 +51,13 @@ import copy
 import dataclasses
 import logging
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from ppbackward._errors import StageBackwardError
+from ppbackward._errors import StageBackwardError, nan_output
 from ppbackward._graph_halves import CannotSplit, split_backward_graph
 
 __all__ = [
@@ -358,14 +357,7 @@ def _check_nan(node: Any, positions: tuple[int, ...], grads: list) -> None:
     ``ppbackward._weight_edges``), naming the region."""
     for i, g in zip(positions, grads):
         if g is not None and torch.isnan(g).any():
-            trace = node.metadata.get("traceback_")
-            if trace:
-                warnings.warn(
-                    f"Error detected in {node.name()}. Traceback of forward call that caused the error:\n"
-                    + "".join(trace),
-                    stacklevel=2,
-                )
-            raise RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
+            raise nan_output(node, i)
 
 
 def is_region(node: Any) -> bool:

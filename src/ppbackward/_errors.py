@@ -15,7 +15,10 @@ catches it as it did.
 
 from __future__ import annotations
 
-__all__ = ["BadAssertion", "BadIndex", "BadType", "BadValue", "StageBackwardError"]
+import warnings
+from typing import Any
+
+__all__ = ["BadAssertion", "BadIndex", "BadType", "BadValue", "StageBackwardError", "nan_output"]
 
 
 class StageBackwardError(RuntimeError):
@@ -40,3 +43,16 @@ class BadAssertion(BadValue, AssertionError):
 
 class BadIndex(StageBackwardError, IndexError):
     """An index out of range (``outputs_with_grads_idxs``): an ``IndexError``, as torch's own indexing raises."""
+
+
+def nan_output(node: Any, index: int) -> RuntimeError:
+    """What the engine raises under anomaly mode for a node whose output ``index`` holds a NaN, after
+    warning with the forward traceback it recorded (Note [anomaly mode names W's nodes] in
+    ``ppbackward._weight_edges``): for the nodes W runs itself."""
+    trace = node.metadata.get("traceback_")
+    if trace:
+        warnings.warn(
+            f"Error detected in {node.name()}. Traceback of forward call that caused the error:\n" + "".join(trace),
+            stacklevel=3,
+        )
+    return RuntimeError(f"Function '{node.name()}' returned nan values in its {index}th output.")

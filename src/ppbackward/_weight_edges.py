@@ -8,13 +8,13 @@ work at a time (:func:`run_weight_work`); see Note [W computes only weight edges
 from __future__ import annotations
 
 import operator
-import warnings
 from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
+from ppbackward._errors import nan_output
 from ppbackward._handoff import WeightWork
 from ppbackward._param_groups import Contribution, NodeCall
 from ppbackward._saved import release_saved_tensors
@@ -188,14 +188,7 @@ def _check_nan(calls: list[NodeCall], results: list[list]) -> None:
         node = call.node
         for i in call.w_edges:
             if outs[i] is not None and torch.isnan(outs[i]).any():
-                trace = node.metadata.get("traceback_")  # type: ignore[attr-defined]  # a dict, not in the stub
-                if trace:
-                    warnings.warn(
-                        f"Error detected in {node.name()}. Traceback of forward call that caused the error:\n"
-                        + "".join(trace),
-                        stacklevel=2,
-                    )
-                raise RuntimeError(f"Function '{node.name()}' returned nan values in its {i}th output.")
+                raise nan_output(node, i)
 
 
 def accumulate(roots: list, grads: list, inputs: list, retain_graph: bool) -> None:
