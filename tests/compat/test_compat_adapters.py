@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import ppbackward as pb
 from ppbackward import _compat, _node_owner
-from tests.core.stages import Double, Scale
+from tests.core.stages import Double, KeepsInputOnCtx, Scale
 
 
 class Stage(nn.Module):
@@ -200,19 +200,6 @@ def test_b_keeps_custom_nodes_alive_until_w_then_drops_them(custom, owners_neede
     assert groups.consumed and groups._owners == () and len(groups) == 0
 
 
-class _ScaleOnCtx(torch.autograd.Function):
-    """``x * w`` keeping ``x`` on ``ctx``: it saves nothing, so a write into its ``"grads"`` entry runs it again."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.x = x.detach()
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, (g * ctx.x).sum(0)
-
-
 def test_b_keeps_a_listed_custom_intermediate_alive_for_a_write_into_its_grads(owners_needed):
     """The custom node is only listed (``group["intermediates"]``), W has nothing of it to run: B still keeps
     it, since a write makes W call it and the write is checked against its input metadata (a freed node: a
@@ -220,7 +207,7 @@ def test_b_keeps_a_listed_custom_intermediate_alive_for_a_write_into_its_grads(o
     w = nn.Parameter(torch.randn(4, dtype=torch.float64))
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     g = torch.randn(3, 4, dtype=torch.float64)
-    outs = [_ScaleOnCtx.apply(x, w)]
+    outs = [KeepsInputOnCtx.apply(x, w)]
     _, groups = pb.stage_backward_input(outs, [torch.ones(3, 4, dtype=torch.float64)], [x], [w])
     assert groups._owners
     del outs  # the caller may drop its outputs: the owners keep the custom node alive

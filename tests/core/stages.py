@@ -46,6 +46,20 @@ def _x(seed: int, *shape: int, requires_grad: bool = True) -> torch.Tensor:
     return torch.randn(*shape, generator=g, dtype=DTYPE).requires_grad_(requires_grad)
 
 
+class KeepsInputOnCtx(torch.autograd.Function):
+    """``x * w`` that saves nothing through ``save_for_backward`` (it keeps ``x`` on ``ctx``): its backward can
+    run again after B, which released nothing of it (a write into its ``"grads"`` entry runs it again)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.x = x.detach()
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, (g * ctx.x).sum(0)
+
+
 class MLP(nn.Module):
     def __init__(self, d: int = 6, layers: int = 3) -> None:
         super().__init__()

@@ -28,7 +28,7 @@ import ppbackward as pb
 import ppbackward._handoff as handoff
 from ppbackward import _node_owner
 from ppbackward._saved import HOOKS_VISIBLE
-from tests.core.stages import Matmul
+from tests.core.stages import KeepsInputOnCtx, Matmul
 
 Step = Callable[[nn.Module], object]
 
@@ -353,20 +353,6 @@ def test_w_stays_in_chunks_where_no_parameter_has_a_tensor_hook(monkeypatch):
 # -- writes into param_groups that W could not honour ---------------------------------------------------------
 
 
-class _KeepsInputOnCtx(torch.autograd.Function):
-    """``x * w`` that saves nothing through ``save_for_backward`` (it keeps ``x`` on ``ctx``): its backward can
-    run again after B, which released nothing of it."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.x = x.detach()
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, (g * ctx.x).sum(0)
-
-
 def _custom_stage(fn, beside_a_linear: bool):
     """``fn(x, w)`` alone (its node is the only intermediate W would call: B retains no graph and frees it) or
     followed by a linear layer (B retains the graph and releases what ``fn`` saved)."""
@@ -420,7 +406,7 @@ def test_gradients_written_for_a_custom_function_that_saved_nothing_are_what_w_c
     g = torch.randn(3, 4, dtype=torch.float64)
     results = []
     for impl in (pb, upstream):
-        weights, x, out = _custom_stage(_KeepsInputOnCtx, beside_a_linear)
+        weights, x, out = _custom_stage(KeepsInputOnCtx, beside_a_linear)
         _, groups = impl.stage_backward_input([out], [torch.ones_like(out)], [x], iter(weights))
         if impl is pb:
             _, i, write = _custom_entry(groups, g)
