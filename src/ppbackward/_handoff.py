@@ -65,6 +65,9 @@ class WeightWork(NamedTuple):
     ready: list[Contribution]
     inputs: list[GradientEdge | torch.Tensor]
     regions: list[RegionCall]  # compiled regions' weight halves (Note [compiled regions split in two])
+    # node -> (mat1, version) of the matmuls W computes from what B took out (Note [weight matmuls from their
+    # saved input] in ppbackward._matmul_weights)
+    taken: dict
 
 
 class ParamGroups:
@@ -110,6 +113,8 @@ class ParamGroups:
             for region in group.regions:  # what a compiled region's weight half reads, versions as B left them
                 for g, v in region.pending.versions:
                     versions[id(g)] = (g, v)
+            for g, v in group.taken.values():  # a matmul's mat1 B took out, its version then
+                versions[id(g)] = (g, v)
             for p in group.params:
                 shapes.append((p, p.shape))
         self._versions = versions
@@ -195,6 +200,8 @@ class ParamGroups:
                         read.append(versions[id(c[1])])
                     for region in group.regions:
                         read += [versions[id(g)] for g, _ in region.pending.versions]
+                    for g, _ in group.taken.values():
+                        read.append(versions[id(g)])
         else:  # what the written gradients left of B's
             kept = [g for group in groups for g in group.kept_gradients()]
             read = [self._versions[id(g)] for g in kept if id(g) in self._versions]
@@ -330,7 +337,10 @@ def _weight_work(groups: list[ParamGroup]) -> WeightWork:
     calls: list[NodeCall] = []
     ready: list[Contribution] = []
     regions: list[RegionCall] = []
+    taken: dict = {}
     for group in groups:
+        if group.taken:
+            taken.update(group.taken)
         if group._written is None:  # w_work's common case inline (Note [no frame per node] in ppbackward.backward)
             calls += group.calls
             ready += group.ready
@@ -340,7 +350,7 @@ def _weight_work(groups: list[ParamGroup]) -> WeightWork:
         calls += group_calls
         ready += group_ready
         regions += group_regions
-    return WeightWork(calls, ready, [edge for group in groups for edge in group.inputs], regions)  # one frame
+    return WeightWork(calls, ready, [edge for group in groups for edge in group.inputs], regions, taken)  # one frame
 
 # code that checks what it holds (``isinstance(groups, Sequence)``) sees the form of torch's list of dicts
 # (ParamGroup is registered as a Mapping in ppbackward._param_groups)
@@ -359,6 +369,7 @@ def _changed_gradient(
     groups: list[ParamGroup], grad: torch.Tensor, version: int, during_w: bool = False
 ) -> StageBackwardError:
     where = "a gradient"
+    keep = "Keep a microbatch's output gradients (e.g. a receive buffer) unchanged until its W"
     for group in groups:
         for call in group.calls:
             for i, g in enumerate(call.grads):
@@ -370,6 +381,10 @@ def _changed_gradient(
         for region in group.regions:
             if any(g is grad for g, _ in region.pending.versions):
                 where = f"a tensor the weight half of compiled region {region.node.name()} reads (held since B)"
+        for node, (g, _) in group.taken.items():
+            if g is grad:
+                where = f"the input {node.name()} saved for its weight gradient (held since B)"
+                keep = "an activation W reads must not change between B and W (a full backward would refuse it too)"
         for i, entry in enumerate(group.written or ()):
             for j, g in enumerate(entry or ()):
                 if g is grad:
@@ -384,6 +399,5 @@ def _changed_gradient(
     return StageBackwardError(
         f"param_groups: {where} ({grad.dtype} {list(grad.shape)}) was modified in place after "
         f"stage_backward_input (version {version} -> {grad._version}); W would accumulate the changed "
-        "values. Keep a microbatch's output gradients (e.g. a receive buffer) unchanged until its W; "
-        "W accumulates nothing"
+        f"values. {keep}; W accumulates nothing"
     )

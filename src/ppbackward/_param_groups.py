@@ -152,6 +152,7 @@ class ParamGroup:
         "params",
         "ready",
         "regions",
+        "taken",
     )
 
     def __init__(
@@ -164,8 +165,12 @@ class ParamGroup:
         replaced: dict[Node, list] | None = None,
         spent: frozenset[Node] = frozenset(),
         regions: list[RegionCall] | None = None,
+        taken: dict[Node, tuple[torch.Tensor, int]] | None = None,
     ) -> None:
         self.calls = calls
+        # node -> (mat1, version): W computes these intermediates' weight gradients from what B took out of
+        # them (Note [weight matmuls from their saved input] in ppbackward._matmul_weights)
+        self.taken = taken or {}
         self.ready = ready
         self.regions = regions or []
         self.params = params
@@ -301,6 +306,8 @@ class ParamGroup:
         for region in regions:
             for t, _ in region.pending.versions:
                 yield t
+        for x, _ in self.taken.values():
+            yield x
 
 
 def _checked_grads(

@@ -16,6 +16,7 @@ from torch.autograd.graph import GradientEdge
 
 from ppbackward._errors import nan_output
 from ppbackward._handoff import WeightWork
+from ppbackward._matmul_weights import weight_contributions
 from ppbackward._param_groups import Contribution, NodeCall
 from ppbackward._saved import release_saved_tensors
 
@@ -336,6 +337,15 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
         for i, grad in zip(pending.positions, pending.run(node)):
             if grad is not None:
                 contributions.append(Contribution(GradientEdge(*nf[i][:2]), grad, seq))
+    taken = work.taken
+    if taken:  # Note [weight matmuls from their saved input] in ppbackward._matmul_weights
+        called = []
+        lean = []
+        for call in calls:
+            (lean if call[0] in taken else called).append(call)
+        contributions += weight_contributions(lean, taken)
+        calls = called
+        del lean
     if calls:
         new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
         for call, outs in zip(calls, weight_edge_grads(calls)):
@@ -361,3 +371,4 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
 
 
 _BY_SEQ = operator.itemgetter(2)  # a Contribution's ``seq``, read in C
+

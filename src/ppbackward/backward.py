@@ -50,9 +50,10 @@ from ppbackward._graph import (
     is_accumulate_grad,
 )
 from ppbackward._handoff import CONSUMED, ParamGroups, WeightSet
+from ppbackward._matmul_weights import take_saved_inputs
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import Contribution, NodeCall, ParamGroup, RegionCall
-from ppbackward._saved import holds_saved_tensors, hook_kinds, pin_saved_inputs, release_saved_tensors
+from ppbackward._saved import HOOKS_VISIBLE, holds_saved_tensors, hook_kinds, pin_saved_inputs, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
 from ppbackward._weight_edges import run_weight_work
 
@@ -246,18 +247,25 @@ def _backward_input(
     inter = [i.node for spec in specs for i in spec.intermediates]
     _refuse_reentrant_checkpoint(b_only, inter, w_only)
     owners = candidate_owners(flat.tensors)  # Note [custom Function nodes need an owner]; () on torch 2.13+
-    eager = _eager_work(analysis, b_only, inter, w_only)  # Note [hooked saved tensors run once]
-    # Note [cheap weight gradients in B] (ppbackward._graph); not beside hooked work, which runs as before
-    cheap = analysis.cheap if eager is _NO_EAGER_WORK else NO_CHEAP_WORK
-    deferred = [
-        i.node
-        for spec in specs
-        for i in spec.intermediates
-        if i.node not in eager.nodes and len(cheap.edges.get(i.node, ())) < len(i.w_edges)
-    ]
+    # Note [weight matmuls from their saved input] (ppbackward._matmul_weights): without saved-tensor hooks
+    # on what W reads (the deferred intermediates, the W-only nodes), B computes the matmuls' weight gradients
+    # from their taken-out input and keeps no graph; the hooks of nodes only B runs then need nothing more
+    taken = None
+    if HOOKS_VISIBLE:
+        cheap = analysis.cheap
+        deferred, deferred_edges = _deferred(specs, _NO_EAGER_WORK.nodes, cheap.edges)
+        if not hook_kinds([*deferred, *w_only]):
+            taken = take_saved_inputs(deferred, deferred_edges, cheap.edges)
+    if taken is not None:
+        eager = _NO_EAGER_WORK
+    else:
+        eager = _eager_work(analysis, b_only, inter, w_only)  # Note [hooked saved tensors run once]
+        # Note [cheap weight gradients in B] (ppbackward._graph); not beside hooked work, which runs as before
+        cheap = analysis.cheap if eager is _NO_EAGER_WORK else NO_CHEAP_WORK
+        deferred, deferred_edges = _deferred(specs, eager.nodes, cheap.edges)
     # B must keep the graph for the C++ intermediates W calls again; otherwise it releases every node
     # it runs, as a full backward does (Note [hooked saved tensors run once])
-    retain = any(not isinstance(n, BackwardCFunction) for n in deferred)
+    retain = taken is None and any(not isinstance(n, BackwardCFunction) for n in deferred)
     # custom Functions whose saved tensors B releases, or its engine call frees: read before that call
     spent = frozenset([n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n)])
     # Note [compiled regions split in two] (ppbackward._compiled): B runs these regions' input halves; and
@@ -286,9 +294,10 @@ def _backward_input(
             note_unsplit(node)
 
     groups = _build_groups(
-        specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent, run.halves
+        specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent, run.halves, taken
     )
     pinned: list = []
+    taken_ = taken or {}  # the matmuls W computes from what B took out: their graph is released
     if groups:  # Note [release unread saved tensors]
         called = set(deferred)
         done_in_b = {*eager.nodes, *cheap.nodes, *[n for n in cheap.edges if n not in called]}
@@ -299,7 +308,7 @@ def _backward_input(
         # Note [outputs detached after B]: given a loss, B cannot tell the stage outputs from the rest
         at_risk = analysis.output_consumers if grads_given else [*inter, *w_only]
         pinned = pin_saved_inputs(
-            [n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in done_in_b]
+            [n for n in at_risk if not isinstance(n, BackwardCFunction) and n not in done_in_b and n not in taken_]
         )
     # Note [custom Function nodes need an owner]: what W runs and the intermediates a group lists, which a write
     # into "grads" makes W call again and whose input metadata checks the write (freed: a segfault on torch 2.5.1)
@@ -309,6 +318,19 @@ def _backward_input(
     for i, t in wanted:
         result[i] = run.found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_set, owners, pinned, run.hooked_in_b)
+
+
+def _deferred(specs: list, eager_nodes: set, cheap_edges: dict) -> tuple[list, list]:
+    """The intermediates whose weight work waits for W (not run entirely in B, not every weight edge computed
+    by B), and each one's weight edges."""
+    nodes = []
+    edges = []
+    for spec in specs:  # Note [no frame per node]
+        for node, w_edges in spec.intermediates:
+            if node not in eager_nodes and len(cheap_edges.get(node, ())) < len(w_edges):
+                nodes.append(node)
+                edges.append(w_edges)
+    return nodes, edges
 
 
 def _w_edges_by_node(specs: list) -> dict[Any, tuple[int, ...]]:
@@ -633,7 +655,7 @@ def _detach_outputs(outputs: list[Any], used_nodes: set) -> None:
 
 def _build_groups(
     specs, captured: dict, cheap_edges: dict, output_grads, root_edges, frontier, eager_nodes, spent: frozenset,
-    halves: dict,
+    halves: dict, taken: dict | None = None,
 ) -> list[ParamGroup]:
     """Turn what B captured (``captured``: intermediate -> its gradients, for the intermediates W calls;
     ``cheap_edges``: intermediate -> the weight edges B computed itself) and the frontier gradients of
@@ -647,6 +669,9 @@ def _build_groups(
     for them, nor for an output whose gradient B's engine call already sent on (into a node B ran, or
     into a frontier slot, whose gradient includes it). A compiled region B split (``halves``: node -> its
     :class:`~ppbackward._compiled.PendingWeightGrads`) gives W its weight half to run instead of outputs.
+    ``taken`` (node -> ``(mat1, version)``): the matmuls whose weight gradients W computes from what B took
+    out of them (Note [weight matmuls from their saved input] in ``ppbackward._matmul_weights``), each group
+    given its own.
     """
     extra: dict[int, list[Contribution]] = {}
     done = set()  # the frontier slots, whose gradients B's engine call already sent on (with the roots')
@@ -670,8 +695,13 @@ def _build_groups(
         regions: list = []  # node, pending, node, pending...
         nodes = []  # Note [param groups read like torch's]: the intermediates W could still call
         replaced = dict(fed_by.get(id(spec), {}))  # node -> B's entries its written gradients replace
+        group_taken: dict = {}  # the taken inputs of this group's intermediates (a written gradient may need one)
         for inter in spec.intermediates:
             node, w_edges = inter
+            if taken:
+                saved = taken.get(node)
+                if saved is not None:
+                    group_taken[node] = saved
             grads = captured.get(node)
             pending = halves.get(node) if halves else None
             if pending is not None:  # Note [compiled regions split in two]: W runs its weight half
@@ -707,7 +737,7 @@ def _build_groups(
             alone = len(regions) == 2 and not deferred and not ready
             calls = [_new(RegionCall, (regions[k], regions[k + 1], alone)) for k in range(0, len(regions), 2)]
             groups.append(
-                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent, calls)
+                ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent, calls, group_taken)
             )
     return groups
 

@@ -337,6 +337,8 @@ PATHS = {
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_capture_path_frees_what_it_captured_by_refcount(path, monkeypatch):
     run, point, _ = PATHS[path]
+    if point == "_call_node":  # W calls intermediates only where B keeps the graph
+        monkeypatch.setattr("ppbackward.backward.take_saved_inputs", lambda *args: None)
     spies, alive, report = _leftovers(run, monkeypatch)
     assert spies.seen[point] > 0, f"the stage no longer exercises {path} ({point} saw no gradient)"
     assert alive == {}
@@ -347,6 +349,8 @@ def test_capture_path_frees_what_it_captured_by_refcount(path, monkeypatch):
 def test_negative_control_capture_that_boxes_itself_is_caught(path, monkeypatch):
     run, point, leaky = PATHS[path]
     leaky(monkeypatch)
+    if point == "_call_node":  # W calls intermediates only where B keeps the graph
+        monkeypatch.setattr("ppbackward.backward.take_saved_inputs", lambda *args: None)
     spies, alive, report = _leftovers(run, monkeypatch)
     assert spies.seen[point] > 0
     assert alive.get(point, 0) > 0, alive

@@ -195,9 +195,13 @@ def test_exception_in_accumulating_call_releases_everything():
         gc.enable()
 
 
-def test_exception_while_computing_weight_edges_touches_no_grad():
-    """An activation an intermediate saved was modified in place after B: W's first engine call
-    (the weight edges) fails before any parameter of any group is accumulated."""
+@pytest.mark.parametrize("kept", [False, True], ids=["taken-input", "graph-kept"])
+def test_exception_while_computing_weight_edges_touches_no_grad(kept, monkeypatch):
+    """An activation an intermediate saved was modified in place after B: W refuses before any parameter of any
+    group is accumulated: its check of the input B took out (Note [weight matmuls from their saved input]),
+    or, where B kept the graph, W's first engine call (the weight edges) with torch's own error."""
+    if kept:
+        monkeypatch.setattr("ppbackward.backward.take_saved_inputs", lambda *args: None)
     torch.manual_seed(0)
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     x = torch.randn(3, 4, requires_grad=True)
@@ -208,7 +212,8 @@ def test_exception_while_computing_weight_edges_touches_no_grad():
     assert len(groups) == 2, "a's group and b's group: a failure must touch neither"
     with torch.no_grad():
         h.mul_(2)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    expected = "modified by an inplace operation" if kept else "AddmmBackward0 saved for its weight gradient"
+    with pytest.raises(RuntimeError, match=expected):
         pb.stage_backward_weight(params, groups)
     assert all(p.grad is None for p in params)
     assert groups.consumed

@@ -65,14 +65,15 @@ def test_upstream_holds_more_than_w_reads():
     assert held == total > floor
 
 
-def test_negative_control_without_release_the_check_fails(monkeypatch):
+def test_negative_control_without_release_the_check_fails(monkeypatch, graph_kept):
     monkeypatch.setattr("ppbackward.backward.release_saved_tensors", lambda nodes: 0)
     module, make_inputs = _transformer()
     total, held, floor = _held_between_b_and_w(pb, module, make_inputs)
     assert held == total > floor
 
 
-def test_released_saved_tensor_fails_clearly_if_run_again():
+def test_released_saved_tensor_fails_clearly_if_run_again(graph_kept):
+    """Where B keeps the graph (W calls the intermediates again), what it released says so if run again."""
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
@@ -84,6 +85,21 @@ def test_released_saved_tensor_fails_clearly_if_run_again():
         gelu_node(torch.ones(2, 4))
     pb.stage_backward_weight(lin.parameters(), groups)
     assert _saved._refuse is not None
+
+
+def test_without_a_kept_graph_a_node_run_again_fails_as_after_a_full_backward():
+    """Note [weight matmuls from their saved input]: B keeps no graph, so running a node of it again fails with
+    torch's own message, as after ``loss.backward()``."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    h = torch.nn.functional.gelu(x * 2)
+    out = lin(h)
+    gelu_node = h.grad_fn
+    _, groups = pb.stage_backward_input(out, torch.ones(2, 4), [x], lin.parameters())
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        gelu_node(torch.ones(2, 4))
+    pb.stage_backward_weight(lin.parameters(), groups)
 
 
 def test_the_saved_tensor_reader_runs_unpack_hooks_only_when_asked():

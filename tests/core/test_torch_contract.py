@@ -352,14 +352,20 @@ def test_difference_w_with_dtensor_weights_checks_only_their_number():
             dist.destroy_process_group()
 
 
-def test_difference_a_users_own_backward_through_the_stage_graph_after_b_fails():
-    """B releases the saved tensors W never reads (Note [release unread saved tensors]); torch's B retains
-    the whole graph, so a backward of the caller's own through it still runs there."""
+@pytest.mark.parametrize("kept", [False, True], ids=["graph-released", "graph-kept"])
+def test_difference_a_users_own_backward_through_the_stage_graph_after_b_fails(kept, monkeypatch):
+    """B keeps no graph where W computes the matmuls from their taken inputs (Note [weight matmuls from their
+    saved input]): a backward through it fails as after a full backward; where it keeps one it releases the
+    saved tensors W never reads (Note [release unread saved tensors]). torch's B retains the whole graph, so a
+    backward of the caller's own through it still runs there."""
+    if kept:
+        monkeypatch.setattr("ppbackward.backward.take_saved_inputs", lambda *args: None)
     mod = _stage()
     x = torch.randn(3, 4, requires_grad=True)
     h = mod[1](mod[0](x))  # an activation of the stage, not an output
     pb.stage_backward_input((mod[2](h),), (torch.ones(3, 4),), [x], mod.parameters())
-    with pytest.raises(RuntimeError, match="ppbackward released this saved tensor after stage_backward_input"):
+    expected = "ppbackward released this saved tensor" if kept else "Trying to backward through the graph a second time"
+    with pytest.raises(RuntimeError, match=expected):
         h.sum().backward()
     if TORCH_2_13:
         theirs = _stage()

@@ -68,7 +68,8 @@ def alive_bytes(storages: SavedStorages) -> int:
 
 def w_floor_bytes(param_groups, exclude: Iterable[torch.Tensor] = ()) -> int:
     """Bytes saved by the nodes ppbackward's W runs for ``param_groups`` (its intermediates and
-    their weight-only subgraphs): the least a B/W split must hold between B and W."""
+    their weight-only subgraphs), and the matmul inputs B took out for W: the least a B/W split must hold
+    between B and W."""
     exclude = list(exclude)
     intermediates = [call.node for group in param_groups for call in group.calls]
     roots = [
@@ -80,4 +81,11 @@ def w_floor_bytes(param_groups, exclude: Iterable[torch.Tensor] = ()) -> int:
     roots += [c.edge.node for group in param_groups for c in group.ready]
     held = saved_storages(roots, exclude)
     held.update(saved_storages(intermediates, exclude, stop=intermediates))
+    # the matmul inputs B took out for W (Note [weight matmuls from their saved input]): their nodes hold nothing
+    skip = set(unique_storages(exclude))
+    taken = [x for group in param_groups for x, _ in group.taken.values()]
+    for key, storage in unique_storages(taken).items():
+        nbytes = storage_nbytes(storage)
+        if key not in skip and nbytes:
+            held[key] = (weakref.ref(storage), nbytes)
     return sum(nbytes for _, nbytes in held.values())

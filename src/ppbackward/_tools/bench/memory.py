@@ -108,6 +108,11 @@ def _floor(impl: str, stage: Stage) -> tuple[int, int]:
     saved = rec.bytes(key for ref, keys in rec.refs if ref() is not None for key in keys)
     rec.phase = "B"
     groups = run_b(impl, stage, out)
+    # what ppbackward's B took out of the weight matmuls for W (read in B, used in W: Note [weight matmuls from
+    # their saved input] in ppbackward._matmul_weights)
+    for group in groups:
+        for x, _ in getattr(group, "taken", {}).values():
+            rec.unpacked.setdefault("W", set()).update(_keys(x))
     rec.phase = "W"
     run_w(impl, stage, groups)
     del groups, out
