@@ -339,8 +339,8 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
                 contributions.append(Contribution(GradientEdge(*nf[i][:2]), grad, seq))
     taken = work.taken
     if taken:  # Note [weight matmuls from their saved input] in ppbackward._matmul_weights
-        called = []
-        lean = []
+        called: list[NodeCall] = []
+        lean: list[NodeCall] = []
         for call in calls:
             (lean if call[0] in taken else called).append(call)
         contributions += weight_contributions(lean, taken)

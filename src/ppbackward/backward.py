@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import BackwardCFunction
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 from torch.utils.hooks import RemovableHandle
 
 from ppbackward._compiled import PendingWeightGrads, is_region, note_unsplit, splitting
@@ -320,11 +320,11 @@ def _backward_input(
     return tuple(result), ParamGroups(groups, weight_set, owners, pinned, run.hooked_in_b)
 
 
-def _deferred(specs: list, eager_nodes: set, cheap_edges: dict) -> tuple[list, list]:
+def _deferred(specs: list, eager_nodes: set, cheap_edges: dict) -> tuple[list[Node], list[tuple[int, ...]]]:
     """The intermediates whose weight work waits for W (not run entirely in B, not every weight edge computed
     by B), and each one's weight edges."""
-    nodes = []
-    edges = []
+    nodes: list[Node] = []
+    edges: list[tuple[int, ...]] = []
     for spec in specs:  # Note [no frame per node]
         for node, w_edges in spec.intermediates:
             if node not in eager_nodes and len(cheap_edges.get(node, ())) < len(w_edges):
