@@ -1,0 +1,225 @@
+"""Issue 36, item 6: a minimal split on the bench stage with ppbackward's guarantees added one at a time, each
+rung timed side by side with the full backward and ppbackward in one process (``bench --split``'s harness).
+
+    python scripts/guarantee_ladder.py [CONFIGS] [REPEATS]      e.g. ... 4x16x4,16x64x16,4x128x16 30
+    python scripts/guarantee_ladder.py --check                  exactness of every rung (torch.equal)
+
+Every rung is exact on the bench stage (``--check``: each ``.grad`` and input gradient bit-identical to a
+full backward's, grads accumulating over four microbatches, B1 B2 W1 B3 W2 B4 W3 W4). Only the bench
+stage: a stack of ``nn.TransformerEncoderLayer``, whose weight matmuls are ``addmm``/``mm`` nodes with a
+``TBackward0`` into the weight's ``AccumulateGrad`` and whose other weights (biases, norms) get their
+gradients in B; a rung refuses any other graph. The rungs:
+
+* ``r0 floor``: one walk over the graph (node types only); B one engine call, not keeping the graph, whose
+  ``inputs`` are the stage input, a ``GradientEdge`` into each weight matmul (the engine captures the
+  gradient flowing into it: no Python hook) and the other weights' ``AccumulateGrad`` edges (their gradients
+  computed in B); each matmul's ``mat1`` taken out before. W: ``grad.t().mm(mat1)`` per weight (torch's
+  ``mm_mat2_backward`` for a column-major ``mat2``, then ``TBackward0``) and ``.grad`` written directly
+  (``add_``, or the gradient itself when empty): no engine, no hook of any parameter.
+* ``r1 +AccumulateGrad``: W hands every gradient to one engine call into the graph's ``TBackward0`` /
+  ``AccumulateGrad`` nodes, so parameter hooks, post-accumulate hooks (DDP, FSDP2, optimizer-in-backward)
+  and the grad layout are a full backward's.
+* ``r2 +capture after tensor hooks``: B captures by a Python node pre-hook per matmul (the gradient after the
+  activation's tensor hooks, with its version for the in-place check), not by ``GradientEdge``.
+* ``r3 +general graphs``: B's graph analysis is ppbackward's (any graph: intermediates, param groups, the
+  weight gradients B computes itself; ``ppbackward._graph.analyze``) instead of the type walk.
+* ``pp``: ppbackward (torch's B/W contract: output trees and their errors, param groups read and written like
+  torch's, version checks at W, saved-tensor hooks, custom Functions, compiled regions, DTensor, W in chunks,
+  no collection inside B and W, hooks registered during B, outputs claimed and detached).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+from torch.autograd.graph import GradientEdge, _engine_run_backward
+
+from ppbackward._graph import analyze, gradient_edge
+
+
+def _types() -> dict[str, type]:
+    a = torch.zeros(2, 2, requires_grad=True)
+    leaf = torch.zeros(2, requires_grad=True)
+    return {
+        "addmm": type(torch.addmm(a, a, a.t()).grad_fn),
+        "mm": type(torch.mm(a, a.t()).grad_fn),
+        "t": type(a.t().grad_fn),
+        "acc": type(leaf.view_as(leaf).grad_fn.next_functions[0][0]),  # type: ignore[union-attr]
+    }
+
+
+_T = _types()
+_MAT2 = {_T["addmm"]: (2, "_saved_mat1"), _T["mm"]: (1, "_saved_self")}
+
+
+class _State:
+    """What B hands to W: per weight matmul (t node, acc node, mat1, gradient), per other weight (acc node,
+    gradient)."""
+
+    __slots__ = ("cheap", "mms")
+
+    def __init__(self, mms: list, cheap: list) -> None:
+        self.mms = mms
+        self.cheap = cheap
+
+
+def _walk(root) -> tuple[list, list]:
+    """Weight matmuls ``(node, t_node, acc)`` and the other weights' ``AccumulateGrad`` nodes, by node type."""
+    seen = {root}
+    stack = [root]
+    mms, accs, in_mm = [], [], set()
+    while stack:
+        n = stack.pop()
+        nf = n.next_functions
+        found = _MAT2.get(type(n))
+        if found is not None:
+            t = nf[found[0]][0]
+            if type(t) is _T["t"]:
+                acc = t.next_functions[0][0]
+                mms.append((n, t, acc))
+                in_mm.add(acc)
+        elif type(n) is _T["acc"]:
+            accs.append(n)
+        for f, _ in nf:
+            if f is not None and f not in seen:
+                seen.add(f)
+                stack.append(f)
+    return mms, [a for a in accs if a not in in_mm]
+
+
+def _from_analysis(out: torch.Tensor, x: torch.Tensor) -> tuple[list, list]:
+    """The same lists from ppbackward's general analysis: the deferred intermediates' weight matmuls, and the
+    leaves whose gradients B computes."""
+    a = analyze([gradient_edge(out)], {gradient_edge(x).node})
+    mms = []
+    for spec in a.groups:
+        for node, w_edges in spec.intermediates:
+            found = _MAT2.get(type(node))
+            if found is not None and found[0] in w_edges and found[0] not in a.cheap.edges.get(node, ()):
+                t = node.next_functions[found[0]][0]
+                mms.append((node, t, t.next_functions[0][0]))
+    return mms, [leaf.edge.node for leaf in a.cheap.leaves]
+
+
+def _capture(box: list, grads: tuple) -> None:
+    box.append((grads, [g._version if g is not None else -1 for g in grads]))
+
+
+def _b(outputs, grads, inputs, weights, *, analysis: bool, hooks: bool):
+    out, grad, x = outputs[0], grads[0], inputs[0]
+    mms, cheap = _from_analysis(out, x) if analysis else _walk(out.grad_fn)
+    taken = [getattr(n, _MAT2[type(n)][1]) for n, _, _ in mms]
+    edges = [GradientEdge(a, 0) for a in cheap]
+    if hooks:
+        boxes: list[list] = [[] for _ in mms]
+        handles = [n.register_prehook(functools.partial(_capture, box)) for (n, _, _), box in zip(mms, boxes)]
+        try:
+            res = _engine_run_backward((out,), (grad,), False, False, (x, *edges), True, False)
+        finally:
+            for h in handles:
+                h.remove()
+        dys = [box[0][0][0] for box in boxes]
+        cheap_grads = res[1:]
+    else:
+        res = _engine_run_backward(
+            (out,), (grad,), False, False, (x, *[GradientEdge(n, 0) for n, _, _ in mms], *edges), True, False
+        )
+        dys = list(res[1 : 1 + len(mms)])
+        cheap_grads = res[1 + len(mms) :]
+    state = _State(
+        [(t, acc, x1, dy) for (_, t, acc), x1, dy in zip(mms, taken, dys)], list(zip(cheap, cheap_grads))
+    )
+    return (res[0],), state
+
+
+def _w_direct(weights, state: _State) -> None:
+    with torch.no_grad():
+        for _, acc, x1, dy in state.mms:
+            _accumulate(acc.variable, dy.t().mm(x1))
+        for acc, g in state.cheap:
+            if g is not None:
+                _accumulate(acc.variable, g)
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
+
+
+def _w_engine(weights, state: _State) -> None:
+    roots, grads, inputs = [], [], []
+    with torch.no_grad():
+        for t, acc, x1, dy in state.mms:
+            roots.append(GradientEdge(t, 0))
+            grads.append(dy.t().mm(x1).t())
+            inputs.append(GradientEdge(acc, 0))
+    for acc, g in state.cheap:
+        if g is not None:
+            roots.append(GradientEdge(acc, 0))
+            grads.append(g)
+            inputs.append(GradientEdge(acc, 0))
+    _engine_run_backward(tuple(roots), tuple(grads), False, False, tuple(inputs), True, True)
+
+
+RUNGS = {
+    "r0 floor": (functools.partial(_b, analysis=False, hooks=False), _w_direct),
+    "r1 +AccumulateGrad": (functools.partial(_b, analysis=False, hooks=False), _w_engine),
+    "r2 +capture after hooks": (functools.partial(_b, analysis=False, hooks=True), _w_engine),
+    "r3 +general graphs": (functools.partial(_b, analysis=True, hooks=True), _w_engine),
+}
+
+
+def check() -> None:
+    """Every rung bit-identical to a full backward, grads accumulating, order B1 B2 W1 B3 W2 B4 W3 W4."""
+    from ppbackward._tools.harness.models import Config, build
+
+    for cfg in (Config(4, 16, 4), Config(16, 64, 16), Config(4, 128, 16)):
+        ref = build(cfg)
+        gen = torch.Generator().manual_seed(5)
+        xs = [torch.randn(ref.x.shape, generator=gen) for _ in range(4)]
+        gs = [torch.randn(ref.x.shape, generator=gen) for _ in range(4)]
+        ref_dx = []
+        for x, g in zip(xs, gs):
+            x = x.clone().requires_grad_()
+            torch.autograd.backward(ref.model(x), g)
+            ref_dx.append(x.grad)
+        for name, (b, w) in RUNGS.items():
+            st = build(cfg)
+            states, dxs = {}, {}
+            for step in ["B0", "B1", "W0", "B2", "W1", "B3", "W2", "W3"]:
+                k = int(step[1])
+                if step[0] == "B":
+                    x = xs[k].clone().requires_grad_()
+                    (dx,), states[k] = b((st.model(x),), (gs[k],), [x], st.params)
+                    dxs[k] = dx
+                else:
+                    w(st.params, states.pop(k))
+            assert all(torch.equal(dxs[k], ref_dx[k]) for k in range(4)), (cfg, name, "input grads")
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(st.params, ref.params)), (cfg, name, "grads")
+        print(f"{cfg.name}: every rung bit-identical to the full backward")
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--check"]:
+        check()
+        return
+    from ppbackward._tools.bench import split
+    from ppbackward._tools.harness.models import parse_configs
+
+    torch.set_num_threads(1)
+    configs = parse_configs(argv[0]) if argv else parse_configs("4x16x4,16x64x16,4x128x16")
+    repeats = int(argv[1]) if len(argv) > 1 else 30
+    load = open("/proc/loadavg").read().split()[:3]
+    print(f"torch {torch.__version__}; load average at start {load}", flush=True)
+    for cfg in configs:
+        result = split.measure([cfg], repeats, None, extra=RUNGS)
+        print(split.format_split(result).split("\nHost cost")[0].split("\n", 1)[1], flush=True)
+    print(f"load average at end {open('/proc/loadavg').read().split()[:3]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
