@@ -31,6 +31,7 @@ gradients in B; a rung refuses any other graph. The rungs:
 from __future__ import annotations
 
 import functools
+import pathlib
 import sys
 
 import torch
@@ -213,12 +214,12 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     configs = parse_configs(argv[0]) if argv else parse_configs("4x16x4,16x64x16,4x128x16")
     repeats = int(argv[1]) if len(argv) > 1 else 30
-    load = open("/proc/loadavg").read().split()[:3]
+    load = pathlib.Path("/proc/loadavg").read_text().split()[:3]
     print(f"torch {torch.__version__}; load average at start {load}", flush=True)
     for cfg in configs:
         result = split.measure([cfg], repeats, None, extra=RUNGS)
         print(split.format_split(result).split("\nHost cost")[0].split("\n", 1)[1], flush=True)
-    print(f"load average at end {open('/proc/loadavg').read().split()[:3]}")
+    print(f"load average at end {pathlib.Path('/proc/loadavg').read_text().split()[:3]}")
 
 
 if __name__ == "__main__":

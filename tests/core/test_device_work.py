@@ -120,7 +120,11 @@ def test_the_first_call_of_a_process_adds_only_the_owner_probe_and_ws_anchor(mon
     extra = first_microbatch(True).extra_over(first_microbatch(False))
     # the anchor is made at the first W that calls an intermediate; here W computes every matmul from the input
     # B took out of it (Note [weight matmuls from their saved input]) and never needs one
-    assert extra == {"copy_": 16, "new_empty_strided": 16, "zeros": 1, "clone": 2, "mul": 1}
+    anchor_ops = {} if HOOKS_VISIBLE else {"zeros": 1, "ones": 1}  # torch < 2.13: B keeps the graph, W calls nodes
+    expected = {"copy_": 16, "new_empty_strided": 16, "zeros": 1, "clone": 2, "mul": 1}
+    for op, n in anchor_ops.items():
+        expected[op] = expected.get(op, 0) + n
+    assert extra == expected
     assert first_microbatch(True).extra_over(first_microbatch(False)) == {"copy_": 16, "new_empty_strided": 16}
 
 
