@@ -72,8 +72,8 @@ def test_negative_control_without_release_the_check_fails(monkeypatch, graph_kep
     assert held == total > floor
 
 
-def test_released_saved_tensor_fails_clearly_if_run_again(graph_kept):
-    """Where B keeps the graph (W calls the intermediates again), what it released says so if run again."""
+def _gelu_node_run_again_after_b(expected: str) -> None:
+    """B on ``lin(gelu(2x))``, then the ``GeluBackward0`` node (B-only) run again: refused with ``expected``."""
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
@@ -81,9 +81,14 @@ def test_released_saved_tensor_fails_clearly_if_run_again(graph_kept):
     out = lin(h)
     gelu_node = h.grad_fn
     _, groups = pb.stage_backward_input(out, torch.ones(2, 4), [x], lin.parameters())
-    with pytest.raises(RuntimeError, match="ppbackward released this saved tensor after stage_backward_input"):
+    with pytest.raises(RuntimeError, match=expected):
         gelu_node(torch.ones(2, 4))
     pb.stage_backward_weight(lin.parameters(), groups)
+
+
+def test_released_saved_tensor_fails_clearly_if_run_again(graph_kept):
+    """Where B keeps the graph (W calls the intermediates again), what it released says so if run again."""
+    _gelu_node_run_again_after_b("ppbackward released this saved tensor after stage_backward_input")
     assert _saved._refuse is not None
 
 
@@ -91,16 +96,7 @@ def test_released_saved_tensor_fails_clearly_if_run_again(graph_kept):
 def test_without_a_kept_graph_a_node_run_again_fails_as_after_a_full_backward():
     """Note [weight matmuls from their saved input]: B keeps no graph, so running a node of it again fails with
     torch's own message, as after ``loss.backward()``."""
-    torch.manual_seed(0)
-    lin = nn.Linear(4, 4)
-    x = torch.randn(2, 4, requires_grad=True)
-    h = torch.nn.functional.gelu(x * 2)
-    out = lin(h)
-    gelu_node = h.grad_fn
-    _, groups = pb.stage_backward_input(out, torch.ones(2, 4), [x], lin.parameters())
-    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
-        gelu_node(torch.ones(2, 4))
-    pb.stage_backward_weight(lin.parameters(), groups)
+    _gelu_node_run_again_after_b("Trying to backward through the graph a second time")
 
 
 def test_the_saved_tensor_reader_runs_unpack_hooks_only_when_asked():
