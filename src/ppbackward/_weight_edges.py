@@ -20,10 +20,12 @@ from ppbackward._matmul_weights import weight_contributions
 from ppbackward._param_groups import Contribution, NodeCall
 from ppbackward._saved import release_saved_tensors
 
-__all__ = ["accumulate", "run_weight_work", "weight_edge_grads"]  # private module: what other modules use
+# private module: what other modules use
+__all__ = ["ENGINE_RUN_BACKWARD", "accumulate", "run_weight_work", "weight_edge_grads"]
 
-# The engine entry point torch.autograd.backward ends in (torch >= 2.3); see accumulate.
-_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
+# The engine entry point torch.autograd.backward and .grad end in (torch >= 2.3); see accumulate, and Note [B
+# enters the engine directly] in ppbackward.backward.
+ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 class _Job:
@@ -166,10 +168,10 @@ def weight_edge_grads(calls: list[NodeCall]) -> list[list]:
             torch._C._set_grad_enabled(grad_was)
     handle = out.grad_fn.register_prehook(job)  # type: ignore[union-attr]  # a view of a leaf has one
     try:
-        if _ENGINE_RUN_BACKWARD is None:
+        if ENGINE_RUN_BACKWARD is None:
             torch.autograd.grad([out], [anchor, *targets], grad_outputs=[one], allow_unused=True)  # type: ignore[arg-type]
         else:  # what torch.autograd.grad ends in, without its per-input Python checks
-            _ENGINE_RUN_BACKWARD((out,), (one,), False, False, (anchor, *targets), True, False)
+            ENGINE_RUN_BACKWARD((out,), (one,), False, False, (anchor, *targets), True, False)
     finally:
         handle.remove()
     if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
@@ -215,11 +217,11 @@ def accumulate(roots: list, grads: list, inputs: list, retain_graph: bool) -> No
     variable in both cases, and skips a parameter that no longer requires grad (``AccumulateGrad`` returns
     early, after the parameter's tensor hooks) while the others accumulate, as a full backward does.
     """
-    if _ENGINE_RUN_BACKWARD is None:
+    if ENGINE_RUN_BACKWARD is None:
         grads = [_conform(g, edge) for edge, g in zip(roots, grads)]
         torch.autograd.backward(roots, grad_tensors=grads, inputs=inputs, retain_graph=retain_graph)
     else:
-        _ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True, True)
+        ENGINE_RUN_BACKWARD(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True, True)
 
 
 # Note [weight halves hand their gradients over]: a gradient given to the engine as a root is held by the
