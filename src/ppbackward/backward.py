@@ -271,22 +271,18 @@ def _backward_input(
     spent = frozenset([n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n)])
     # Note [compiled regions split in two] (ppbackward._compiled): B runs these regions' input halves; and
     # where B keeps the graph, the regions it runs whole must not be refused for their donated buffers
-    found = [n for n in deferred if isinstance(n, BackwardCFunction) and is_region(n)]
-    regions = []
-    if found:
-        by_node = _w_edges_by_node(specs)
-        regions = [(n, by_node[n]) for n in found]
+    regions = [(n, e) for n, e in zip(deferred, deferred_edges) if isinstance(n, BackwardCFunction) and is_region(n)]
     whole = [n for n in (*b_only, *eager.nodes) if isinstance(n, BackwardCFunction) and is_region(n)] if retain else []
     run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions, whole)
     captured: dict = {}
-    for node, box in zip(deferred, run.boxes):  # _checked_capture's common case inline (Note [no frame per node])
-        if not box:
+    for node, w_edges, box in zip(deferred, deferred_edges, run.boxes):  # _checked_capture's common case inline
+        if not box:  # (Note [no frame per node])
             captured[node] = None
             continue
         grads, versions = box[0]
         for g, version in zip(grads, versions):
             if g is not None and g._version != version:
-                captured[node] = _checked_capture(node, box, w_edges_of(specs, node), analysis.structure)
+                captured[node] = _checked_capture(node, box, w_edges, analysis.structure)
                 break
         else:
             captured[node] = grads
@@ -332,20 +328,6 @@ def _deferred(specs: list, eager_nodes: set, cheap_edges: dict) -> tuple[list[No
                 nodes.append(node)
                 edges.append(w_edges)
     return nodes, edges
-
-
-def _w_edges_by_node(specs: list) -> dict[Any, tuple[int, ...]]:
-    """The weight edges of every intermediate of the analysis' ``specs``, by node."""
-    return {inter.node: inter.w_edges for spec in specs for inter in spec.intermediates}
-
-
-def w_edges_of(specs: list, node: Any) -> tuple[int, ...]:
-    """The weight edges of intermediate ``node`` in the analysis' ``specs``."""
-    for spec in specs:
-        for inter in spec.intermediates:
-            if inter.node is node:
-                return inter.w_edges
-    return ()
 
 
 class _Captured(NamedTuple):
