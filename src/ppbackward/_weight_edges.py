@@ -15,6 +15,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
 from ppbackward._errors import nan_output
+from ppbackward._graph import _ACCUMULATE_GRAD
 from ppbackward._handoff import WeightWork
 from ppbackward._matmul_weights import weight_contributions
 from ppbackward._param_groups import Contribution, NodeCall
@@ -266,7 +267,7 @@ def _leaves_of(node: Any, positions: tuple[int, ...]) -> list | None:
         acc: Any = nf[i][0]
         if type(acc) is not _ACCUMULATE_GRAD:
             return None
-        leaf = acc.variable
+        leaf = acc.variable  # type: ignore[attr-defined]  # AccumulateGrad's leaf
         if not leaf.requires_grad:
             return None
         found.append(acc)
@@ -294,14 +295,6 @@ def _hand_over(regions: list, found: list, anchor: torch.Tensor) -> torch.Tensor
             node.regions = None
             return None
     return root
-
-
-def _accumulate_grad_type() -> type:
-    leaf = torch.zeros((), requires_grad=True)
-    return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
-
-
-_ACCUMULATE_GRAD: Any = _accumulate_grad_type()  # torch's C++ AccumulateGrad node type, read once
 
 
 def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
@@ -373,4 +366,3 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
 
 
 _BY_SEQ = operator.itemgetter(2)  # a Contribution's ``seq``, read in C
-

@@ -252,17 +252,16 @@ def _backward_input(
     # on what W reads (the deferred intermediates, the W-only nodes), B computes the matmuls' weight gradients
     # from their taken-out input and keeps no graph; the hooks of nodes only B runs then need nothing more
     taken = None
-    if HOOKS_VISIBLE:
-        cheap = analysis.cheap
-        deferred, deferred_edges = _deferred(specs, _NO_EAGER_WORK.nodes, cheap.edges)
-        if not hook_kinds([*deferred, *w_only]):
-            taken = take_saved_inputs(deferred, deferred_edges, cheap.edges)
-    if taken is not None:
-        eager = _NO_EAGER_WORK
-    else:
+    cheap = analysis.cheap
+    deferred, deferred_edges = _deferred(specs, _NO_EAGER_WORK.nodes, cheap.edges)
+    if HOOKS_VISIBLE and not hook_kinds([*deferred, *w_only]):
+        taken = take_saved_inputs(deferred, deferred_edges, cheap.edges)
+    eager = _NO_EAGER_WORK
+    if taken is None:
         eager = _eager_work(analysis, b_only, inter, w_only)  # Note [hooked saved tensors run once]
+    if eager is not _NO_EAGER_WORK:
         # Note [cheap weight gradients in B] (ppbackward._graph); not beside hooked work, which runs as before
-        cheap = analysis.cheap if eager is _NO_EAGER_WORK else NO_CHEAP_WORK
+        cheap = NO_CHEAP_WORK
         deferred, deferred_edges = _deferred(specs, eager.nodes, cheap.edges)
     # B must keep the graph for the C++ intermediates W calls again; otherwise it releases every node
     # it runs, as a full backward does (Note [hooked saved tensors run once])
@@ -694,7 +693,7 @@ def _build_groups(
             if root_edges[i] not in done and root_edges[i].node not in eager_nodes:
                 ready.append(_new(Contribution, (root_edges[i], output_grads[i], _ROOT_SEQ)))
         ready += extra.get(id(spec), [])
-        regions: list = []  # node, pending, node, pending...
+        regions: list[tuple[Any, PendingWeightGrads]] = []
         nodes = []  # Note [param groups read like torch's]: the intermediates W could still call
         replaced = dict(fed_by.get(id(spec), {}))  # node -> B's entries its written gradients replace
         group_taken: dict = {}  # the taken inputs of this group's intermediates (a written gradient may need one)
@@ -707,8 +706,7 @@ def _build_groups(
             grads = captured.get(node)
             pending = halves.get(node) if halves else None
             if pending is not None:  # Note [compiled regions split in two]: W runs its weight half
-                regions.append(node)
-                regions.append(pending)
+                regions.append((node, pending))
                 replaced[node] = []
                 nodes.append(inter)
                 continue
@@ -736,8 +734,8 @@ def _build_groups(
                 params.append(leaf.variable)
             # the sole source of its group's gradients: W may hand them over (Note [weight halves hand their
             # gradients over] in ppbackward._weight_edges)
-            alone = len(regions) == 2 and not deferred and not ready
-            calls = [_new(RegionCall, (regions[k], regions[k + 1], alone)) for k in range(0, len(regions), 2)]
+            alone = len(regions) == 1 and not deferred and not ready
+            calls = [_new(RegionCall, (region, half, alone)) for region, half in regions]
             groups.append(
                 ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent, calls, group_taken)
             )

@@ -52,13 +52,18 @@ def saved_storages(
         if node in seen:
             continue
         seen.add(node)
-        for key, storage in unique_storages(saved_tensors(node, unpack=True)).items():
-            nbytes = storage_nbytes(storage)
-            if key not in skip and nbytes:
-                out[key] = (weakref.ref(storage), nbytes)
+        _add(out, saved_tensors(node, unpack=True), skip)
         if node not in stop_set:
             todo.extend(k for k, _ in node.next_functions if k is not None)
     return out
+
+
+def _add(out: SavedStorages, tensors: Iterable[torch.Tensor], skip: set) -> None:
+    """Count the nonempty storages of ``tensors`` not in ``skip`` into ``out`` (weakly referenced)."""
+    for key, storage in unique_storages(tensors).items():
+        nbytes = storage_nbytes(storage)
+        if key not in skip and nbytes:
+            out[key] = (weakref.ref(storage), nbytes)
 
 
 def alive_bytes(storages: SavedStorages) -> int:
@@ -82,10 +87,5 @@ def w_floor_bytes(param_groups, exclude: Iterable[torch.Tensor] = ()) -> int:
     held = saved_storages(roots, exclude)
     held.update(saved_storages(intermediates, exclude, stop=intermediates))
     # the matmul inputs B took out for W (Note [weight matmuls from their saved input]): their nodes hold nothing
-    skip = set(unique_storages(exclude))
-    taken = [x for group in param_groups for x, _ in group.taken.values()]
-    for key, storage in unique_storages(taken).items():
-        nbytes = storage_nbytes(storage)
-        if key not in skip and nbytes:
-            held[key] = (weakref.ref(storage), nbytes)
+    _add(held, [x for group in param_groups for x, _ in group.taken.values()], set(unique_storages(exclude)))
     return sum(nbytes for _, nbytes in held.values())
