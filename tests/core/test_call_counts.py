@@ -46,3 +46,21 @@ def test_a_tensor_hook_on_an_intermediate_costs_b_and_w_only_the_hooks_own_frame
     hooked = count_slow_path(CONFIGS[0], "tensor hook")
     assert hooked.full > base.full
     assert hooked.bw - base.bw == hooked.full - base.full, (base, hooked)
+
+
+def test_a_collection_during_the_count_adds_no_frames():
+    """The count is B's and W's frames only: with a gc callback registered (as the leak tools register
+    ``_on_gc``) and the young threshold at 1, so that a collection would start inside B and inside W, the
+    counts equal an undisturbed run's (a full-suite CI run once counted the callback's start/stop frames)."""
+    base = count_calls(CONFIGS[0])
+    calls = []
+    threshold = gc.get_threshold()
+    gc.callbacks.append(lambda phase, info: calls.append(phase))
+    gc.set_threshold(1)
+    try:
+        disturbed = count_calls(CONFIGS[0])
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.pop()
+    assert calls, "no collection ran during the counted run: the check would be vacuous"
+    assert disturbed == base

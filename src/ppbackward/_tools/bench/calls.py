@@ -60,16 +60,21 @@ def _counted(fn: Callable[[], Any], counter: Counter | None = None) -> tuple[int
                 code = frame.f_code
                 counter[f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_name}:{code.co_firstlineno}"] += 1
 
-    # the collector's counts from 0: a young collection started by what earlier work left counted would call
-    # the gc callbacks (the leak tools' ``_on_gc``) inside ``fn``, frames that are not ``fn``'s (seen on torch
-    # 2.5.1 after torch.compile ran in the process: 2 frames in one of two otherwise equal counts)
+    # no collection inside ``fn``: one would call the gc callbacks (the leak tools' ``_on_gc``, one frame at
+    # its start and one at its stop), frames that are not ``fn``'s. Counting the collector's generations from
+    # 0 is not enough: ``fn`` itself allocates past the young threshold on some runs (seen in a full-suite CI
+    # run: W 53 instead of 51 with a tensor hook; and on torch 2.5.1 after torch.compile ran in the process)
     gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
     previous = sys.getprofile()
     sys.setprofile(prof)
     try:
         out = fn()
     finally:
         sys.setprofile(previous)
+        if was_enabled:
+            gc.enable()
     return n - 1, out  # the profiler's own return into this frame is not an event; fn's frame is one
 
 
