@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
 __all__ = [  # private module: what other modules use
@@ -67,13 +68,20 @@ HOOKS_VISIBLE = hasattr(torch._C._autograd.SavedTensor, "unpack_hook")
 # ``SavedTensor.data``: the saved tensor as stored (a saved input with its grad_fn), without unpacking
 _DATA_VISIBLE = HOOKS_VISIBLE and hasattr(torch._C._autograd.SavedTensor, "data")
 
-_ATTRS: dict[type, tuple[str, ...]] = {}  # node type -> its ``_raw_saved_*`` attribute names
+# node type -> its ``_raw_saved_*`` attribute names, for the C++ node types only (they live as long as torch).
+# A custom Function's backward class (a compiled region's too) is made with its Function, which may be defined
+# anywhere and die (a recompile makes a new one): kept here, it would keep its Function and what that holds
+# (a compiled graph) alive. Every such class has its base's attributes.
+_ATTRS: dict[type, tuple[str, ...]] = {}
+_FUNCTION_ATTRS = tuple(a for a in dir(BackwardCFunction) if a.startswith("_raw_saved_"))
 
 
 def _saved_attrs(node: Node) -> tuple[str, ...]:
     kind = type(node)
     attrs = _ATTRS.get(kind)
     if attrs is None:
+        if isinstance(node, BackwardCFunction):
+            return _FUNCTION_ATTRS
         attrs = _ATTRS[kind] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
     return attrs
 

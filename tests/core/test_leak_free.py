@@ -211,3 +211,44 @@ def test_hooks_registered_during_b_leave_no_cyclic_garbage_and_param_groups_hold
     _, garbage = _garbage_of(pb.stage_backward_weight, weights, groups)
     assert garbage == []
     assert groups.consumed and groups._hooked_in_b == [] and len(norm.weight._backward_hooks) == 1
+
+
+def _function_class_lifetime(pin=None) -> weakref.ref:
+    """A custom Function defined in a function (as a recompile or a closure makes one) through B and W; a
+    weak reference to its backward class, which nothing of ppbackward may keep (its per-type caches keep C++
+    node types only: a compiled region's class holds its compiled graph). ``pin``: the tests-only leak, a
+    dict that keeps the class."""
+
+    class Mul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            return grad * w, grad * x
+
+    w = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    out = Mul.apply(x, w)
+    node_type = type(out.grad_fn)
+    if pin is not None:
+        pin[node_type] = ()
+    _, groups = pb.stage_backward_input([out], [torch.ones(3, dtype=torch.float64)], [x], [w])
+    pb.stage_backward_weight([w], groups)
+    return weakref.ref(node_type)
+
+
+def test_a_custom_function_class_dies_after_b_and_w():
+    node_type = _function_class_lifetime()
+    gc.collect()  # a class is in a cycle with its methods: the collector frees it
+    assert node_type() is None
+
+
+def test_negative_control_a_kept_function_class_is_caught():
+    pinned: dict = {}  # a per-type cache that keeps what it is given
+    kept = _function_class_lifetime(pin=pinned)
+    gc.collect()
+    assert kept() is not None  # the check above would fail
