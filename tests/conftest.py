@@ -1,11 +1,20 @@
 """Test-suite wide settings and fixtures. ``tests`` is a package: shared helpers are imported by their
 full name (``from tests.core.stages import build``), and pytest puts the repository root on ``sys.path``."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
+import ppbackward._plan
+
 torch.set_num_threads(1)
+
+# Note [one plan per graph structure] (ppbackward._plan): every plan B reuses is compared with a fresh analysis,
+# here and in the processes the tests launch (which read the variable at import)
+os.environ["PPBACKWARD_VERIFY_PLANS"] = "1"
+ppbackward._plan.VERIFY = True
 
 
 @pytest.fixture(scope="module")

@@ -35,12 +35,18 @@ __all__ = [  # private module: what other modules use
     "CHEAP_EDGES",
     "NO_CHEAP_WORK",
     "REDUCED_EDGES",
+    "Analysis",
     "CheapLeaf",
+    "CheapWork",
     "EagerWork",
     "FrontierSlot",
+    "GroupSpec",
     "Intermediate",
+    "Probes",
+    "Structure",
     "analyze",
     "eager_work",
+    "fresh_edge",
     "gradient_edge",
     "is_accumulate_grad",
 ]
@@ -133,11 +139,11 @@ class Analysis(NamedTuple):
     b_only: list[Node]
     w_only: list[Node]
     output_consumers: list[Node]
-    structure: _Structure
+    structure: Structure
     cheap: CheapWork
 
 
-class _Structure(NamedTuple):
+class Structure(NamedTuple):
     """What :func:`eager_work` needs of the analysis: the numbered nodes, their edges and parents, the
     intermediates and W-only nodes (leaves included) by number, and the union-find of the groups."""
 
@@ -278,7 +284,7 @@ _CHEAP_W_NODES = frozenset(
 _OUTPUT_RANK = {"AddmmBackward0": 2, "BaddbmmBackward0": 3, "AddmvBackward0": 1}
 
 
-def _fresh_edge(node: Node, name: str, j: int, kid: Node, nr: int) -> bool:
+def fresh_edge(node: Node, name: str, j: int, kid: Node, nr: int) -> bool:
     """Whether the gradient ``node`` (of type ``name``) sends along its edge ``j`` (into input ``nr`` of
     ``kid``) is a new tensor of a cheap kernel (Note [cheap weight gradients in B])."""
     edges = CHEAP_EDGES.get(name, ())
@@ -299,13 +305,26 @@ def _fresh_edge(node: Node, name: str, j: int, kid: Node, nr: int) -> bool:
     return len(into) < len(out)
 
 
+class Probes(NamedTuple):
+    """What :func:`analyze` read of the graph beyond its node types and edges (Note [one plan per graph
+    structure] in ``ppbackward._plan``): ``ranks``, ``(leaf number, rank, result)`` of each comparison of a
+    bias' dimensions with its matmul's output rank (does the engine reduce its gradient); ``fresh``, ``(node
+    number, edge, result)`` of each :func:`fresh_edge` call (shapes at that edge); ``hooked``, ``(leaf
+    number, result)`` of each read of whether a weight has tensor hooks."""
+
+    ranks: list[tuple[int, int, bool]]
+    fresh: list[tuple[int, int, bool]]
+    hooked: list[tuple[int, bool]]
+
+
 def _cheap_work(
-    st: _Structure, leaf_groups: list, w_numbers: list[int], intermediates: list, comp: dict[int, int],
-    roots: set[int],
+    st: Structure, leaf_groups: list, w_numbers: list[int], intermediates: list, comp: dict[int, int],
+    roots: set[int], probes: Probes | None = None,
 ) -> CheapWork:
     """The weight components B computes (Note [cheap weight gradients in B]): ``leaf_groups`` holds each
     weight leaf's number and param group, ``w_numbers`` the other W-only nodes, ``comp`` the component of
-    every W-only node, ``intermediates`` ``(number, weight edges)``."""
+    every W-only node, ``intermediates`` ``(number, weight edges)``. Every read of what is not the graph's
+    structure (a shape, a weight's hooks) is recorded in ``probes``, if given."""
     nodes, nexts, number = st.nodes, st.nexts, st.number
     bad = {comp[k] for k in roots if k in comp}
     for i in w_numbers:
@@ -321,7 +340,7 @@ def _cheap_work(
             c = comp[number[kid]]
             if c in bad:
                 continue
-            # _fresh_edge's table lookup inline (Note [no frame per node]); the metadata reads only where needed
+            # fresh_edge's table lookup inline (Note [no frame per node]); the metadata reads only where needed
             cheap_edges = CHEAP_EDGES.get(name, ())
             if custom:
                 fresh = False
@@ -329,17 +348,28 @@ def _cheap_work(
                 fresh = True
             elif type(kid) is _ACCUMULATE_GRAD and name in _OUTPUT_RANK:  # a bias straight into its leaf
                 reduced = REDUCED_EDGES.get(name, ())
-                fresh = (reduced is None or j in reduced) and kid.variable.dim() < _OUTPUT_RANK[name]  # type: ignore[attr-defined]
+                fresh = reduced is None or j in reduced
+                if fresh:
+                    rank = _OUTPUT_RANK[name]
+                    fresh = kid.variable.dim() < rank  # type: ignore[attr-defined]
+                    if probes is not None:
+                        probes.ranks.append((number[kid], rank, fresh))  # type: ignore[index]
             else:
-                fresh = _fresh_edge(node, name, j, kid, nr)
+                fresh = fresh_edge(node, name, j, kid, nr)
+                if probes is not None:
+                    probes.fresh.append((i, j, fresh))
             if not fresh:
                 bad.add(c)
             else:
                 feeding.setdefault(c, []).append((node, j))
     for k, _ in leaf_groups:  # a weight with tensor hooks: B's capture at its AccumulateGrad would run them
         c = comp[k]
-        if c in feeding and c not in bad and getattr(nodes[k].variable, "_backward_hooks", None):
-            bad.add(c)
+        if c in feeding and c not in bad:
+            hooked = bool(getattr(nodes[k].variable, "_backward_hooks", None))
+            if probes is not None:
+                probes.hooked.append((k, hooked))
+            if hooked:
+                bad.add(c)
     edges: dict[Node, list[int]] = {}
     seq: dict[int, int] = {}
     for c, pairs in feeding.items():
@@ -420,12 +450,13 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
     return EagerWork({st.nodes[i] for i in chosen}, slots)
 
 
-def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analysis:
+def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node], probes: Probes | None = None) -> Analysis:
     """Split the graph below ``root_edges`` into param groups. See the module docstring.
 
     Args:
         root_edges: the gradient edge of each differentiable stage output (length = #outputs).
         input_nodes: the gradient-edge nodes of the stage inputs that require grad.
+        probes: where to record what the analysis read beyond the graph's structure (``ppbackward._plan``).
 
     Returns:
         An :class:`Analysis`.
@@ -470,8 +501,8 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analy
         for p in parents[i]:
             if p in inter or p in w_only:
                 consumers[p] = None
-    structure = _Structure(nodes, index, nexts, parents, inter, w_only, parent, groups)
-    cheap = _cheap_work(structure, leaf_groups, w_numbers, intermediates, comp, roots)
+    structure = Structure(nodes, index, nexts, parents, inter, w_only, parent, groups)
+    cheap = _cheap_work(structure, leaf_groups, w_numbers, intermediates, comp, roots, probes)
     return Analysis(list(groups.values()), used, b_only, w_nodes, [nodes[i] for i in consumers], structure, cheap)
 
 

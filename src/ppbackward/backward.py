@@ -45,7 +45,6 @@ from ppbackward._graph import (
     CheapLeaf,
     EagerWork,
     FrontierSlot,
-    analyze,
     eager_work,
     gradient_edge,
     is_accumulate_grad,
@@ -54,6 +53,7 @@ from ppbackward._handoff import CONSUMED, ParamGroups, WeightSet
 from ppbackward._matmul_weights import take_saved_inputs
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import Contribution, NodeCall, ParamGroup, RegionCall
+from ppbackward._plan import analyze_planned
 from ppbackward._saved import HOOKS_VISIBLE, holds_saved_tensors, hook_kinds, pin_saved_inputs, release_saved_tensors
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
 from ppbackward._weight_edges import ENGINE_RUN_BACKWARD, run_weight_work
@@ -243,7 +243,7 @@ def _backward_input(
     grad_inputs = _unique(t for _, t in wanted)
     input_nodes = {gradient_edge(t).node for t in grad_inputs}
     root_edges = [gradient_edge(t) for t in flat.tensors]
-    analysis = analyze(root_edges, input_nodes)
+    analysis = analyze_planned(root_edges, input_nodes)  # Note [one plan per graph structure]
     specs, b_only, w_only = analysis.groups, analysis.b_only, analysis.w_only
     inter = [i.node for spec in specs for i in spec.intermediates]
     _refuse_reentrant_checkpoint(b_only, inter, w_only)
@@ -725,7 +725,13 @@ def _build_groups(
                 nodes.append(inter)
             else:  # only the weight edges B did not compute (Note [cheap weight gradients in B])
                 in_b = cheap_edges.get(node)
-                todo = w_edges if in_b is None else tuple([j for j in w_edges if j not in in_b])
+                todo = w_edges
+                if in_b is not None:
+                    left = []
+                    for j in w_edges:
+                        if j not in in_b:
+                            left.append(j)
+                    todo = tuple(left)
                 deferred.append(_new(NodeCall, (node, tuple(grads), todo)))
                 nodes.append(inter)
         if deferred or ready or regions:
@@ -735,7 +741,9 @@ def _build_groups(
             # the sole source of its group's gradients: W may hand them over (Note [weight halves hand their
             # gradients over] in ppbackward._weight_edges)
             alone = len(regions) == 1 and not deferred and not ready
-            calls = [_new(RegionCall, (region, half, alone)) for region, half in regions]
+            calls = []
+            for region, half in regions:
+                calls.append(_new(RegionCall, (region, half, alone)))
             groups.append(
                 ParamGroup(deferred, ready, params, nodes, spec.leaves, replaced, spent, calls, group_taken)
             )

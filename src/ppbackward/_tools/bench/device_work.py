@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from ppbackward import _graph
+from ppbackward._plan import forget_plans
 from ppbackward.leaks._storage import storage_nbytes, unique_storages
 
 __all__ = ["REGIMES", "DeviceWork", "bench_work", "cheap_gradients_deferred", "count", "stage_work"]
@@ -50,11 +51,13 @@ def cheap_gradients_deferred() -> Iterator[None]:
     saved = _graph.CHEAP_EDGES.copy(), _graph.REDUCED_EDGES.copy()
     _graph.CHEAP_EDGES.clear()
     _graph.REDUCED_EDGES.clear()
+    forget_plans()  # made with the tables (Note [one plan per graph structure] in ppbackward._plan)
     try:
         yield
     finally:
         _graph.CHEAP_EDGES.update(saved[0])
         _graph.REDUCED_EDGES.update(saved[1])
+        forget_plans()
 
 
 class DeviceWork(NamedTuple):
