@@ -24,7 +24,8 @@ upstream ``get_param_groups`` walks the reverse graph once per parameter (O(para
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import torch
@@ -44,11 +45,13 @@ __all__ = [  # private module: what other modules use
     "Intermediate",
     "Probes",
     "Structure",
+    "Walk",
     "analyze",
     "eager_work",
     "fresh_edge",
     "gradient_edge",
     "is_accumulate_grad",
+    "walk",
 ]
 
 
@@ -150,10 +153,10 @@ class Structure(NamedTuple):
     nodes: list[Node]
     number: dict[Node, int]  # node -> its number in ``nodes``
     nexts: list[tuple]
-    parents: list[list[int]]
-    inter: set[int]
-    w_only: set[int]
-    union: dict[int, int]
+    parents: Sequence[Sequence[int]]  # read only: a reused plan's are shared (Note [one plan per graph structure])
+    inter: AbstractSet[int]
+    w_only: AbstractSet[int]
+    union: Mapping[int, int]
     groups: dict[int, GroupSpec]
 
 
@@ -356,7 +359,7 @@ def _cheap_work(
                         probes.ranks.append((number[kid], rank, fresh))  # type: ignore[index]
             else:
                 fresh = fresh_edge(node, name, j, kid, nr)
-                if probes is not None:
+                if probes is not None and name in REDUCED_EDGES:  # elsewhere False by the tables alone
                     probes.fresh.append((i, j, fresh))
             if not fresh:
                 bad.add(c)
@@ -450,18 +453,24 @@ def eager_work(analysis: Analysis, seeds: Sequence[Node] | None) -> EagerWork:
     return EagerWork({st.nodes[i] for i in chosen}, slots)
 
 
-def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node], probes: Probes | None = None) -> Analysis:
+def analyze(
+    root_edges: Sequence[GradientEdge], input_nodes: AbstractSet[Node], probes: Probes | None = None,
+    walked: Walk | None = None,
+) -> Analysis:
     """Split the graph below ``root_edges`` into param groups. See the module docstring.
 
     Args:
         root_edges: the gradient edge of each differentiable stage output (length = #outputs).
         input_nodes: the gradient-edge nodes of the stage inputs that require grad.
         probes: where to record what the analysis read beyond the graph's structure (``ppbackward._plan``).
+        walked: :func:`walk`'s result for these arguments, if the caller has it.
 
     Returns:
         An :class:`Analysis`.
     """
-    nodes, index, nexts, parents, leaves = _walk(root_edges, input_nodes)
+    walked = walk(root_edges, input_nodes) if walked is None else walked
+    nodes, index, nexts = walked.nodes, walked.number, walked.nexts
+    parents, leaves = _parents_and_leaves(walked, input_nodes)
     reaches_input = _sweep_up(parents, [index[n] for n in input_nodes if n in index])
     w_only, inter = _weight_side(parents, leaves, reaches_input)
     parent, intermediates, comp = _union_groups(nexts, index, w_only, inter)
@@ -492,7 +501,8 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node], probes: 
         leaf_groups.append((i, spec))
     roots = {index[edge.node] for edge in root_edges}
     used = {nodes[i] for i in roots if parents[i]}
-    b_only = [nodes[i] for i in reaches_input if i not in inter and nodes[i] not in input_nodes]
+    # sorted: a set's order follows its insertion history, here the input nodes' (hashed by address)
+    b_only = [nodes[i] for i in sorted(reaches_input) if i not in inter and nodes[i] not in input_nodes]
     leaf_set = set(leaves)
     w_numbers = [i for i in sorted(w_only) if i not in leaf_set]
     w_nodes = [nodes[i] for i in w_numbers]
@@ -506,42 +516,81 @@ def analyze(root_edges: Sequence[GradientEdge], input_nodes: set[Node], probes: 
     return Analysis(list(groups.values()), used, b_only, w_nodes, [nodes[i] for i in consumers], structure, cheap)
 
 
-def _walk(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> tuple:
-    """Pass 1 (Note [linear analysis]): BFS from the outputs, numbering nodes, recording their edges
-    (``next_functions`` is read once per node: each read builds a tuple) and parent lists, and the
-    ``AccumulateGrad`` nodes that are not input nodes (the weight leaves). Input nodes are not
-    expanded: the stage ends there."""
-    index: dict[Node, int] = {}
+class Walk(NamedTuple):
+    """Pass 1 (Note [linear analysis]), :func:`walk`'s result: the graph below the outputs numbered breadth
+    first, each node's edges, and its structure written down as a key (Note [one plan per graph structure]
+    in ``ppbackward._plan``).
+
+    Attributes:
+        nodes: the nodes, the outputs' first, then in BFS order; input nodes are not expanded.
+        number: node -> its number in ``nodes``.
+        nexts: each node's ``next_functions`` (``()`` for an input node).
+        key: the roots' count and node numbers, then per node its type (by ``id``; ``0`` for an input node),
+            its number of edges and each edge's node number and input slot (``-1`` and no slot for an edge to
+            nothing): self-delimiting, so two graphs with equal keys have the same structure and numbering.
+    """
+
+    nodes: list[Node]
+    number: dict[Node, int]
+    nexts: list[tuple]
+    key: tuple
+
+
+def walk(root_edges: Sequence[GradientEdge], input_nodes: AbstractSet[Node]) -> Walk:
+    """Pass 1 (Note [linear analysis]): BFS from the outputs (``next_functions`` is read once per node: each
+    read builds a tuple), numbering nodes and writing down the structure as a key. Input nodes are not
+    expanded: the stage ends there. Plain loops (Note [no frame per node] in ``ppbackward.backward``)."""
+    number: dict[Node, int] = {}
     nodes: list[Node] = []
+    key: list[int] = [len(root_edges)]
     for edge in root_edges:
-        if edge.node not in index:
-            index[edge.node] = len(nodes)
+        k = number.get(edge.node)
+        if k is None:
+            k = number[edge.node] = len(nodes)
             nodes.append(edge.node)
+        key.append(k)
     nexts: list[tuple] = []
+    append = key.append
+    for node in nodes:  # grows while iterated: a BFS queue
+        if node in input_nodes:
+            nexts.append(())
+            append(0)
+            continue
+        nf = node.next_functions
+        nexts.append(nf)
+        append(id(type(node)))
+        append(len(nf))
+        for kid, nr in nf:
+            if kid is None:
+                append(-1)
+                continue
+            k = number.get(kid)
+            if k is None:
+                k = number[kid] = len(nodes)
+                nodes.append(kid)
+            append(k)
+            append(nr)
+    return Walk(nodes, number, nexts, tuple(key))
+
+
+def _parents_and_leaves(walked: Walk, input_nodes: AbstractSet[Node]) -> tuple[list[list[int]], list[int]]:
+    """Pass 1, continued: each node's parents (the nodes with an edge into it, in BFS order) and the weight
+    leaves (the ``AccumulateGrad`` nodes that are not input nodes)."""
+    nodes, number = walked.nodes, walked.number
     parents: list[list[int]] = [[] for _ in nodes]
     leaves: list[int] = []
     acc = _ACCUMULATE_GRAD
-    for i, node in enumerate(nodes):  # grows while iterated: a BFS queue
-        if node in input_nodes:
-            nexts.append(())
-            continue
-        if type(node) is acc:
+    for i, nf in enumerate(walked.nexts):
+        node = nodes[i]
+        if type(node) is acc and node not in input_nodes:
             leaves.append(i)
-        nf = node.next_functions
-        nexts.append(nf)
         for kid, _ in nf:
-            if kid is None:
-                continue
-            k = index.get(kid)
-            if k is None:
-                k = index[kid] = len(nodes)
-                nodes.append(kid)
-                parents.append([])
-            parents[k].append(i)
-    return nodes, index, nexts, parents, leaves
+            if kid is not None:
+                parents[number[kid]].append(i)
+    return parents, leaves
 
 
-def _sweep_up(parents: list[list[int]], start: list[int]) -> set[int]:
+def _sweep_up(parents: Sequence[Sequence[int]], start: list[int]) -> set[int]:
     """Pass 2: ``start`` and every node with a path into it (a sweep up the parent lists)."""
     seen = set(start)
     todo = list(start)
@@ -553,7 +602,9 @@ def _sweep_up(parents: list[list[int]], start: list[int]) -> set[int]:
     return seen
 
 
-def _weight_side(parents: list[list[int]], leaves: list[int], reaches_input: set[int]) -> tuple[set[int], set[int]]:
+def _weight_side(
+    parents: Sequence[Sequence[int]], leaves: list[int], reaches_input: set[int]
+) -> tuple[set[int], set[int]]:
     """Pass 2, continued: the W-only nodes (a sweep up from the weight leaves that stops at nodes
     reaching an input: those parents are the intermediates), and the intermediates."""
     w_only = set(leaves)

@@ -8,14 +8,17 @@ union-find of param groups, the classes of Note [cheap weight gradients in B]) d
 
 * that structure: the node types and, per node, its edges (the node each leads to and its input slot);
 * which nodes are the stage inputs' (the walk stops there) and which the outputs' (the roots);
-* what the analysis reads beyond it, recorded as it reads it (``_graph.Probes``): the shapes at an edge
-  whose gradient it asks whether the engine reduces (``fresh_edge``), and whether a weight has tensor hooks.
+* what the analysis reads beyond it, recorded as it reads it (``_graph.Probes``): a bias' rank against its
+  matmul's output and the shapes at an edge whose gradient it asks whether the engine reduces (``fresh_edge``),
+  and whether a weight has tensor hooks;
+* the tables of Note [cheap weight gradients in B] (``CHEAP_EDGES``, ``REDUCED_EDGES``, ...), taken as
+  constant: whoever changes them (the bench's measurement switch) calls :func:`forget_plans`.
 
-So B walks the graph once, in the order of the analysis' own walk (``structure_key``, the walk every analysis
-starts with), and writes the structure down as a key: the roots' node numbers, then per node its type (by
-``id``; ``0`` for an input node, which is not expanded), its number of edges and each edge's node number and
-input slot (``-1`` for an edge to nothing, with no slot). The key is self-delimiting, so two graphs with the
-same key have the same structure and the same numbering. For a key seen before, B replays the recorded probes
+So the walk every analysis starts with (``ppbackward._graph.walk``, B's one walk over the graph) also writes the
+structure down as a key: the roots' node numbers, then per node its type (by ``id``; ``0`` for an input node,
+which is not expanded), its number of edges and each edge's node number and input slot (``-1`` for an edge to
+nothing, with no slot). The key is self-delimiting, so two graphs with the same key have the same structure and
+the same numbering, the one the plan is written in. For a key seen before, B replays the recorded probes
 on this graph's nodes; if every result is the same, the stored plan (everything the analysis returns, by node
 number) is mapped onto this graph's nodes, which gives exactly what a fresh analysis would, in the same
 orders. Otherwise, and for a new key, B analyses afresh and stores the plan. Nothing per microbatch is stored:
@@ -23,20 +26,25 @@ sequence numbers (Note [accumulation order] in ``ppbackward._weight_edges``) are
 nodes when the plan is mapped. What this saves per microbatch: the sweeps, the union-find and the cheap
 classes, i.e. the analysis less its walk (``benchmarks/RESULTS.md``, "One plan per graph structure").
 
-Nothing of a graph is kept alive: a plan holds node numbers, edge indices and flags, and its key holds types
-by ``id``. A type can die (a custom ``autograd.Function`` defined in a function, a compiled region's
-backward class) and its ``id`` be reused, so the plan keeps a weak reference to every node type of its graph
-and is not used once one has died. At most ``_LIMIT`` plans are kept, the oldest dropped first.
-``PPBACKWARD_VERIFY_PLANS=1`` (the test suite sets it) compares every mapped plan with a fresh analysis and
-raises on the first difference.
+Nothing of a graph is kept alive: a plan holds node numbers, edge indices and flags (read only: tuples and a
+read-only mapping, shared by every analysis mapped from it), and its key holds types by ``id``. A type can die
+(a custom ``autograd.Function`` defined in a function, a compiled region's backward class) and its ``id`` be
+reused, so the plan keeps a weak reference to every node type of its graph and is not replayed once one has
+died (a fresh analysis replaces it). At most ``_LIMIT`` plans are kept, the oldest stored dropped first; each
+holds about 330 bytes per node of its graph (a 673-node stage: 220 KB). Storing takes a lock; looking up and
+replaying do not (a plan is never changed once stored). ``PPBACKWARD_VERIFY_PLANS=1`` (the test suite sets it)
+compares every mapped plan with a fresh analysis and raises on the first difference.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import types
 import weakref
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import NamedTuple
 
 from torch.autograd.graph import GradientEdge, Node
 
@@ -51,13 +59,14 @@ from ppbackward._graph import (
     Structure,
     analyze,
     fresh_edge,
+    walk,
 )
 
-__all__ = ["VERIFY", "analyze_planned", "forget_plans", "plans_held", "structure_key"]  # private module
+__all__ = ["VERIFY", "analyze_planned", "forget_plans", "plans_held"]  # private module
 
 # Note [one plan per graph structure]: compare each mapped plan with a fresh analysis (the test suite's setting)
 VERIFY = os.environ.get("PPBACKWARD_VERIFY_PLANS", "") == "1"
-_LIMIT = 64
+_LIMIT = 16  # plans kept: a rank's stages (virtual stages too) times the shapes its microbatches take
 
 
 class _Plan(NamedTuple):
@@ -73,13 +82,14 @@ class _Plan(NamedTuple):
     consumers: tuple[int, ...]
     # (intermediate, its edges B computes), (group, leaf, feeders), W-only nodes B runs; None: no cheap work
     cheap: tuple[tuple, tuple, tuple[int, ...]] | None
-    parents: list[list[int]]  # the structure's: read, never written, by eager_work and B's error messages
+    parents: tuple[tuple[int, ...], ...]  # the structure's (eager_work and B's error messages read them)
     inter: frozenset[int]
     w_set: frozenset[int]
-    union: dict[int, int]
+    union: Mapping[int, int]
 
 
 _PLANS: dict[tuple, _Plan] = {}
+_STORING = threading.Lock()
 
 
 def plans_held() -> int:
@@ -89,72 +99,50 @@ def plans_held() -> int:
 
 def forget_plans() -> None:
     """Drop every plan: for whoever changes the analysis' tables (the bench's measurement switches)."""
-    _PLANS.clear()
+    with _STORING:
+        _PLANS.clear()
 
 
-def structure_key(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> tuple[list, dict, list, tuple]:
-    """``(nodes, number, nexts, key)``: the graph below ``root_edges`` numbered in the order of
-    ``_graph._walk`` (breadth first from the outputs; input nodes not expanded), each node's
-    ``next_functions`` (``()`` for an input node), and its structure as a key (Note [one plan per graph
-    structure])."""
-    number: dict[Node, int] = {}
-    nodes: list[Node] = []
-    key: list[Any] = [len(root_edges)]
-    for edge in root_edges:
-        k = number.get(edge.node)
-        if k is None:
-            k = number[edge.node] = len(nodes)
-            nodes.append(edge.node)
-        key.append(k)
-    nexts: list[tuple] = []
-    append = key.append
-    for node in nodes:  # grows while iterated: a BFS queue. Note [no frame per node] in ppbackward.backward
-        if node in input_nodes:
-            nexts.append(())
-            append(0)
-            continue
-        nf = node.next_functions
-        nexts.append(nf)
-        append(id(type(node)))
-        append(len(nf))
-        for kid, nr in nf:
-            if kid is None:
-                append(-1)
-                continue
-            k = number.get(kid)
-            if k is None:
-                k = number[kid] = len(nodes)
-                nodes.append(kid)
-            append(k)
-            append(nr)
-    return nodes, number, nexts, tuple(key)
+def analyze_planned(root_edges: Sequence[GradientEdge], input_nodes: AbstractSet[Node]) -> Analysis:
+    """``ppbackward._graph.analyze(root_edges, input_nodes)``, from the stored plan of this graph's structure
+    where there is one whose probes give the same results here (Note [one plan per graph structure]).
 
+    Args:
+        root_edges: the gradient edge of each differentiable stage output.
+        input_nodes: the gradient-edge nodes of the stage inputs that require grad.
 
-def analyze_planned(root_edges: Sequence[GradientEdge], input_nodes: set[Node]) -> Analysis:
-    """``analyze(root_edges, input_nodes)``, from the stored plan of this graph's structure where there is
-    one whose probes give the same results here (Note [one plan per graph structure])."""
-    nodes, number, nexts, key = structure_key(root_edges, input_nodes)
-    plan = _PLANS.get(key)
-    if plan is not None and _replays(plan, nodes, nexts):
-        analysis = _mapped(plan, nodes, number, nexts)
+    Returns:
+        The :class:`~ppbackward._graph.Analysis` a fresh analysis gives, in the same orders.
+
+    Raises:
+        AssertionError: with ``PPBACKWARD_VERIFY_PLANS=1`` only, a mapped plan differs from a fresh analysis.
+    """
+    walked = walk(root_edges, input_nodes)
+    plan = _PLANS.get(walked.key)
+    if plan is not None and _replays(plan, walked.nodes, walked.nexts):
+        analysis = _mapped(plan, walked.nodes, walked.number, walked.nexts)
         if VERIFY:
             _verify(analysis, analyze(root_edges, input_nodes))
         return analysis
     probes = Probes([], [], [])
-    analysis = analyze(root_edges, input_nodes, probes)
-    if len(_PLANS) >= _LIMIT:
-        _PLANS.pop(next(iter(_PLANS)), None)
-    _PLANS[key] = _plan_of(analysis, probes)
+    analysis = analyze(root_edges, input_nodes, probes, walked)
+    plan = _plan_of(analysis, probes)
+    with _STORING:  # one thread's eviction must not meet another's store
+        _PLANS.pop(walked.key, None)  # stored again: it counts as the newest
+        while _PLANS and len(_PLANS) >= _LIMIT:
+            del _PLANS[next(iter(_PLANS))]
+        if _LIMIT > 0:
+            _PLANS[walked.key] = plan
     return analysis
 
 
-def _replays(plan: _Plan, nodes: list, nexts: list) -> bool:
+def _replays(plan: _Plan, nodes: list[Node], nexts: list[tuple]) -> bool:
     """Whether every probe of ``plan`` gives the same result on this graph, and its types are alive."""
     for ref in plan.types:
         if ref() is None:
             return False
     for k, rank, result in plan.probes.ranks:  # Note [no frame per node] in ppbackward.backward: inline
-        if (nodes[k].variable.dim() < rank) is not result:
+        if (nodes[k].variable.dim() < rank) is not result:  # type: ignore[attr-defined]  # an AccumulateGrad
             return False
     for i, j, result in plan.probes.fresh:
         node = nodes[i]
@@ -162,13 +150,13 @@ def _replays(plan: _Plan, nodes: list, nexts: list) -> bool:
         if fresh_edge(node, type(node).__name__, j, kid, nr) is not result:
             return False
     for k, result in plan.probes.hooked:
-        if (not getattr(nodes[k].variable, "_backward_hooks", None)) is result:
+        if (not getattr(nodes[k].variable, "_backward_hooks", None)) is result:  # type: ignore[attr-defined]
             return False
     return True
 
 
 def _plan_of(analysis: Analysis, probes: Probes) -> _Plan:
-    """``analysis`` by node number (its structure's numbering: ``structure_key``'s)."""
+    """``analysis`` by node number (its walk's numbering, the key's)."""
     st = analysis.structure
     n = st.number
     groups = tuple(
@@ -198,14 +186,14 @@ def _plan_of(analysis: Analysis, probes: Probes) -> _Plan:
         tuple([n[node] for node in analysis.w_only]),
         tuple([n[node] for node in analysis.output_consumers]),
         cheap_plan,
-        st.parents,
+        tuple([tuple(p) for p in st.parents]),
         frozenset(st.inter),
         frozenset(st.w_only),
-        dict(st.union),
+        types.MappingProxyType(dict(st.union)),
     )
 
 
-def _mapped(plan: _Plan, nodes: list, number: dict, nexts: list) -> Analysis:
+def _mapped(plan: _Plan, nodes: list[Node], number: dict[Node, int], nexts: list[tuple]) -> Analysis:
     """``plan`` on this graph's ``nodes``: the analysis a fresh one would give (Note [one plan per graph
     structure]). Plain loops, tuples made by ``tuple.__new__`` (Note [no frame per node] in
     ``ppbackward.backward``)."""

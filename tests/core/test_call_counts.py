@@ -64,3 +64,21 @@ def test_a_collection_during_the_count_adds_no_frames():
         gc.callbacks.pop()
     assert calls, "no collection ran during the counted run: the check would be vacuous"
     assert disturbed == base
+
+
+def test_negative_control_without_the_pause_a_collection_adds_frames(monkeypatch):
+    """The check above can fail: with the counter's gc pause taken out, the same disturbed run counts the
+    callback's frames."""
+    import ppbackward._tools.bench.calls as calls_module
+
+    base = count_calls(CONFIGS[0])
+    monkeypatch.setattr(calls_module.gc, "disable", lambda: None)
+    threshold = gc.get_threshold()
+    gc.callbacks.append(lambda phase, info: None)
+    gc.set_threshold(1)
+    try:
+        disturbed = count_calls(CONFIGS[0])
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.pop()
+    assert disturbed != base

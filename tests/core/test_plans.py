@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 
 import pytest
@@ -12,7 +13,7 @@ import torch.nn as nn
 
 import ppbackward._plan as plan_module
 from ppbackward import stage_backward_input, stage_backward_weight
-from ppbackward._graph import Structure, gradient_edge
+from ppbackward._graph import Structure, gradient_edge, walk
 from tests.core.helpers import output_grads
 from tests.core.stages import ZOO, build
 
@@ -53,7 +54,7 @@ def test_negative_control_a_wrong_plan_is_caught_by_the_check(mapped):
     _microbatch(module, make_inputs(0))
     x = make_inputs(1)
     out = module(*x)
-    key = plan_module.structure_key([gradient_edge(out)], {gradient_edge(x[0]).node})[3]
+    key = walk([gradient_edge(out)], {gradient_edge(x[0]).node}).key
     stored = plan_module._PLANS[key]
     plan_module._PLANS[key] = stored._replace(b_only=stored.b_only[1:])  # one node B runs forgotten
     try:
@@ -87,7 +88,7 @@ def test_a_hook_added_on_a_bias_between_microbatches_is_not_missed(mapped):
     assert torch.equal(module[2].bias.grad, 2 * g.sum(0))
 
 
-def test_a_plan_whose_node_type_died_is_not_used():
+def test_a_plan_whose_node_type_died_is_not_replayed():
     """A custom Function's backward class can die and its ``id`` be reused by another: the plan keeps weak
     references to its graph's node types and is not replayed once one is gone."""
 
@@ -109,7 +110,7 @@ def test_a_plan_whose_node_type_died_is_not_used():
     w = nn.Parameter(torch.randn(3, dtype=torch.float64))
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     out = fn.apply(x, w)
-    key = plan_module.structure_key([gradient_edge(out)], {gradient_edge(x).node})[3]
+    key = walk([gradient_edge(out)], {gradient_edge(x).node}).key
     node = out.grad_fn  # B detaches the output
     _, groups = stage_backward_input([out], [torch.ones(3, dtype=torch.float64)], [x], [w])
     stage_backward_weight([w], groups)
@@ -135,7 +136,7 @@ def test_plans_hold_no_graph_and_are_bounded(monkeypatch):
         _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], module.parameters())
         stage_backward_weight(module.parameters(), groups)
     assert plan_module.plans_held() == 4
-    allowed = (int, bool, tuple, list, dict, frozenset, weakref.ref, type(None))
+    allowed = (int, bool, tuple, list, dict, types.MappingProxyType, frozenset, weakref.ref, type(None))
     for key, plan in plan_module._PLANS.items():
         _only(key, allowed)
         _only(plan, allowed)
@@ -145,7 +146,7 @@ def _only(obj, allowed, depth=0):
     assert isinstance(obj, allowed) and not isinstance(obj, (torch.Tensor, Structure)), type(obj)
     if isinstance(obj, weakref.ref):
         return
-    if isinstance(obj, dict):
+    if isinstance(obj, (dict, types.MappingProxyType)):
         for k, v in obj.items():
             _only(k, allowed, depth + 1)
             _only(v, allowed, depth + 1)
@@ -158,3 +159,80 @@ def test_negative_control_the_holding_check_sees_a_node():
     x = torch.randn(2, requires_grad=True)
     with pytest.raises(AssertionError):
         _only(((1, 2), [x.exp().grad_fn]), (int, bool, tuple, list, dict, frozenset, weakref.ref, type(None)))
+
+
+def _bias_step(module_bias, x, weight, add):
+    """One B and W of ``x @ weight + bias`` (``add``: an ``AddBackward0`` into the bias) or ``addmm(bias, x,
+    weight)`` (the bias edge of ``AddmmBackward0``); the bias' rank decides whether the engine reduces its
+    gradient (a fresh tensor B may compute) or hands it on as it is (W's)."""
+    out = x.mm(weight) + module_bias if add else torch.addmm(module_bias, x, weight)
+    g = torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape) / 7
+    _, groups = stage_backward_input([out], [g], [x], [weight, module_bias])
+    stage_backward_weight([weight, module_bias], groups)
+    expected = g.sum(0) if module_bias.dim() == 1 else g
+    assert torch.equal(module_bias.grad, expected)
+    return groups
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["addmm_bias_rank", "add_shapes"])
+def test_a_bias_of_another_rank_with_the_same_structure_is_analysed_afresh(add, mapped, monkeypatch):
+    """The probes that read shapes (``Probes.ranks``: a bias' rank against addmm's output; ``Probes.fresh``: the
+    shapes at an ``AddBackward0`` edge): a (4,) bias then a (3, 4) one make graphs of equal keys whose analyses
+    differ (reduced by the engine: B computes it; not reduced: W's). The second is not mapped from the first's
+    plan, and both are exact."""
+    monkeypatch.setattr(plan_module, "_PLANS", {})
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    weight = nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+    _bias_step(nn.Parameter(torch.randn(4, dtype=torch.float64)), x, weight, add)
+    before = len(mapped)
+    _bias_step(nn.Parameter(torch.randn(3, 4, dtype=torch.float64)), x, weight, add)
+    assert len(mapped) == before
+    _bias_step(nn.Parameter(torch.randn(3, 4, dtype=torch.float64)), x, weight, add)
+    assert len(mapped) == before + 1  # the same shapes again: reused
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["addmm_bias_rank", "add_shapes"])
+def test_negative_control_a_plan_replayed_without_its_shape_probes_is_caught(add, mapped, monkeypatch):
+    def types_only(plan, nodes, nexts):
+        return all(ref() is not None for ref in plan.types)
+
+    monkeypatch.setattr(plan_module, "_replays", types_only)
+    monkeypatch.setattr(plan_module, "_PLANS", {})  # not the plans of the test before
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    weight = nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+    _bias_step(nn.Parameter(torch.randn(4, dtype=torch.float64)), x, weight, add)
+    with pytest.raises(AssertionError, match="differs from a fresh analysis"):
+        _bias_step(nn.Parameter(torch.randn(3, 4, dtype=torch.float64)), x, weight, add)
+
+
+class _ManyInputs(nn.Module):
+    """Three inputs and a weight side wider than the input side, numbered before it: the set of nodes that
+    reach an input is iterated in an order its insertion history (the input nodes', hashed by address) changes
+    between microbatches, which the analysis must not pass on (the hostile tester's case)."""
+
+    def __init__(self, n: int = 60) -> None:
+        super().__init__()
+        self.scales = nn.ParameterList([nn.Parameter(torch.randn(4, dtype=torch.float64)) for _ in range(n)])
+        self.lin = nn.Linear(4, 4).double()
+
+    def forward(self, a, b, c):
+        wide = torch.stack([p.exp() for p in self.scales]).sum(0)
+        return self.lin(a.sin().cos() * b.sin().cos() * c.sin().cos()) + wide
+
+
+def test_the_analysis_lists_nodes_in_an_order_fixed_by_the_structure(mapped):
+    module = _ManyInputs()
+    for seed in range(20):  # every one a checked reuse (PPBACKWARD_VERIFY_PLANS=1) after the first
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(3, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+        _microbatch(module, xs)
+    assert len(mapped) >= 19
+
+
+def test_with_no_plan_kept_every_b_analyses_afresh(monkeypatch, mapped):
+    monkeypatch.setattr(plan_module, "_PLANS", {})
+    monkeypatch.setattr(plan_module, "_LIMIT", 0)
+    module, make_inputs = build("mlp")
+    for seed in range(3):
+        _microbatch(module, make_inputs(seed))
+    assert plan_module.plans_held() == 0 and not mapped

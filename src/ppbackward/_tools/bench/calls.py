@@ -68,7 +68,8 @@ def _counted(fn: Callable[[], Any], counter: Counter | None = None) -> tuple[int
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
-    # B's own path: the test suite's check of each reused plan (Note [one plan per graph structure]) is not
+    # B's own path only: the test suite's check of each reused plan (Note [one plan per graph structure]) is
+    # not B's work, and is off while counting
     verify, _plan.VERIFY = _plan.VERIFY, False
     previous = sys.getprofile()
     sys.setprofile(prof)
