@@ -41,6 +41,12 @@ class Double(torch.autograd.Function):
         return g * 2
 
 
+def make_mul_function() -> type[torch.autograd.Function]:
+    """A new custom Function class per call (:class:`Scale`'s ``x * w``), as a closure or a recompile makes
+    one: its backward class dies with it."""
+    return type("Scale", (Scale,), {})
+
+
 def _x(seed: int, *shape: int, requires_grad: bool = True) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g, dtype=DTYPE).requires_grad_(requires_grad)

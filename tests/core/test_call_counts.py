@@ -48,20 +48,26 @@ def test_a_tensor_hook_on_an_intermediate_costs_b_and_w_only_the_hooks_own_frame
     assert hooked.bw - base.bw == hooked.full - base.full, (base, hooked)
 
 
-def test_a_collection_during_the_count_adds_no_frames():
-    """The count is B's and W's frames only: with a gc callback registered (as the leak tools register
-    ``_on_gc``) and the young threshold at 1, so that a collection would start inside B and inside W, the
-    counts equal an undisturbed run's (a full-suite CI run once counted the callback's start/stop frames)."""
-    base = count_calls(CONFIGS[0])
-    calls = []
+def _count_with_collections(on_gc):
+    """``count_calls`` of the small stage with ``on_gc`` among the gc callbacks and the young threshold at 1,
+    so that a collection would start inside B and inside W."""
     threshold = gc.get_threshold()
-    gc.callbacks.append(lambda phase, info: calls.append(phase))
+    gc.callbacks.append(on_gc)
     gc.set_threshold(1)
     try:
-        disturbed = count_calls(CONFIGS[0])
+        return count_calls(CONFIGS[0])
     finally:
         gc.set_threshold(*threshold)
-        gc.callbacks.pop()
+        gc.callbacks.remove(on_gc)
+
+
+def test_a_collection_during_the_count_adds_no_frames():
+    """The count is B's and W's frames only: with a gc callback registered (as the leak tools register
+    ``_on_gc``) and collections due all the time, the counts equal an undisturbed run's (a full-suite CI run
+    once counted the callback's start/stop frames)."""
+    base = count_calls(CONFIGS[0])
+    calls: list = []
+    disturbed = _count_with_collections(lambda phase, info: calls.append(phase))
     assert calls, "no collection ran during the counted run: the check would be vacuous"
     assert disturbed == base
 
@@ -73,12 +79,4 @@ def test_negative_control_without_the_pause_a_collection_adds_frames(monkeypatch
 
     base = count_calls(CONFIGS[0])
     monkeypatch.setattr(calls_module.gc, "disable", lambda: None)
-    threshold = gc.get_threshold()
-    gc.callbacks.append(lambda phase, info: None)
-    gc.set_threshold(1)
-    try:
-        disturbed = count_calls(CONFIGS[0])
-    finally:
-        gc.set_threshold(*threshold)
-        gc.callbacks.pop()
-    assert disturbed != base
+    assert _count_with_collections(lambda phase, info: None) != base

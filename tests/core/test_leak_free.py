@@ -16,7 +16,7 @@ import torch.nn as nn
 import ppbackward as pb
 from ppbackward.leaks._gc_phase import full_collect
 from tests.core.helpers import clone_inputs, output_grads
-from tests.core.stages import ZOO, build
+from tests.core.stages import ZOO, build, make_mul_function
 
 
 def _garbage_of(fn, *args):
@@ -218,22 +218,11 @@ def _function_class_lifetime() -> weakref.ref:
     weak reference to its backward class, which nothing of ppbackward may keep (its per-type caches keep C++
     node types only: a compiled region's class holds its compiled graph)."""
 
-    class Mul(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, w):
-            ctx.save_for_backward(x, w)
-            return x * w
-
-        @staticmethod
-        def backward(ctx, grad):
-            x, w = ctx.saved_tensors
-            return grad * w, grad * x
-
     w = nn.Parameter(torch.randn(3, dtype=torch.float64))
-    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    out = Mul.apply(x, w)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    out = make_mul_function().apply(x, w)
     node_type = type(out.grad_fn)
-    _, groups = pb.stage_backward_input([out], [torch.ones(3, dtype=torch.float64)], [x], [w])
+    _, groups = pb.stage_backward_input([out], [torch.ones(2, 3, dtype=torch.float64)], [x], [w])
     pb.stage_backward_weight([w], groups)
     return weakref.ref(node_type)
 

@@ -15,7 +15,7 @@ import ppbackward._plan as plan_module
 from ppbackward import stage_backward_input, stage_backward_weight
 from ppbackward._graph import Structure, gradient_edge, walk
 from tests.core.helpers import output_grads
-from tests.core.stages import ZOO, build
+from tests.core.stages import ZOO, build, make_mul_function
 
 
 @pytest.fixture
@@ -92,28 +92,14 @@ def test_a_plan_whose_node_type_died_is_not_replayed():
     """A custom Function's backward class can die and its ``id`` be reused by another: the plan keeps weak
     references to its graph's node types and is not replayed once one is gone."""
 
-    def make_function():
-        class Mul(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, w):
-                ctx.save_for_backward(x, w)
-                return x * w
-
-            @staticmethod
-            def backward(ctx, grad):
-                x, w = ctx.saved_tensors
-                return grad * w, grad * x
-
-        return Mul
-
-    fn = make_function()
+    fn = make_mul_function()
     w = nn.Parameter(torch.randn(3, dtype=torch.float64))
-    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     out = fn.apply(x, w)
     key = walk([gradient_edge(out)], {gradient_edge(x).node}).key
     node = out.grad_fn  # B detaches the output
     nexts = [node.next_functions]  # read before B: torch 2.5 refuses it on a custom Function node after
-    _, groups = stage_backward_input([out], [torch.ones(3, dtype=torch.float64)], [x], [w])
+    _, groups = stage_backward_input([out], [torch.ones(2, 3, dtype=torch.float64)], [x], [w])
     stage_backward_weight([w], groups)
     plan = plan_module._PLANS[key]
     assert plan_module._replays(plan, [node], nexts)
