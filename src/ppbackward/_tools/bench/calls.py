@@ -22,6 +22,7 @@ import torch
 
 import ppbackward._plan as _plan
 import ppbackward.backward as _ours
+from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._tools.harness.models import Config, Stage, build
 
 __all__ = [  # private module
@@ -66,20 +67,17 @@ def _counted(fn: Callable[[], Any], counter: Counter | None = None) -> tuple[int
     # 0 is not enough: ``fn`` itself allocates past the young threshold on some runs (seen in a full-suite CI
     # run: W 53 instead of 51 with a tensor hook; and on torch 2.5.1 after torch.compile ran in the process)
     gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
     # B's own path only: the test suite's check of each reused plan (Note [one plan per graph structure]) is
     # not B's work, and is off while counting
     verify, _plan.VERIFY = _plan.VERIFY, False
-    previous = sys.getprofile()
-    sys.setprofile(prof)
-    try:
-        out = fn()
-    finally:
-        sys.setprofile(previous)
-        _plan.VERIFY = verify
-        if was_enabled:
-            gc.enable()
+    with automatic_gc_paused(always=True):
+        previous = sys.getprofile()
+        sys.setprofile(prof)
+        try:
+            out = fn()
+        finally:
+            sys.setprofile(previous)
+            _plan.VERIFY = verify
     return n - 1, out  # the profiler's own return into this frame is not an event; fn's frame is one
 
 
