@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 import torch.fx as fx
 
 __all__ = ["CannotSplit", "GraphHalves", "split_backward_graph"]
@@ -76,7 +77,11 @@ def split_backward_graph(gm: fx.GraphModule, w_outputs: tuple[int, ...]) -> Grap
         o = outs[i]
         if isinstance(o, fx.Node) and o not in only and o not in live:
             live.append(o)
-    held = [n for n in live if n.op == "placeholder"]
+    # Note [weight halves bind every size]: under dynamic shapes the backward takes its symbolic sizes as
+    # placeholders; the weight half's tensors may carry only a product of them (a view's ``s0*s1``), from which
+    # a compiler cannot recover each symbol, so the weight half takes every size placeholder, first
+    sizes = [n for n in placeholders if isinstance(n.meta.get("val"), (torch.SymInt, int)) and n not in live]
+    held = sizes + [n for n in live if n.op == "placeholder"]
     computed = [n for n in live if n.op != "placeholder"]
 
     graph_i = fx.Graph()

@@ -352,6 +352,24 @@ def test_inductor_halves_equal_the_compiled_full_backward():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+
+@pytest.mark.slow
+def test_inductor_recompile_for_a_new_shape_still_splits_every_region():
+    """Two sizes changing recompile each block with both as symbols; a view in the weight half carried only
+    their product (``s0*s1``), inductor could not bind each symbol (``expected [s0, s1] to have been
+    codegen-ed``, or ``KeyError: 'args'`` through its FX graph cache), and every region ran whole in B (logged,
+    exact, no W work). The weight half now takes every size placeholder (Note [weight halves bind every size])."""
+    with pb.installed():
+        stage = _compiled_stage("child", backend="inductor")
+        torch.manual_seed(2)  # two sizes change: both become symbols
+        xs = [torch.randn(BATCH, 2, D), torch.randn(BATCH + 2, 5, D), torch.randn(BATCH + 4, 3, D)]
+        want, want_x = _full(stage, xs)
+        got, got_x = _split(stage, xs)
+    assert SPLIT == [2, 2, 2], SPLIT
+    for a, b in zip(got + got_x, want + want_x):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 # -- found by review: each of these failed (or was silently wrong) before its fix -------------------------
 
 
