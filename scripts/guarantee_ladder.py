@@ -3,6 +3,8 @@ rung timed side by side with the full backward and ppbackward in one process (``
 
     python scripts/guarantee_ladder.py [CONFIGS] [REPEATS]      e.g. ... 4x16x4,16x64x16,4x128x16 30
     python scripts/guarantee_ladder.py --check                  exactness of every rung (torch.equal)
+    python scripts/guarantee_ladder.py --compile [CONFIGS] [REPEATS] [BACKEND]   issue 37's floor (below)
+    python scripts/guarantee_ladder.py --check --compile [BACKEND]
 
 Every rung is exact on the bench stage (``--check``: each ``.grad`` and input gradient bit-identical to a
 full backward's, grads accumulating over four microbatches, B1 B2 W1 B3 W2 B4 W3 W4). Only the bench
@@ -26,6 +28,19 @@ gradients in B; a rung refuses any other graph. The rungs:
 * ``pp``: ppbackward (torch's B/W contract: output trees and their errors, param groups read and written like
   torch's, version checks at W, saved-tensor hooks, custom Functions, compiled regions, DTensor, W in chunks,
   no collection inside B and W, hooks registered during B, outputs claimed and detached).
+
+Issue 37, item 4 (``--compile``): the same ladder's first rungs on the bench stage with every layer compiled
+(``compile_layers``, backend ``inductor`` unless given), ppbackward installed (so each region's backward is
+compiled through its splitting compiler, Note [compiled regions split in two] in ``ppbackward._compiled``),
+against the compiled full backward (each region's compiled backward run whole). What the rungs keep of
+ppbackward is the compiled halves themselves (the cut and its two compiled graphs) and the hook that makes a
+region run its input half (``ppbackward._compiled.splitting``); everything else is the script's own:
+
+* ``c0 floor``: a walk by node type finding the regions and their edges into ``AccumulateGrad`` nodes; B one
+  engine call, not keeping the graph, naming only the stage input (each region runs its input half); W runs
+  each region's weight half and writes ``.grad`` directly (``add_``, or the gradient itself when empty).
+* ``c1 +AccumulateGrad``: W hands the weight halves' gradients to one engine call into the graph's
+  ``AccumulateGrad`` nodes (parameter hooks, post-accumulate hooks, the grad layout).
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ import sys
 import torch
 from torch.autograd.graph import GradientEdge, _engine_run_backward
 
+from ppbackward._compiled import is_region, splitting
 from ppbackward._graph import analyze, gradient_edge
 
 
@@ -174,6 +190,128 @@ RUNGS = {
 }
 
 
+def _regions(root, stop) -> list:
+    """``(region node, its edges into AccumulateGrad nodes other than ``stop``, the stage input's)`` of every
+    compiled region below ``root``."""
+    seen = {root}
+    stack = [root]
+    found = []
+    while stack:
+        n = stack.pop()
+        nf = n.next_functions
+        if is_region(n):
+            found.append((n, tuple(i for i, (f, _) in enumerate(nf) if type(f) is _T["acc"] and f is not stop)))
+        for f, _ in nf:
+            if f is not None and f not in seen:
+                seen.add(f)
+                stack.append(f)
+    return found
+
+
+def _b_compiled(outputs, grads, inputs, weights):
+    out, grad, x = outputs[0], grads[0], inputs[0]
+    with splitting(_regions(out.grad_fn, gradient_edge(x).node), []) as plans:
+        res = _engine_run_backward((out,), (grad,), False, False, (x,), True, False)
+    pending = [(node, plan.pending) for node, plan in plans.items()]
+    assert all(p is not None for _, p in pending), "a region ran whole (compiled before install?)"
+    return (res[0],), pending
+
+
+def _w_compiled_direct(weights, pending: list) -> None:
+    for node, half in pending:
+        nf = node.next_functions
+        for i, g in zip(half.positions, half.run(node)):
+            if g is not None:
+                with torch.no_grad():
+                    _accumulate(nf[i][0].variable, g)
+
+
+def _w_compiled_engine(weights, pending: list) -> None:
+    roots, grads = [], []
+    for node, half in pending:
+        nf = node.next_functions
+        for i, g in zip(half.positions, half.run(node)):
+            if g is not None:
+                roots.append(GradientEdge(nf[i][0], 0))
+                grads.append(g)
+    _engine_run_backward(tuple(roots), tuple(grads), False, False, tuple(roots), True, True)
+
+
+COMPILED_RUNGS = {
+    "c0 floor": (_b_compiled, _w_compiled_direct),
+    "c1 +AccumulateGrad": (_b_compiled, _w_compiled_engine),
+}
+
+
+def _compiled_stage(cfg, backend: str):
+    """``cfg``'s bench stage with every layer compiled by ``backend``, ppbackward installed first."""
+    import ppbackward
+    from ppbackward._tools.harness.models import build
+    from ppbackward._tools.harness.schedule_bench import compile_layers
+
+    ppbackward.install()
+    stage = build(cfg)
+    compile_layers(stage.model, backend)
+    return stage
+
+
+def check_compiled(backend: str) -> None:
+    """Every compiled rung against the compiled full backward, grads accumulating, B1 B2 W1 B3 W2 B4 W3 W4:
+    bit-identical, or the largest difference printed."""
+    from ppbackward._tools.harness.models import Config
+
+    cfg = Config(4, 16, 4)
+    gen = torch.Generator().manual_seed(5)
+    ref = _compiled_stage(cfg, backend)
+    xs = [torch.randn(ref.x.shape, generator=gen) for _ in range(4)]
+    gs = [torch.randn(ref.x.shape, generator=gen) for _ in range(4)]
+    ref_dx = []
+    for x, g in zip(xs, gs):
+        x = x.clone().requires_grad_()
+        torch.autograd.backward(ref.model(x), g)
+        ref_dx.append(x.grad)
+    for name, (b, w) in COMPILED_RUNGS.items():
+        st = _compiled_stage(cfg, backend)
+        states, dxs = {}, {}
+        for step in ["B0", "B1", "W0", "B2", "W1", "B3", "W2", "W3"]:
+            k = int(step[1])
+            if step[0] == "B":
+                x = xs[k].clone().requires_grad_()
+                (dx,), states[k] = b((st.model(x),), (gs[k],), [x], st.params)
+                dxs[k] = dx
+            else:
+                w(st.params, states.pop(k))
+        pairs = [*zip(dxs.values(), ref_dx), *((p.grad, q.grad) for p, q in zip(st.params, ref.params))]
+        worst = max(float((a - b).abs().max()) for a, b in pairs)
+        same = all(torch.equal(a, b) for a, b in pairs)
+        print(f"{cfg.name} {backend} {name}: " + ("bit-identical" if same else f"max abs difference {worst:.3g}"))
+
+
+def main_compiled(argv: list[str]) -> None:
+    from ppbackward._tools.bench import split
+    from ppbackward._tools.bench.records import SplitCosts, SplitResult
+    from ppbackward._tools.bench.replay import replay
+    from ppbackward._tools.harness.models import parse_configs
+
+    torch.set_num_threads(1)
+    configs = parse_configs(argv[0]) if argv else parse_configs("4x16x4")
+    repeats = int(argv[1]) if len(argv) > 1 else 30
+    backend = argv[2] if len(argv) > 2 else "inductor"
+    load = pathlib.Path("/proc/loadavg").read_text().split()[:3]
+    print(f"torch {torch.__version__}; backend {backend}; load average at start {load}", flush=True)
+    for cfg in configs:
+        stage = _compiled_stage(cfg, backend)
+        c = split.measure_config(cfg, repeats, None, extra=COMPILED_RUNGS, stage=stage, torch_split=False)
+        text = split.format_split(SplitResult(device="cpu", configs=[c]))
+        print(text.split("\nHost cost")[0].split("\nReplayed")[0].split("\n", 1)[1], flush=True)
+        t = c.times("accumulating")
+        for name, ms in sorted(t.variants.items()):  # each rung's costs replayed (Note [replayed step])
+            rp = replay(SplitCosts(F=t.fwd, full=t.full, B=ms.b, W=ms.w), ranks=2).ratio_to_1f1b
+            izb, zbv = rp["ScheduleInterleavedZeroBubble/measured"], rp["ScheduleZBVZeroBubble/measured"]
+            print(f"{'':<13} replayed step, 2 ranks, 8 mb, {name}: IZB {izb:.2f}x ZBV {zbv:.2f}x Interleaved1F1B's")
+    print(f"load average at end {pathlib.Path('/proc/loadavg').read_text().split()[:3]}")
+
+
 def check() -> None:
     """Every rung bit-identical to a full backward, grads accumulating, order B1 B2 W1 B3 W2 B4 W3 W4."""
     from ppbackward._tools.harness.models import Config, build
@@ -205,8 +343,14 @@ def check() -> None:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:2] == ["--check", "--compile"]:
+        check_compiled(argv[2] if len(argv) > 2 else "inductor")
+        return
     if argv[:1] == ["--check"]:
         check()
+        return
+    if argv[:1] == ["--compile"]:
+        main_compiled(argv[1:])
         return
     from ppbackward._tools.bench import split
     from ppbackward._tools.harness.models import parse_configs
