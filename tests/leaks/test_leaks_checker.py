@@ -192,6 +192,38 @@ def test_a_block_that_clears_the_gc_debug_flags_still_has_its_leak_caught(collec
         gc.set_debug(old_debug)
 
 
+
+def _cycle_found_while_its_tensor_lives_elsewhere() -> None:
+    """A cycle holding a tensor becomes garbage while the tensor is still referenced elsewhere; allocations
+    follow that start automatic collections (threshold 1); then the other reference goes."""
+    t = torch.ones(4)
+    box: list = [t]
+    box.append(box)
+    del box
+    for _ in range(50):
+        [object() for _ in range(20)]  # allocations: an automatic collection at threshold 1
+    del t
+
+
+def test_a_cycle_found_mid_block_still_counts_the_tensor_it_holds(monkeypatch):
+    """Note [one collection decides]: an automatic collection inside the block saved the cycle without its
+    tensor (alive elsewhere then, alive through gc.garbage after), and the block reported no tensor. The
+    checker pauses the automatic collector while armed; the negative control takes the pause out."""
+    old = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        with check_tensor_leaks(strict=False, max_chains=0) as report:
+            _cycle_found_while_its_tensor_lives_elsewhere()
+        with monkeypatch.context() as m:  # negative control: without the pause the tensor goes uncounted
+            m.setattr("ppbackward.leaks._checker.automatic_gc_paused", lambda always: ExitStack())
+            with check_tensor_leaks(strict=False, max_chains=0) as unpaused:
+                _cycle_found_while_its_tensor_lives_elsewhere()
+    finally:
+        gc.set_threshold(*old)
+    assert report.num_tensors == 1 and not report.ok, report.format()
+    assert unpaused.num_tensors == 0 and unpaused.num_garbage >= 1, unpaused.format()
+    assert gc.isenabled()
+
 def test_plain_gc_collect_does_nothing_while_another_thread_collects():
     """The CPython behaviour behind Note [a collection that surely ran] (the control of the next test)."""
     with another_thread_collecting():

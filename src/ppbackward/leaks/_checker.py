@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from ppbackward._gc_pause import collector_enabled
+from ppbackward._gc_pause import automatic_gc_paused, collector_enabled
 from ppbackward._saved import saved_tensors
 from ppbackward.leaks._chains import find_chain, format_chain, referrer_index, write_graph
 from ppbackward.leaks._gc_phase import full_collect
@@ -54,6 +54,18 @@ _PROXY_TYPES = (weakref.ProxyType, weakref.CallableProxyType)
 # back at the start of every collection (automatic or explicit; the collector reads the flags after its
 # callbacks) and restores the block's own flags when the collection stops. On exit the caller's flags
 # from before the block are restored (Note [checker restores gc state]).
+
+
+# Note [one collection decides]
+# With gc.DEBUG_SAVEALL a collection saves the objects it finds unreachable *then*. One started in the middle
+# of the block (the automatic collector's) could find a leaky cycle while a tensor it holds was still alive
+# elsewhere (W still using a gradient a leaky capture boxed): it saved the cycle without that tensor, which
+# stayed alive through gc.garbage afterwards and was never in garbage itself, so the block reported no tensor
+# for a real leak, depending on when a collection happened to start. So while armed the checker pauses the
+# automatic collector (through ppbackward._gc_pause's counter, shared with B and W, with ``always=True``): the
+# collection on exit is the one that decides, and every tensor a cycle holds then is garbage with it. A
+# ``gc.collect()`` the block itself calls still collects then (what it saves is reported, as is another
+# thread's collection's: docs/leak-hunting.md).
 
 
 class _SaveAll:
@@ -103,6 +115,7 @@ class _TensorLeakCheck:
         self._prev_debug = 0
         self._prev_enabled = True
         self._save_all = _SaveAll()
+        self._paused: Any = None  # the automatic collector's pause while armed (Note [one collection decides])
 
     def __enter__(self) -> LeakReport:
         if self._armed:
@@ -116,6 +129,8 @@ class _TensorLeakCheck:
         self._start = len(gc.garbage)
         gc.set_debug(self._prev_debug | gc.DEBUG_SAVEALL)
         gc.callbacks.append(self._save_all)  # Note [checker survives the block's gc flags]
+        self._paused = automatic_gc_paused(always=True)
+        self._paused.__enter__()  # Note [one collection decides]
         self._armed = True
         return self.report
 
@@ -129,6 +144,9 @@ class _TensorLeakCheck:
         caught: list[Any] = []
         no_collection: RuntimeError | None = None
         try:
+            paused, self._paused = self._paused, None
+            if paused is not None:
+                paused.__exit__(None, None, None)  # the collector as the pause found it, before the one collection
             try:
                 full_collect()  # Note [a collection that surely ran] in _gc_phase.py
             except RuntimeError as e:  # none could start: the garbage is unknown, so nothing is reported
