@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import sys
 import threading
 import weakref
@@ -822,10 +823,14 @@ def _weights_list(weights: Any) -> list[torch.Tensor]:
             f"{type(weights).__name__}"
         )
     out = list(weights)
-    for i, w in enumerate(out):
-        if not isinstance(w, torch.Tensor):
-            raise BadType(f"weights[{i}]: expected a torch.Tensor (a parameter), got {type(w).__name__}")
+    if not all(map(isinstance, out, _TENSORS)):  # in C: no frame per weight (Note [no frame per node])
+        for i, w in enumerate(out):
+            if not isinstance(w, torch.Tensor):
+                raise BadType(f"weights[{i}]: expected a torch.Tensor (a parameter), got {type(w).__name__}")
     return out
+
+
+_TENSORS = itertools.repeat(torch.Tensor)  # isinstance's second argument, for map()
 
 
 def _any_dtensor(tensors: list[torch.Tensor]) -> bool:
@@ -835,7 +840,7 @@ def _any_dtensor(tensors: list[torch.Tensor]) -> bool:
     if module is None:
         return False
     dtensor = module.DTensor
-    return any([isinstance(t, dtensor) for t in tensors])  # a list, not a generator: no frame per weight
+    return any([issubclass(kind, dtensor) for kind in set(map(type, tensors))])  # the distinct types only
 
 
 def _check_same_weights(weights: list[torch.Tensor], expected: WeightSet) -> None:
@@ -854,7 +859,9 @@ def _check_same_weights(weights: list[torch.Tensor], expected: WeightSet) -> Non
                 f"{expected.n_weights} to stage_backward_input"
             )
         return
-    ids = [id(w) for w in weights]
+    ids = list(map(id, weights))
+    if len(ids) == expected.n_weights and expected.ids.issuperset(ids) and len(set(ids)) == len(expected.ids):
+        return  # the same weights (the common case, checked in C)
     for i, key in enumerate(ids):
         if key not in expected.ids:
             raise BadValue(
