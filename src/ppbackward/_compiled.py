@@ -311,7 +311,8 @@ def _log_once(why: str) -> None:
 
 class PendingWeightGrads:
     """A split region's weight half, ready for W: the compiled graph and exactly the tensors it reads
-    (saved tensors and live-ins of the input half), with their versions when the input half returned
+    (saved tensors and live-ins of the input half; and the backward's size inputs, ints: Note [weight halves
+    bind every size] in ``ppbackward._graph_halves``), with the tensors' versions when the input half returned
     (Note [compiled regions split in two]). :meth:`run` empties it; so does W's release."""
 
     __slots__ = ("graph", "inputs", "positions", "versions")

@@ -35,7 +35,7 @@ import os
 import threading
 from collections.abc import Iterator
 
-__all__ = ["automatic_gc_paused", "collector_enabled"]  # private module: what other modules use
+__all__ = ["automatic_gc_paused", "collector_enabled", "restore_collector"]  # private module: what other modules use
 
 PAUSE = os.environ.get("PPBACKWARD_PAUSE_GC", "1").strip() != "0"  # the opt-out, read once
 
@@ -48,6 +48,22 @@ def collector_enabled() -> bool:
     """``gc.isenabled()``, but ``True`` while the collector is off only because B or W paused it."""
     with _lock:
         return gc.isenabled() or (_depth > 0 and _disabled_here)
+
+
+def restore_collector(enabled: bool) -> None:
+    """Put the collector's switch back to ``enabled`` (what :func:`collector_enabled` read earlier), without
+    undoing a pause still held: while a B, W or leak tool holds the counter, the collector stays off and the
+    last one out switches it to ``enabled``. The leak tools' exits use it (a nested checker, a tracker's report
+    inside an armed checker: Note [one collection decides] in ``ppbackward.leaks._checker``)."""
+    global _disabled_here
+    with _lock:
+        if _depth > 0:
+            _disabled_here = enabled
+            gc.disable()
+        elif enabled:
+            gc.enable()
+        else:
+            gc.disable()
 
 
 @contextlib.contextmanager

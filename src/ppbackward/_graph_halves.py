@@ -25,7 +25,9 @@ class GraphHalves(NamedTuple):
         input_graph: the whole graph's placeholders; returns every output (``None`` at the weight
             outputs), then the live-ins.
         weight_graph: placeholders: the held inputs, then the live-ins; returns the weight outputs in order.
-        held: indices, among the whole graph's placeholders, of the inputs the weight half reads.
+        held: indices, among the whole graph's placeholders, of the inputs the weight half takes: every size
+            input (a SymInt or int placeholder) first, whether it reads it or not (Note [weight halves bind
+            every size]), then the saved tensors and incoming gradients it reads.
         n_live: how many live-ins the input half returns last.
     """
 
@@ -78,10 +80,11 @@ def split_backward_graph(gm: fx.GraphModule, w_outputs: tuple[int, ...]) -> Grap
         if isinstance(o, fx.Node) and o not in only and o not in live:
             live.append(o)
     # Note [weight halves bind every size]: under dynamic shapes the backward takes its symbolic sizes as
-    # placeholders; the weight half's tensors may carry only a product of them (a view's ``s0*s1``), from which
-    # a compiler cannot recover each symbol, so the weight half takes every size placeholder, first
-    sizes = [n for n in placeholders if isinstance(n.meta.get("val"), (torch.SymInt, int)) and n not in live]
-    held = sizes + [n for n in live if n.op == "placeholder"]
+    # placeholders (a SymInt, or an int, ``val`` in their meta); the weight half's tensors may carry only a
+    # product of them (a view's ``s0*s1``), from which a compiler cannot recover each symbol (inductor: "expected
+    # [s0, s1] to have been codegen-ed"), so the weight half takes every size placeholder, first
+    sizes = [n for n in placeholders if isinstance(n.meta.get("val"), (torch.SymInt, int))]
+    held = sizes + [n for n in live if n.op == "placeholder" and n not in sizes]
     computed = [n for n in live if n.op != "placeholder"]
 
     graph_i = fx.Graph()

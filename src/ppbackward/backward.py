@@ -71,6 +71,7 @@ _NO_EAGER_WORK = EagerWork(set(), [])
 _new = tuple.__new__
 # Outputs B detached in place, by id (weak): meeting one again is an error, not a silent no-op.
 _DETACHED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_TENSORS = itertools.repeat(torch.Tensor)  # isinstance's second argument for map(): no frame per weight
 
 
 def _grad_inputs(input_values: Iterable[Any]) -> list[tuple[int, torch.Tensor]]:
@@ -828,9 +829,6 @@ def _weights_list(weights: Any) -> list[torch.Tensor]:
             if not isinstance(w, torch.Tensor):
                 raise BadType(f"weights[{i}]: expected a torch.Tensor (a parameter), got {type(w).__name__}")
     return out
-
-
-_TENSORS = itertools.repeat(torch.Tensor)  # isinstance's second argument, for map()
 
 
 def _any_dtensor(tensors: list[torch.Tensor]) -> bool:

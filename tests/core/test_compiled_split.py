@@ -353,6 +353,39 @@ def test_inductor_halves_equal_the_compiled_full_backward():
 
 
 
+
+def test_the_weight_half_takes_every_size_input_first(monkeypatch):
+    """Note [weight halves bind every size]: with sizes as symbols, every size placeholder of the backward graph
+    is among the weight half's inputs, first, in the order ``held`` gives them (the fast, compiler-free check of
+    what the inductor test below needs; without the note's line the weight half takes only what it reads)."""
+    cuts = []
+    split = _compiled.split_backward_graph
+
+    def spy(gm, outputs):
+        cut = split(gm, outputs)
+        cuts.append((gm, cut))
+        return cut
+
+    monkeypatch.setattr(_compiled, "split_backward_graph", spy)
+    with pb.installed():
+        stage = _compiled_stage("child", dynamic=True)
+        torch.manual_seed(2)
+        xs = [torch.randn(BATCH, 2, D), torch.randn(BATCH + 2, 5, D)]
+        want, want_x = _full(stage, xs)
+        got, got_x = _split(stage, xs)
+    assert SPLIT == [2, 2] and cuts
+    _assert_equal(got_x, want_x)
+    _assert_equal(got, want)
+    for gm, cut in cuts:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        sizes = [i for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), torch.SymInt)]
+        assert sizes, "no symbolic size: the case does not test the note"
+        assert list(cut.held[: len(sizes)]) == sizes
+        inputs = [n for n in cut.weight_graph.graph.nodes if n.op == "placeholder"]
+        assert len(inputs) == len(cut.held) + cut.n_live
+        for k, i in enumerate(cut.held):  # each weight-half input is the placeholder held names, as B passes it
+            assert inputs[k].meta.get("val") is placeholders[i].meta.get("val")
+
 @pytest.mark.slow
 def test_inductor_recompile_for_a_new_shape_still_splits_every_region():
     """Two sizes changing recompile each block with both as symbols; a view in the weight half carried only

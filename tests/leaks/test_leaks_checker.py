@@ -193,36 +193,69 @@ def test_a_block_that_clears_the_gc_debug_flags_still_has_its_leak_caught(collec
 
 
 
-def _cycle_found_while_its_tensor_lives_elsewhere() -> None:
-    """A cycle holding a tensor becomes garbage while the tensor is still referenced elsewhere; allocations
-    follow that start automatic collections (threshold 1); then the other reference goes."""
+def _cycle_found_while_its_tensor_lives_elsewhere() -> int:
+    """A cycle holding a tensor becomes garbage while the tensor is still referenced elsewhere; tracked
+    allocations follow (at threshold 1: automatic collections, if the collector is on); then the other
+    reference goes. Returns how many collections started between the two."""
+    started = []
+
+    def count(phase: str, _info: dict) -> None:
+        if phase == "start":
+            started.append(1)
+
     t = torch.ones(4)
     box: list = [t]
     box.append(box)
     del box
-    for _ in range(50):
-        [object() for _ in range(20)]  # allocations: an automatic collection at threshold 1
+    gc.callbacks.append(count)
+    try:
+        kept: list[list] = [[] for _ in range(200)]  # tracked and alive: they count towards the young generation
+        del kept
+    finally:
+        gc.callbacks.remove(count)
     del t
+    return len(started)
 
 
 def test_a_cycle_found_mid_block_still_counts_the_tensor_it_holds(monkeypatch):
     """Note [one collection decides]: an automatic collection inside the block saved the cycle without its
     tensor (alive elsewhere then, alive through gc.garbage after), and the block reported no tensor. The
-    checker pauses the automatic collector while armed; the negative control takes the pause out."""
+    checker pauses the automatic collector while armed; the negative control takes the pause out (and
+    checks that a collection did start inside its block)."""
     old = gc.get_threshold()
     gc.set_threshold(1)
     try:
         with check_tensor_leaks(strict=False, max_chains=0) as report:
-            _cycle_found_while_its_tensor_lives_elsewhere()
+            paused_runs = _cycle_found_while_its_tensor_lives_elsewhere()
         with monkeypatch.context() as m:  # negative control: without the pause the tensor goes uncounted
             m.setattr("ppbackward.leaks._checker.automatic_gc_paused", lambda always: ExitStack())
             with check_tensor_leaks(strict=False, max_chains=0) as unpaused:
-                _cycle_found_while_its_tensor_lives_elsewhere()
+                unpaused_runs = _cycle_found_while_its_tensor_lives_elsewhere()
     finally:
         gc.set_threshold(*old)
-    assert report.num_tensors == 1 and not report.ok, report.format()
+    assert paused_runs == 0 and report.num_tensors == 1 and not report.ok, (paused_runs, report.format())
+    assert unpaused_runs > 0, "the negative control's block ran no automatic collection"
     assert unpaused.num_tensors == 0 and unpaused.num_garbage >= 1, unpaused.format()
     assert gc.isenabled()
+
+
+def test_the_pause_holds_across_nested_checkers_and_a_tracker_s_report():
+    """Note [one collection decides]: an inner checker's exit, or a tracker's report inside the block, used to
+    switch the collector back on (a plain ``gc.enable()``) while the outer checker was still armed."""
+    from ppbackward.leaks import track_activations
+
+    assert gc.isenabled()
+    with check_tensor_leaks(strict=False, max_chains=0) as outer:
+        with check_tensor_leaks(strict=False, max_chains=0):
+            _clean_work()
+        assert not gc.isenabled()  # the outer pause holds
+        with track_activations() as tracker:
+            _clean_work()
+        tracker.report()
+        assert not gc.isenabled()
+        _make_cycle()
+    assert gc.isenabled() and outer.num_tensors == 1
+
 
 def test_plain_gc_collect_does_nothing_while_another_thread_collects():
     """The CPython behaviour behind Note [a collection that surely ran] (the control of the next test)."""

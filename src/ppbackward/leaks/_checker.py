@@ -11,6 +11,7 @@ raises instead of warning, and writes graph files into a temporary folder, never
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ppbackward._gc_pause import automatic_gc_paused, collector_enabled
+from ppbackward._gc_pause import automatic_gc_paused, collector_enabled, restore_collector
 from ppbackward._saved import saved_tensors
 from ppbackward.leaks._chains import find_chain, format_chain, referrer_index, write_graph
 from ppbackward.leaks._gc_phase import full_collect
@@ -65,7 +66,9 @@ _PROXY_TYPES = (weakref.ProxyType, weakref.CallableProxyType)
 # automatic collector (through ppbackward._gc_pause's counter, shared with B and W, with ``always=True``): the
 # collection on exit is the one that decides, and every tensor a cycle holds then is garbage with it. A
 # ``gc.collect()`` the block itself calls still collects then (what it saves is reported, as is another
-# thread's collection's: docs/leak-hunting.md).
+# thread's collection's: docs/leak-hunting.md). The pause holds across nesting: an inner checker's exit, or a
+# tracker's report inside the block, puts the switch back through ``restore_collector``, which leaves the
+# collector off while the outer pause is held.
 
 
 class _SaveAll:
@@ -115,7 +118,8 @@ class _TensorLeakCheck:
         self._prev_debug = 0
         self._prev_enabled = True
         self._save_all = _SaveAll()
-        self._paused: Any = None  # the automatic collector's pause while armed (Note [one collection decides])
+        # the automatic collector's pause while armed (Note [one collection decides])
+        self._paused: contextlib.AbstractContextManager[None] | None = None
 
     def __enter__(self) -> LeakReport:
         if self._armed:
@@ -125,12 +129,20 @@ class _TensorLeakCheck:
             self._warmup()  # before arming: one-time lazy imports and caches are not leaks
         self._prev_debug = gc.get_debug()
         self._prev_enabled = collector_enabled()  # not gc.isenabled(): a B on another thread may pause it
-        full_collect()  # Note [a collection that surely ran] in _gc_phase.py
-        self._start = len(gc.garbage)
-        gc.set_debug(self._prev_debug | gc.DEBUG_SAVEALL)
-        gc.callbacks.append(self._save_all)  # Note [checker survives the block's gc flags]
-        self._paused = automatic_gc_paused(always=True)
-        self._paused.__enter__()  # Note [one collection decides]
+        paused = automatic_gc_paused(always=True)
+        paused.__enter__()  # Note [one collection decides]
+        try:
+            full_collect()  # Note [a collection that surely ran] in _gc_phase.py
+            self._start = len(gc.garbage)
+            gc.set_debug(self._prev_debug | gc.DEBUG_SAVEALL)
+            gc.callbacks.append(self._save_all)  # Note [checker survives the block's gc flags]
+        except BaseException:  # not armed: nothing of it left behind
+            if self._save_all in gc.callbacks:
+                gc.callbacks.remove(self._save_all)
+            gc.set_debug(self._prev_debug)
+            paused.__exit__(None, None, None)
+            raise
+        self._paused = paused
         self._armed = True
         return self.report
 
@@ -160,10 +172,7 @@ class _TensorLeakCheck:
             if self._save_all in gc.callbacks:
                 gc.callbacks.remove(self._save_all)
             gc.set_debug(self._prev_debug)
-            if self._prev_enabled:
-                gc.enable()
-            else:
-                gc.disable()
+            restore_collector(self._prev_enabled)  # an outer checker's pause, if any, holds on
         caught_any = bool(caught)
         try:
             if no_collection is None:

@@ -26,7 +26,6 @@ activations) and leaves from outside the block (``include_leaves``).
 from __future__ import annotations
 
 import contextlib
-import gc
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -34,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ppbackward._gc_pause import collector_enabled
+from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward.leaks import _gc_phase
 from ppbackward.leaks._activations import (
     ALIVE,
@@ -289,15 +288,10 @@ class ActivationTracker:
                 this thread's own collection, or when another thread's collection kept any from
                 starting for 60 s.
         """
-        was_enabled = collector_enabled()  # not gc.isenabled(): a B on another thread may pause it
-        gc.disable()  # a consistent snapshot: no automatic collection while classifying
-        try:
+        with automatic_gc_paused(always=True):  # a consistent snapshot: no automatic collection while classifying
             if collect:
                 _gc_phase.full_collect()  # Note [a collection that surely ran]
             saved = [self._snapshot(r) for r in self._records]
-        finally:
-            if was_enabled:
-                gc.enable()
         by_state: dict[str, list[SavedActivation]] = {ALIVE: [], FREED_BY_GC: [], FREED_BY_REFCOUNT: []}
         watches: dict[str, dict[int, int]] = {ALIVE: {}, FREED_BY_GC: {}}
         for snap, record in zip(saved, self._records):
