@@ -352,8 +352,6 @@ def test_inductor_halves_equal_the_compiled_full_backward():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-
-
 def test_the_weight_half_takes_every_size_input_first(monkeypatch):
     """Note [weight halves bind every size]: with sizes as symbols, every size placeholder of the backward graph
     is among the weight half's inputs, first, in the order ``held`` gives them (the fast, compiler-free check of

@@ -192,7 +192,6 @@ def test_a_block_that_clears_the_gc_debug_flags_still_has_its_leak_caught(collec
         gc.set_debug(old_debug)
 
 
-
 def _cycle_found_while_its_tensor_lives_elsewhere() -> int:
     """A cycle holding a tensor becomes garbage while the tensor is still referenced elsewhere; tracked
     allocations follow (at threshold 1: automatic collections, if the collector is on); then the other
