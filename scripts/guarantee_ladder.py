@@ -40,7 +40,8 @@ region run its input half (``ppbackward._compiled.splitting``); everything else 
   engine call, not keeping the graph, naming only the stage input (each region runs its input half); W runs
   each region's weight half and writes ``.grad`` directly (``add_``, or the gradient itself when empty).
 * ``c1 +AccumulateGrad``: W hands the weight halves' gradients to one engine call into the graph's
-  ``AccumulateGrad`` nodes (parameter hooks, post-accumulate hooks, the grad layout).
+  ``AccumulateGrad`` nodes (parameter hooks, post-accumulate hooks, the grad layout); ``c1 per region``: the
+  same, one engine call per region right after its weight half (one region's gradients alive at a time).
 """
 
 from __future__ import annotations
@@ -237,9 +238,23 @@ def _w_compiled_engine(weights, pending: list) -> None:
     _engine_run_backward(tuple(roots), tuple(grads), False, False, tuple(roots), True, True)
 
 
+def _w_compiled_engine_each(weights, pending: list) -> None:
+    """``c1``, one accumulating engine call per region, right after its weight half: one region's weight
+    gradients alive at a time (the allocator's cost of holding them all, at d 256)."""
+    for node, half in pending:
+        nf = node.next_functions
+        roots, grads = [], []
+        for i, g in zip(half.positions, half.run(node)):
+            if g is not None:
+                roots.append(GradientEdge(nf[i][0], 0))
+                grads.append(g)
+        _engine_run_backward(tuple(roots), tuple(grads), False, False, tuple(roots), True, True)
+
+
 COMPILED_RUNGS = {
     "c0 floor": (_b_compiled, _w_compiled_direct),
     "c1 +AccumulateGrad": (_b_compiled, _w_compiled_engine),
+    "c1 per region": (_b_compiled, _w_compiled_engine_each),
 }
 
 
