@@ -282,15 +282,8 @@ def check_compiled(backend: str) -> None:
     from ppbackward._tools.harness.models import Config
 
     cfg = Config(4, 16, 4)
-    gen = torch.Generator().manual_seed(5)
     ref = _compiled_stage(cfg, backend)
-    xs = [torch.randn(ref.x.shape, generator=gen) for _ in range(4)]
-    gs = [torch.randn(ref.x.shape, generator=gen) for _ in range(4)]
-    ref_dx = []
-    for x, g in zip(xs, gs):
-        x = x.clone().requires_grad_()
-        torch.autograd.backward(ref.model(x), g)
-        ref_dx.append(x.grad)
+    xs, gs, ref_dx = _reference(ref)
     rungs = {**COMPILED_RUNGS, "pp": (ours.stage_backward_input, ours.stage_backward_weight)}
     for name, (b, w) in rungs.items():
         st = _compiled_stage(cfg, backend)
@@ -336,6 +329,20 @@ def main_compiled(argv: list[str]) -> None:
 ORDER = ["B0", "B1", "W0", "B2", "W1", "B3", "W2", "W3"]  # B1 B2 W1 B3 W2 B4 W3 W4, grads accumulating
 
 
+def _reference(ref) -> tuple[list, list, list]:
+    """Four microbatches' inputs and output gradients (seeded), each run through a full backward on ``ref``
+    (its ``.grad`` accumulating): the inputs, the gradients and the input gradients."""
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(ref.x.shape, generator=gen) for _ in range(4)]
+    gs = [torch.randn(ref.x.shape, generator=gen) for _ in range(4)]
+    ref_dx = []
+    for x, g in zip(xs, gs):
+        x = x.clone().requires_grad_()
+        torch.autograd.backward(ref.model(x), g)
+        ref_dx.append(x.grad)
+    return xs, gs, ref_dx
+
+
 def _interleaved(b, w, stage, xs: list, gs: list) -> list:
     """B and W of a rung over four microbatches in :data:`ORDER` on ``stage``; the input gradients."""
     states, dxs = {}, {}
@@ -356,14 +363,7 @@ def check() -> None:
 
     for cfg in (Config(4, 16, 4), Config(16, 64, 16), Config(4, 128, 16)):
         ref = build(cfg)
-        gen = torch.Generator().manual_seed(5)
-        xs = [torch.randn(ref.x.shape, generator=gen) for _ in range(4)]
-        gs = [torch.randn(ref.x.shape, generator=gen) for _ in range(4)]
-        ref_dx = []
-        for x, g in zip(xs, gs):
-            x = x.clone().requires_grad_()
-            torch.autograd.backward(ref.model(x), g)
-            ref_dx.append(x.grad)
+        xs, gs, ref_dx = _reference(ref)
         for name, (b, w) in RUNGS.items():
             st = build(cfg)
             dxs = _interleaved(b, w, st, xs, gs)
