@@ -268,11 +268,20 @@ def _backward_input(
     # B must keep the graph for the C++ intermediates W calls again; otherwise it releases every node
     # it runs, as a full backward does (Note [hooked saved tensors run once])
     retain = taken is None and any(not isinstance(n, BackwardCFunction) for n in deferred)
-    # custom Functions whose saved tensors B releases, or its engine call frees: read before that call
-    spent = frozenset([n for n in deferred if isinstance(n, BackwardCFunction) and holds_saved_tensors(n)])
     # Note [compiled regions split in two] (ppbackward._compiled): B runs these regions' input halves; and
     # where B keeps the graph, the regions it runs whole must not be refused for their donated buffers
-    regions = [(n, e) for n, e in zip(deferred, deferred_edges) if isinstance(n, BackwardCFunction) and is_region(n)]
+    regions = []
+    # custom Functions whose saved tensors B releases, or its engine call frees: read before that call. Not a
+    # region's: a write into "grads" for a region is refused by its type alone (_checked_grads), and reading a
+    # region's saved tensors costs one wrapper per tensor (a block's activations)
+    spent_list = []
+    for n, e in zip(deferred, deferred_edges):  # Note [no frame per node]
+        if isinstance(n, BackwardCFunction):
+            if is_region(n):
+                regions.append((n, e))
+            elif holds_saved_tensors(n):
+                spent_list.append(n)
+    spent = frozenset(spent_list)
     whole = [n for n in (*b_only, *eager.nodes) if isinstance(n, BackwardCFunction) and is_region(n)] if retain else []
     run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions, whole)
     captured: dict = {}
@@ -628,8 +637,8 @@ def _sharers(node: Any, structure: Any) -> str:
 
 def _refuse_reentrant_checkpoint(*node_lists) -> None:
     for nodes in node_lists:
-        for node in nodes:
-            if type(node).__name__ == "CheckpointFunctionBackward":
+        for kind in set(map(type, nodes)):  # the distinct node types, found in C (Note [no frame per node])
+            if kind.__name__ == "CheckpointFunctionBackward":
                 raise StageBackwardError(
                     "stage_backward_input: the stage uses torch.utils.checkpoint with "
                     "use_reentrant=True (node CheckpointFunctionBackward), whose backward cannot run "
