@@ -270,11 +270,11 @@ def _backward_input(
     retain = taken is None and any(not isinstance(n, BackwardCFunction) for n in deferred)
     # Note [compiled regions split in two] (ppbackward._compiled): B runs these regions' input halves; and
     # where B keeps the graph, the regions it runs whole must not be refused for their donated buffers
-    regions = []
+    regions: list[tuple[Any, tuple[int, ...]]] = []
     # custom Functions whose saved tensors B releases, or its engine call frees: read before that call. Not a
     # region's: a write into "grads" for a region is refused by its type alone (_checked_grads), and reading a
     # region's saved tensors costs one wrapper per tensor (a block's activations)
-    spent_list = []
+    spent_list: list[Any] = []
     for n, e in zip(deferred, deferred_edges):  # Note [no frame per node]
         if isinstance(n, BackwardCFunction):
             if is_region(n):
