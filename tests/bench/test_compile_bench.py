@@ -72,7 +72,7 @@ def test_the_report_prints_the_split_table_the_targets_and_the_split_verdict(qui
     assert lines[heading + 1].split() == ["regime", "N", "full", "B", "W", "B+W", "B+W/full", "median", "[q1-q3]",
                                           "B/full"]
     assert [line.split()[0] for line in lines[heading + 3 : heading + 5]] == ["first", "accumulating"]
-    assert 'Targets (docs/performance.md, "Compiled stages")' in text
+    assert 'Targets (docs/performance.md, "The split\'s host cost")' in text
     assert lines[-1] == "split: every B split every compiled region, grads as the compiled full backward's"
 
 

@@ -19,7 +19,7 @@ left of the split's cost there is measured two ways:
   benchmark] in ``ppbackward._tools.harness.schedule_bench``): ppbackward's ``ZBVZeroBubble`` and
   ``InterleavedZeroBubble`` against ``Interleaved1F1B`` with torch's backward, side by side in one launch.
 
-The targets (:data:`LIMIT_BW`, ``split.STEP_LIMITS``) are in docs/performance.md, "Compiled stages".
+The targets (:data:`LIMIT_BW`, ``split.STEP_LIMITS``) are in docs/performance.md, "The split's host cost".
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def format_run(run: CompileRun, rep: Any) -> str:
         parts.append(f"\nReal step: ERROR\n{run.schedule_error}")
     elif run.schedule is not None:
         parts.append(_real_step_text(run.schedule, rep))
-    parts.append(rep.targets_table(run.targets, 'docs/performance.md, "Compiled stages"'))
+    parts.append(rep.targets_table(run.targets, 'docs/performance.md, "The split\'s host cost"'))
     problems = split_problems(run)
     parts.append("\nsplit: " + ("; ".join(problems) if problems else "every B split every compiled region, grads "
                                 "as the compiled full backward's"))

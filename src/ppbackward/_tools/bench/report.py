@@ -172,7 +172,7 @@ TARGETS: tuple[Callable[[Report], Iterator[Target]], ...] = (
 
 
 def targets(report: Report) -> list[Target]:
-    """The benchmark's targets (docs/performance.md, "Targets") evaluated on ``report``: the records of
+    """The benchmark's targets (docs/performance.md, "Targets of 0.1.0") evaluated on ``report``: the records of
     :func:`target_row` of every generator of :data:`TARGETS`, in its order."""
     return [row for evaluate in TARGETS for row in evaluate(report)]
 

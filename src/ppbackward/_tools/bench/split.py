@@ -51,7 +51,7 @@ from ppbackward._tools.repeats import rotations
 __all__ = ["CONFIGS", "replayed_steps", "run"]  # private module: what other modules use
 
 # The configurations, from host-bound (4x16x4: the host's per-node cost is everything) to compute-bound
-# (4x512x64), and the limits on B+W over the full backward (docs/performance.md, Targets; issue 36 set
+# (4x512x64), and the limits on B+W over the full backward (docs/performance.md, "The split's host cost"; issue 36 set
 # 4x128x16 to 1.25).
 CONFIGS = (
     Config(4, 16, 4), Config(4, 128, 16), Config(4, 256, 16), Config(16, 64, 16), Config(16, 256, 16),
@@ -480,7 +480,7 @@ def format_run(report: SplitRun, rep: Any) -> str:
         from ppbackward._tools.bench.one_rank import format_one_rank
 
         parts.append(format_one_rank(report.one_rank_step))
-    parts.append(rep.targets_table(report.targets, 'docs/performance.md, "Zero bubble that pays"'))
+    parts.append(rep.targets_table(report.targets, 'docs/performance.md, "The split\'s host cost"'))
     return "\n".join(parts)
 
 
