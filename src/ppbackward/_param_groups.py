@@ -194,7 +194,8 @@ class ParamGroup:
         # cheap weight gradients it alone fed); a ``None`` among them: shared with another node
         self._replaced = replaced or {}
         # the custom Function nodes (of the stage: a group reads those among ``_nodes``) that saved tensors,
-        # which B released (or its engine call freed): W could not run their backward again
+        # which B released (or its engine call freed): W could not run their backward again (not compiled
+        # regions: _checked_grads refuses those by type)
         self._spent = spent
         self._written: list | None = None
         self._written_versions: list[tuple[torch.Tensor, int]] = []

@@ -431,8 +431,31 @@ def test_split_prints_a_progress_line_per_configuration_on_stderr(capsys):
     lines = [line for line in err.splitlines() if line.startswith("bench --split: ")]
     assert [line.split(" (elapsed ")[0] for line in lines] == [
         "bench --split: configuration 1/2: L2 d16 s4 (2x16x4)", "bench --split: configuration 2/2: L2 d32 s4 (2x32x4)",
+        "bench --split: the slow paths",
     ]
     assert all(line.endswith(" s)") for line in lines)
+
+
+def test_split_times_each_slow_path_beside_the_default_path(tmp_path):
+    """Issue 36, item 5: what a tensor hook on an intermediate and saved-tensor hooks cost, timed (Note [slow
+    paths timed]): a configuration per path in the JSON, and its lines under the default path's row."""
+    path = tmp_path / "split.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["--split", "--quick", "--repeats", "1", "--json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert sorted(report["slow_paths"]) == ["saved-tensor hooks", "tensor hook"]
+    for timed in report["slow_paths"].values():
+        assert timed["name"] == "4x64x16" and timed["nodes"] > 0
+        for regime in ("first", "accumulating"):
+            assert set(timed["time_ms"][regime]) == {"fwd", "full", "pp_b", "pp_w", "pp_bw"}
+    text = out.getvalue()
+    block = text[text.index("Slow paths timed") :].splitlines()[1:7]
+    assert [line.split()[0:2] for line in block] == [
+        ["default", "first"], ["default", "accumulating"], ["tensor", "hook"], ["tensor", "hook"],
+        ["saved-tensor", "hooks"], ["saved-tensor", "hooks"],
+    ]
 
 
 def test_plots_are_written_and_read_back(tmp_path):

@@ -27,7 +27,7 @@ from ppbackward._tools.harness.models import Config, Stage, build
 
 __all__ = [  # private module
     "COUNT_CONFIGS", "SLOW_PATHS", "CallCounts", "count_all", "count_calls", "count_calls_by_function",
-    "count_slow_path", "format_calls",
+    "count_slow_path", "format_calls", "slow_path_stage",
 ]
 
 
@@ -172,37 +172,45 @@ def _hook_output(_module: Any, _args: Any, out: torch.Tensor) -> None:
         out.register_hook(_same_grad)
 
 
-def count_slow_path(cfg: Config, path: str) -> CallCounts:
-    """:func:`count_calls` with one of :data:`SLOW_PATHS` in place (Note [slow paths counted])."""
-    import contextlib
+class _UnderSavedTensorHooks(torch.nn.Sequential):
+    """A stage's model (its one child) whose forward runs under an identity ``saved_tensors_hooks`` pair (Note
+    [slow paths counted])."""
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            return self[0](x)
+
+
+def slow_path_stage(cfg: Config, path: str) -> tuple[Stage, list[Any]]:
+    """``cfg``'s bench stage taking one of :data:`SLOW_PATHS` (Note [slow paths counted]) on every forward,
+    and the hook handles to remove when done (none for ``"saved-tensor hooks"``, whose model is wrapped).
+
+    Raises:
+        ValueError: ``path`` is not one of :data:`SLOW_PATHS`.
+    """
     stage = build(cfg)
-    handles = []
     if path == "tensor hook":
         linears = [m for m in stage.model.modules() if isinstance(m, torch.nn.Linear)]
-        handles = [m.register_forward_hook(_hook_output) for m in linears]
-    elif path != "saved-tensor hooks":
-        raise ValueError(f"unknown slow path {path!r}; one of {SLOW_PATHS}")
+        return stage, [m.register_forward_hook(_hook_output) for m in linears]
+    if path == "saved-tensor hooks":
+        return stage._replace(model=_UnderSavedTensorHooks(stage.model)), []
+    raise ValueError(f"unknown slow path {path!r}; one of {SLOW_PATHS}")
 
-    def forward_context() -> Any:
-        if path == "saved-tensor hooks":
-            return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
-        return contextlib.nullcontext()
 
+def count_slow_path(cfg: Config, path: str) -> CallCounts:
+    """:func:`count_calls` with one of :data:`SLOW_PATHS` in place (Note [slow paths counted])."""
+    stage, handles = slow_path_stage(cfg, path)
     try:
         _accumulating(stage)
         nodes = graph_nodes(stage)
         b, w = _ours.stage_backward_input, _ours.stage_backward_weight
         for _ in range(2):
-            with forward_context():
-                out = stage.model(stage.x)
+            out = stage.model(stage.x)
             _, groups = b((out,), (stage.grad,), [stage.x], iter(stage.params))
             w(iter(stage.params), groups)
-        with forward_context():
-            out = stage.model(stage.x)
+        out = stage.model(stage.x)
         full, _ = _counted(lambda: _ours.stage_backward((out,), (stage.grad,), [stage.x]))
-        with forward_context():
-            out = stage.model(stage.x)
+        out = stage.model(stage.x)
         n_b, (_, groups) = _counted(lambda: b((out,), (stage.grad,), [stage.x], iter(stage.params)))
         n_w, _ = _counted(lambda: w(iter(stage.params), groups))
     finally:

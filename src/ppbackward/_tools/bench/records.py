@@ -193,6 +193,8 @@ class SplitRun:
         one_rank_step: with ``--one-rank-step``, ``bench.one_rank.measure``'s result or ``{"error": why}``.
         calls: Python calls per microbatch of the full backward, B and W, and the stage's node count, per
             configuration (``bench.calls.count_calls`` as dicts: Note [counted host cost]).
+        slow_paths: B's slow paths timed, by path (``"tensor hook"``, ``"saved-tensor hooks"``): each a
+            :class:`SplitConfig` of the stage taking that path (Note [slow paths timed] in ``bench.split``).
         targets: the rows of ``report.target_row``, evaluated last.
 
     Its JSON object (:meth:`to_report`) has ``schedule`` as ``{"error": why}`` for a failed real step, so it
@@ -206,6 +208,7 @@ class SplitRun:
     one_rank_step: dict[str, Any] | None = None
     targets: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    slow_paths: dict[str, SplitConfig] = dataclasses.field(default_factory=dict)
 
     def to_report(self) -> dict[str, Any]:
         """The JSON object of ``--json``: ``meta``, ``split``, ``schedule`` and ``one_rank_step`` where
@@ -219,6 +222,8 @@ class SplitRun:
             out["one_rank_step"] = self.one_rank_step
         if self.calls:
             out["calls"] = self.calls
+        if self.slow_paths:
+            out["slow_paths"] = {path: to_json(c) for path, c in self.slow_paths.items()}
         out["targets"] = self.targets
         return out
 
@@ -239,6 +244,10 @@ class SplitRun:
             one_rank_step=data.get("one_rank_step"),
             targets=data.get("targets", []),
             calls=data.get("calls", []),
+            slow_paths={
+                path: from_json(SplitConfig, c, f"slow_paths[{path!r}]")
+                for path, c in data.get("slow_paths", {}).items()
+            },
         )
 
 

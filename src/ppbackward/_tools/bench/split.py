@@ -168,6 +168,57 @@ def measure_config(
     )
 
 
+# Note [slow paths timed]: what B's other paths (the graphs of Note [slow paths counted] in ``bench.calls``: a
+# tensor hook on every linear layer's output, the forward under an identity ``saved_tensors_hooks`` pair) cost
+# in time, on the first of the counted configurations (4x16x4, the host-bound stage, where a path's host cost
+# shows most). Each path is a configuration of its own (:func:`measure_config` on the stage taking that path on
+# every forward): ppbackward's full backward and its B then W on the same hooked graph, interleaved, both
+# regimes, on the CPU (``--device cuda`` runs none); printed beside the default path's figures of the same
+# configuration from the same run, so that B's and W's ms say what the path adds and B+W over the full
+# backward what the split costs on such a graph.
+def measure_slow_paths(cfg: Config, repeats: int, budget_s: float | None) -> dict[str, SplitConfig]:
+    """Each of ``bench.calls.SLOW_PATHS`` on ``cfg``, timed as a :class:`SplitConfig` (Note [slow paths timed])."""
+    out: dict[str, SplitConfig] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as measure's
+    try:
+        for path in _calls.SLOW_PATHS:
+            stage, handles = _calls.slow_path_stage(cfg, path)
+            try:
+                out[path] = measure_config(cfg, repeats, budget_s, stage=stage, torch_split=False)
+            finally:
+                for h in handles:
+                    h.remove()
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _slow_path_lines(report: SplitRun) -> list[str]:
+    """The slow paths' lines (Note [slow paths timed]): per path and regime, the full backward's, B's and W's ms
+    and B+W over that full backward, under the default path's row of the same configuration where it ran."""
+    if not report.slow_paths:
+        return []
+    name = next(iter(report.slow_paths.values())).name
+    rows: list[tuple[str, SplitConfig]] = [("default", c) for c in report.split.configs if c.name == name]
+    rows += list(report.slow_paths.items())
+    lines = [
+        f"\nSlow paths timed (Note [slow paths timed]; {name}): ms (min of N), B+W over ppbackward's full "
+        "backward of the same graph (min/min; median)"
+    ]
+    for path, c in rows:
+        for regime in REGIMES:
+            t, ratios = c.times(regime), c.ratios_of(regime)
+            if "pp" not in ratios:
+                continue
+            ms, bw = t.variants["pp"], ratios["pp"].bw
+            lines.append(
+                f"  {path:<20} {regime:<12} N={c.repeats:<3} full {t.full:6.2f}  B {ms.b:6.2f}  W {ms.w:6.2f}  "
+                f"B+W {bw.min_ratio:.2f}x ({bw.median:.2f})"
+            )
+    return lines
+
+
 def graph_nodes(stage: Stage) -> int:
     """The number of autograd nodes one microbatch's backward of ``stage`` walks (its graph below the
     output, down to the stage input and the parameters' ``AccumulateGrad`` nodes)."""
@@ -372,6 +423,11 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     split = measure(configs, repeats, None if args.quick else args.budget, device=device, progress=progress)
     report = SplitRun(meta=meta, split=split)
     report.calls = [c._asdict() for c in _calls.count_all()]
+    if device.type == "cpu":  # Note [slow paths timed]
+        progress("the slow paths")
+        report.slow_paths = measure_slow_paths(
+            configs[0] if args.quick else _calls.COUNT_CONFIGS[0], repeats, None if args.quick else args.budget
+        )
     if args.schedule:
         progress("the real step under torchrun")
     failed = _real_step(args, report) if args.schedule else False
@@ -471,6 +527,7 @@ def format_run(report: SplitRun, rep: Any) -> str:
         f"CPU allocator: {m.get('allocator', 'not recorded')}",
         format_split(report.split),
         *_calls.format_calls([_calls.CallCounts(**c) for c in report.calls]),
+        *_slow_path_lines(report),
     ]
     if report.schedule_error is not None:
         parts.append(f"\nReal step: ERROR\n{report.schedule_error}")
