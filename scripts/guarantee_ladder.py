@@ -300,8 +300,7 @@ def check_compiled(backend: str) -> None:
 def main_compiled(argv: list[str]) -> None:
     from ppbackward._tools.bench import split
     from ppbackward._tools.bench.compiled import check_split
-    from ppbackward._tools.bench.records import SplitCosts, SplitResult
-    from ppbackward._tools.bench.replay import replay
+    from ppbackward._tools.bench.records import SplitResult
     from ppbackward._tools.harness.models import parse_configs
 
     torch.set_num_threads(1)
@@ -318,12 +317,21 @@ def main_compiled(argv: list[str]) -> None:
         c = split.measure_config(cfg, repeats, None, extra=COMPILED_RUNGS, stage=stage, torch_split=False)
         text = split.format_split(SplitResult(device="cpu", configs=[c]))
         print(text.split("\nHost cost")[0].split("\nReplayed")[0].split("\n", 1)[1], flush=True)
-        t = c.times("accumulating")
-        for name, ms in sorted(t.variants.items()):  # each rung's costs replayed (Note [replayed step])
-            rp = replay(SplitCosts(F=t.fwd, full=t.full, B=ms.b, W=ms.w), ranks=2).ratio_to_1f1b
-            izb, zbv = rp["ScheduleInterleavedZeroBubble/measured"], rp["ScheduleZBVZeroBubble/measured"]
-            print(f"{'':<13} replayed step, 2 ranks, 8 mb, {name}: IZB {izb:.2f}x ZBV {zbv:.2f}x Interleaved1F1B's")
+        _print_replays(c)
     print(f"load average at end {pathlib.Path('/proc/loadavg').read_text().split()[:3]}")
+
+
+def _print_replays(c) -> None:
+    """Each rung's accumulating costs replayed in the zero-bubble steps (Note [replayed step]; 2 ranks, 8
+    microbatches), as ratios to Interleaved1F1B's."""
+    from ppbackward._tools.bench.records import SplitCosts
+    from ppbackward._tools.bench.replay import replay
+
+    t = c.times("accumulating")
+    for name, ms in sorted(t.variants.items()):
+        rp = replay(SplitCosts(F=t.fwd, full=t.full, B=ms.b, W=ms.w), ranks=2).ratio_to_1f1b
+        izb, zbv = rp["ScheduleInterleavedZeroBubble/measured"], rp["ScheduleZBVZeroBubble/measured"]
+        print(f"{'':<13} replayed step, 2 ranks, 8 mb, {name}: IZB {izb:.2f}x ZBV {zbv:.2f}x Interleaved1F1B's")
 
 
 ORDER = ["B0", "B1", "W0", "B2", "W1", "B3", "W2", "W3"]  # B1 B2 W1 B3 W2 B4 W3 W4, grads accumulating
@@ -397,6 +405,7 @@ def main(argv: list[str]) -> None:
     for cfg in configs:
         result = split.measure([cfg], repeats, None, extra=RUNGS)
         print(split.format_split(result).split("\nHost cost")[0].split("\n", 1)[1], flush=True)
+        _print_replays(result.configs[0])
     print(f"load average at end {pathlib.Path('/proc/loadavg').read_text().split()[:3]}")
 
 
