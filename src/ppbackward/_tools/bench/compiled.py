@@ -35,7 +35,7 @@ import ppbackward
 import ppbackward.backward as _ours
 from ppbackward._tools.bench import split as _split
 from ppbackward._tools.bench.records import CompiledSplit, CompileRun
-from ppbackward._tools.bench.timing import REGIMES, loadavg
+from ppbackward._tools.bench.timing import REGIMES, loadavg, one_torch_thread
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 from ppbackward._tools.harness.records import Tolerance
 from ppbackward._tools.harness.schedule_bench import compile_layers
@@ -84,20 +84,18 @@ def measure(
     """Note [compiled split cost], in this process: ``cfg`` with every layer compiled by ``backend``, checked
     (:func:`check_split`), then B, W and B+W against the compiled full backward, both regimes, torch's thread
     count at 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     was_installed = ppbackward.is_installed()
-    try:
-        ppbackward.install()  # the backward graphs are compiled through ppbackward's splitting compiler
-        eager_nodes = _split.graph_nodes(_split.on_device(build(cfg), device))
-        stage = _split.on_device(build(cfg), device)
-        compile_layers(stage.model, backend)
-        exact, per_b = check_split(stage)
-        config = _split.measure_config(cfg, repeats, budget_s, device=device, stage=stage, torch_split=False)
-    finally:
-        if not was_installed:
-            ppbackward.uninstall()
-        torch.set_num_threads(threads)
+    with one_torch_thread():
+        try:
+            ppbackward.install()  # the backward graphs are compiled through ppbackward's splitting compiler
+            eager_nodes = _split.graph_nodes(_split.on_device(build(cfg), device))
+            stage = _split.on_device(build(cfg), device)
+            compile_layers(stage.model, backend)
+            exact, per_b = check_split(stage)
+            config = _split.measure_config(cfg, repeats, budget_s, device=device, stage=stage, torch_split=False)
+        finally:
+            if not was_installed:
+                ppbackward.uninstall()
     return CompiledSplit(
         backend=backend, device=str(torch.device(device)), config=dataclasses.replace(config, limit_bw=LIMIT_BW),
         regions=cfg.layers, eager_nodes=eager_nodes, regions_per_b=per_b, grads_match=exact,

@@ -42,7 +42,7 @@ from torch.distributed.pipelining import schedules as _schedules
 
 import ppbackward
 from ppbackward._install import merge_bw_enabled
-from ppbackward._tools.bench.timing import device_clock, gc_paused
+from ppbackward._tools.bench.timing import device_clock, gc_paused, one_torch_thread
 from ppbackward._tools.harness.actions import count_compute
 from ppbackward._tools.harness.models import build_stack
 from ppbackward._tools.harness.schedule_bench import build_stages, grads_close, mse_loss, param_grads, variant_name
@@ -210,13 +210,8 @@ def measure(cfg: OneRankConfig = DEFAULT, device: torch.device | str = "cpu") ->
             the first step of a variant under ppbackward's backward raised (the message names it).
     """
     device = torch.device(device)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _install_state_kept(), world_of_one(device) as backend:
-            return {"backend": backend, **_measure(cfg, device)}
-    finally:
-        torch.set_num_threads(threads)
+    with one_torch_thread(), _install_state_kept(), world_of_one(device) as backend:
+        return {"backend": backend, **_measure(cfg, device)}
 
 
 def _measure(cfg: OneRankConfig, device: torch.device) -> dict[str, Any]:

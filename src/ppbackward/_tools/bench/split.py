@@ -42,6 +42,7 @@ from ppbackward._tools.bench.timing import (
     fit_repeats,
     gc_paused,
     loadavg,
+    one_torch_thread,
     prepare_regime,
 )
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
@@ -179,9 +180,7 @@ def measure_config(
 def measure_slow_paths(cfg: Config, repeats: int, budget_s: float | None) -> dict[str, SplitConfig]:
     """Each of ``bench.calls.SLOW_PATHS`` on ``cfg``, timed as a :class:`SplitConfig` (Note [slow paths timed])."""
     out: dict[str, SplitConfig] = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as measure's
-    try:
+    with one_torch_thread():  # as measure's
         for path in _calls.SLOW_PATHS:
             stage, handles = _calls.slow_path_stage(cfg, path)
             try:
@@ -189,8 +188,6 @@ def measure_slow_paths(cfg: Config, repeats: int, budget_s: float | None) -> dic
             finally:
                 for h in handles:
                     h.remove()
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -268,9 +265,7 @@ def measure(
     ``"configuration i/n: <label>"`` as each configuration starts (``run`` prints it on stderr)."""
     from ppbackward._tools.bench import replay as _replay
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         out = []
         for i, cfg in enumerate(configs, 1):
             if progress is not None:
@@ -281,8 +276,6 @@ def measure(
             replay = {f"{r} ranks": _replay.replay(costs, ranks=r) for r in (2, 4)}
             out.append(dataclasses.replace(c, costs_ms=costs, replay=replay))
         return SplitResult(device=str(torch.device(device)), configs=out)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def targets(result: SplitResult, schedule: ScheduleBench | None = None) -> list[dict[str, Any]]:

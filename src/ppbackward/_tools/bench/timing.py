@@ -37,6 +37,7 @@ __all__ = [  # private module: what other modules use
     "fit_repeats",
     "gc_paused",
     "loadavg",
+    "one_torch_thread",
     "prepare_regime",
     "time_config",
 ]
@@ -78,6 +79,18 @@ def loadavg() -> float | None:
         return round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):
         return None
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch's intra-op thread count at 1 for the block, restored after: every timing of the bench runs one
+    thread, so a ratio compares host work, not how many cores an op spread over."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

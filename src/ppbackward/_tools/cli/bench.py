@@ -385,8 +385,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     request = _validate(parser, args)
 
-    import torch  # torch.profiler's chatter (allocator counts, profile): Note [quiet profiler] in bench.quiet
-
     if args.split:
         from ppbackward._tools.bench import split as _split
 
@@ -397,13 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         return _compiled_bench.run(args, _meta(argv))
 
     from ppbackward._tools.bench import report as _report
+    from ppbackward._tools.bench.timing import one_torch_thread
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         report, failed = _measure(args, request, argv)
-    finally:
-        torch.set_num_threads(threads)
     print(_report.format_text(report, _report.STEP_SECTIONS if request.step_only else _report.SECTIONS))
     problem = _report.summary_line(report)
     if problem:
