@@ -107,9 +107,12 @@ def test_torch_backward_fails_exactly_the_stated_kinds(launch: str, case: str, l
     records = result.case(case)
     if result.case_status(case) == "skip":
         pytest.skip(next(r.reason for r in records.values() if r))
+    assert all(records.values()), result.format_case(case)
     found = {finding.kind.key for record in records.values() if record for finding in diagnose(record)}
-    found.discard("peer-failed")  # a rank waiting for the one that raised: a consequence
+    # a rank waiting for the one that raised: a consequence; alone, a stall with no kind of torch's
+    assert found != {"peer-failed"}, f"{case}: every failing rank timed out waiting\n" + result.format_case(case)
+    found.discard("peer-failed")
     expected = expected_kinds(case)
     reasons = "\n".join(f"  {k.key}: {k.reason}" for k in KINDS if k.key in expected | found)
     stated = f"{case}: torch's backward failed with {sorted(found)}, stated {sorted(expected)}\n{reasons}\n"
-    assert found == expected, stated + (result.format_case(case) if found else "")
+    assert found == expected, stated + result.format_case(case)
