@@ -231,6 +231,13 @@ def stage_backward_input(
     weight_list = _weights_list(weights)
     wanted = _grad_inputs(input_values)
     weight_set = WeightSet(frozenset(map(id, weight_list)), len(weight_list), _any_dtensor(weight_list))
+    for i, t in wanted:  # B stops at a stage input (its gradient is returned): as a weight, W would give it none
+        if id(t) in weight_set.ids:
+            k = next(k for k, w in enumerate(weight_list) if w is t)
+            raise BadValue(
+                f"input_values[{i}]: the same tensor as weights[{k}]; a stage input's gradient is B's returned "
+                "input gradient, so weights are only the stage's parameters"
+            )
     if not flat.tensors:
         return tuple(None for _ in input_values), ParamGroups([], weight_set)
     # Note [B claims its outputs]; Note [no collection inside B and W] in ppbackward._gc_pause

@@ -165,6 +165,22 @@ def test_weights_that_are_not_tensors_are_refused_before_anything_runs(weights, 
     assert x.grad is None and all(p.grad is None for p in m.parameters())
 
 
+def test_a_stage_input_among_the_weights_is_refused_before_anything_runs():
+    """Hostile review (2026-12-03): an input also passed as a weight got its gradient from B and none from W,
+    silently (B stops at a stage input)."""
+    m = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 4))
+    x = torch.randn(3, 6, requires_grad=True)
+    out = m(x)
+    with pytest.raises(ValueError) as info:
+        pb.stage_backward_input(out, torch.ones(3, 4), [3, x], [*m.parameters(), x])
+    assert str(info.value).startswith("input_values[1]: the same tensor as weights[4];")
+    assert isinstance(info.value, pb.StageBackwardError)
+    assert x.grad is None and all(p.grad is None for p in m.parameters())
+    grads, groups = pb.stage_backward_input(out, torch.ones(3, 4), [3, x], m.parameters())  # nothing was run
+    pb.stage_backward_weight(m.parameters(), groups)
+    assert grads[1] is not None and all(p.grad is not None for p in m.parameters())
+
+
 def test_w_rejects_upstream_param_groups():
     m, _, _ = _b()
     with pytest.raises(TypeError, match=r"param_groups: expected the ppbackward\.ParamGroups"):
