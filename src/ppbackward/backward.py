@@ -214,9 +214,9 @@ def stage_backward_input(
         [param groups read like torch's]) to pass to :func:`stage_backward_weight` exactly once.
 
     Raises:
-        ValueError, TypeError: malformed ``output_grads``, or ``weights`` not an iterable of tensors;
-            nothing has been run then (a ``GradientEdge`` output without output gradients raises one that
-            is also an ``AssertionError``, as torch 2.15's B does).
+        ValueError, TypeError: malformed ``output_grads``, ``weights`` not an iterable of tensors, or a stage
+            input that is also among ``weights``; nothing has been run then (a ``GradientEdge`` output without
+            output gradients raises one that is also an ``AssertionError``, as torch 2.15's B does).
         StageBackwardError: after B's engine call, when a hook of that call changed in place a gradient B
             had captured for W (Note [captured gradients are checked at W]); the input gradients are
             not returned, nothing was accumulated and no hook is left registered.
@@ -235,8 +235,8 @@ def stage_backward_input(
         if id(t) in weight_set.ids:
             k = next(k for k, w in enumerate(weight_list) if w is t)
             raise BadValue(
-                f"input_values[{i}]: the same tensor as weights[{k}]; a stage input's gradient is B's returned "
-                "input gradient, so weights are only the stage's parameters"
+                f"input_values[{i}]: the same tensor as weights[{k}]; B returns a stage input's gradient, so "
+                "leave it out of weights"
             )
     if not flat.tensors:
         return tuple(None for _ in input_values), ParamGroups([], weight_set)

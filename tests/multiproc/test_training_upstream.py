@@ -107,7 +107,7 @@ def test_torch_backward_fails_exactly_the_stated_kinds(launch: str, case: str, l
     records = result.case(case)
     if result.case_status(case) == "skip":
         pytest.skip(next(r.reason for r in records.values() if r))
-    assert all(records.values()), result.format_case(case)
+    assert all(records.values()), f"{case}: a rank left no record of it\n" + result.format_case(case)
     found = {finding.kind.key for record in records.values() if record for finding in diagnose(record)}
     # a rank waiting for the one that raised: a consequence; alone, a stall with no kind of torch's
     assert found != {"peer-failed"}, f"{case}: every failing rank timed out waiting\n" + result.format_case(case)
