@@ -382,6 +382,28 @@ def test_print_of_a_report_is_readable_and_names_what_holds_a_kept_output():
     assert "what holds" not in str(report)
 
 
+class _Unreadable(torch.Tensor):
+    """A tensor whose ``grad_fn`` read raises as an undefined tensor's does: a tensor object the gc cleared in a
+    cycle it could not free yet (a full-suite CI run met one on torch 2.5.1)."""
+
+    @property
+    def grad_fn(self):
+        raise RuntimeError("cannot call get_autograd_meta() on undefined tensor")
+
+
+def test_the_holder_search_passes_over_a_tensor_whose_grad_fn_cannot_be_read():
+    w, x = torch.randn(4, requires_grad=True), torch.randn(4)
+    loop = _Loop()
+    with track_activations() as tracker:
+        loop.step(w, x, keep=True)
+    unreadable = torch.zeros(2).as_subclass(_Unreadable)
+    with pytest.raises(RuntimeError, match="undefined tensor"):
+        unreadable.grad_fn  # noqa: B018  # what the search meets in the heap
+    (chain,) = tracker.report().held_by
+    assert "_Loop object via .outputs" in chain
+    del unreadable
+
+
 def test_storages_of_a_dtensor_are_its_local_tensors_not_its_mesh() -> None:
     """DTensor's ``__tensor_flatten__`` lists ``device_mesh`` next to ``_local_tensor`` (torch 2.13): the
     tracker opens only the inner tensors (it raised AttributeError on the mesh before issue 20's fix)."""

@@ -77,9 +77,15 @@ _HOLDER_CHAINS = 3  # chains in ActivationReport.held_by
 
 
 def _made_in_block(t: torch.Tensor, key: str) -> bool:
-    """Whether ``t``'s ``grad_fn`` is a node the tracker watches (its sentinel is in the node's metadata)."""
-    with torch._C.DisableTorchFunction():
-        fn = t.grad_fn
+    """Whether ``t``'s ``grad_fn`` is a node the tracker watches (its sentinel is in the node's metadata).
+    ``False`` for a tensor object whose ``grad_fn`` cannot be read: one the gc cleared in a cycle it could not
+    free yet (an undefined tensor: ``cannot call get_autograd_meta() on undefined tensor``, seen on torch 2.5.1
+    in a heap scan), which holds no graph."""
+    try:
+        with torch._C.DisableTorchFunction():
+            fn = t.grad_fn
+    except RuntimeError:
+        return False
     if fn is None:
         return False
     try:
