@@ -125,10 +125,6 @@ def weight_contributions(calls: list[NodeCall], taken: dict) -> list[Contributio
         return out
     new = tuple.__new__  # Note [no frame per node] in ppbackward.backward: the formula inline, per call
     strided = torch.strided
-    inference = torch.is_inference_mode_enabled()
-    guard = torch.inference_mode(False) if inference else None
-    if guard is not None:
-        guard.__enter__()
     check_nan = torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
@@ -162,6 +158,4 @@ def weight_contributions(calls: list[NodeCall], taken: dict) -> list[Contributio
                 out.append(new(Contribution, (new(GradientEdge, nf[j][:2]), g, seq)))
     finally:
         torch._C._set_grad_enabled(grad_was)
-        if guard is not None:
-            guard.__exit__(None, None, None)
     return out

@@ -228,6 +228,11 @@ def stage_backward_input(
             return stage_backward_input(stage_outputs_or_loss, output_grads, input_values, weights)
     input_values = list(input_values)
     flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads, consumed=_DETACHED)
+    grads = flat.grads
+    for i in range(len(grads)):  # Note [inference-tensor output gradients]
+        g = grads[i]
+        if g is not None and g.is_inference():
+            grads[i] = g.clone()
     weight_list = _weights_list(weights)
     wanted = _grad_inputs(input_values)
     weight_set = WeightSet(frozenset(map(id, weight_list)), len(weight_list), _any_dtensor(weight_list))
@@ -245,6 +250,13 @@ def stage_backward_input(
         return _backward_input(flat, output_grads is not None, input_values, wanted, weight_set)
 
 
+# Note [inference-tensor output gradients]: an output gradient made under ``torch.inference_mode()`` (B called
+# there, its gradients made beside it) has no version counter, and B records the version of every gradient it
+# keeps for W (Note [captured gradients are checked at W] in ``ppbackward._handoff``): an output's gradient is
+# one of them, and the gradient flowing into the last intermediate may be that very tensor. B gives such a
+# gradient to its engine call as a copy made outside inference mode: the same values, a version counter; W,
+# called under inference mode, then makes the weights' ``.grad`` inference tensors as a full backward there
+# does (tests/core/test_edge_cases.py).
 def _backward_input(
     flat: FlatOutputs, grads_given: bool, input_values: list[Any], wanted: list, weight_set: WeightSet
 ) -> tuple[tuple[torch.Tensor | None, ...], ParamGroups]:

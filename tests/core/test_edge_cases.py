@@ -168,3 +168,29 @@ def test_split_backward_called_under_inference_mode_matches_autograd():
     assert torch.equal(gx, x_ref.grad)
     for p, q in zip(module.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_grads_made_under_inference_mode_are_inference_tensors_as_a_full_backward_makes_them():
+    """A full backward run inside ``torch.inference_mode()`` leaves every ``.grad`` an inference tensor (made
+    there); B then W must too, over two accumulating microbatches, the weight matmuls W computes itself
+    included (Note [weight matmuls from their saved input])."""
+
+    def grads(split: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+        x = torch.randn(3, 4, requires_grad=True)
+        for _ in range(2):
+            out = module(x)
+            with torch.inference_mode():
+                if split:
+                    _, groups = pb.stage_backward_input(out, torch.ones(3, 4), [x], module.parameters())
+                    pb.stage_backward_weight(module.parameters(), groups)
+                else:
+                    pb.stage_backward(out, torch.ones(3, 4), [x])
+        return [p.grad for p in module.parameters() if p.grad is not None]
+
+    split, full = grads(split=True), grads(split=False)
+    assert len(split) == len(full) == 6
+    for got, want in zip(split, full):
+        assert want.is_inference() and got.is_inference()
+        assert torch.equal(got, want)
