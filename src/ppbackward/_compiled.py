@@ -298,9 +298,14 @@ def _weight_outputs(node: Any, w_edges: tuple[int, ...], n_outputs: int) -> tupl
     if len(wanted) != len(valid) or len(needs) > n_outputs:
         return f"its {n_outputs} backward outputs do not line up with its {len(valid)} edges"
     by_edge = dict(zip(valid, wanted))
-    if any(e not in by_edge for e in w_edges):
-        return "a weight edge of it has no forward input"
-    return tuple(sorted(by_edge[e] for e in w_edges))
+    outputs = []
+    for e in w_edges:  # a plain loop: B calls this per region, and a generator resumes once per edge
+        i = by_edge.get(e)
+        if i is None:
+            return "a weight edge of it has no forward input"
+        outputs.append(i)
+    outputs.sort()
+    return tuple(outputs)
 
 
 def _log_once(why: str) -> None:
