@@ -192,6 +192,30 @@ def test_a_chain_to_a_local_variable_says_so():
     assert tracker.report().held_by == []  # the report itself kept nothing alive
 
 
+def test_a_chain_to_a_frozen_holder_says_gc_freeze_may_hide_it():
+    """``gc.freeze()`` moves every object alive to a generation ``gc.get_referrers`` does not search: a tensor
+    made after it but held by an object frozen before it has a holder out of sight, and the chain's last line
+    names that possibility."""
+    w = torch.randn(4, requires_grad=True)
+    holder = _Marker()
+    with track_activations() as tracker:
+        holder.kept = (w * 2).exp().sum()  # type: ignore[attr-defined]
+    (chain,) = tracker.report().held_by  # the negative control: the heap whole, the holder seen
+    assert "_Marker object via .kept" in chain and "gc.freeze()" not in chain
+    gc.freeze()  # the holder (and its __dict__) out of sight
+    try:
+        with track_activations() as tracker:
+            holder.kept = (w * 3).exp().sum()  # type: ignore[attr-defined]
+        (chain,) = tracker.report().held_by
+        assert "_Marker" not in chain
+        assert chain.splitlines()[-1].endswith(
+            f"; or one of the {gc.get_freeze_count()} objects gc.freeze() put out of the gc's sight)"
+        )
+    finally:
+        gc.unfreeze()
+    del holder
+
+
 def _bare_heap_scans(path: Path) -> list[str]:
     """``file:line`` of every reference to ``gc.get_objects`` / ``gc.get_referrers`` in ``path``: a call,
     a ``map(gc.get_referrers, ...)``, ``from gc import get_objects``, through any name ``gc`` is bound to."""

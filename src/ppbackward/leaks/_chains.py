@@ -393,12 +393,16 @@ def format_holders(holders: Holders) -> str:
         lines.append(f"  <- [{i}] {_describe(folded[i])}" + (f" via {label}" if label else ""))
     if holders.unheld:
         last = len(folded) - 1
-        lines.append(
+        line = (
             f"  (nothing the gc sees refers to [{last}], nor a local variable of a running function: C code holds it)"
             if _LOCALS_SEEN else
             f"  (nothing the gc sees refers to [{last}]: a local variable of a running function or C code holds it;"
             " Python 3.13+ names the function)"
         )
+        frozen = gc.get_freeze_count()
+        if frozen:  # gc.freeze() hides objects from gc.get_referrers as from collections
+            line = f"{line[:-1]}; or one of the {frozen} objects gc.freeze() put out of the gc's sight)"
+        lines.append(line)
     return "\n".join(lines)
 
 
