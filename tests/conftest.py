@@ -3,7 +3,6 @@ full name (``from tests.core.stages import build``), and pytest puts the reposit
 
 import gc
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,24 +21,22 @@ ppbackward._plan.VERIFY = True
 # Note [frozen heap]: a full collection visits every object the gc tracks, and by the middle of the suite that is
 # most of a million (torch, dynamo, every test module): 0.1-0.2 s per gc.collect(), which the leak checks call several
 # times per test (before, during and after a block, until one finds nothing). So each test module runs with the
-# objects that existed before it frozen (gc.freeze(): moved to the permanent generation, which collections skip) and
-# unfrozen after it. A test's verdicts are about the objects it creates, which stay in the young generations: cyclic
-# garbage among them is found as before, and a cycle through a frozen object is alive from outside (it was reachable
-# before the module ran). Frozen objects are out of sight of gc.get_objects and gc.get_referrers too, so what searches
-# the whole heap keeps it whole: the heap scans' own tests (tests/leaks/test_heap.py: the race of issue 39 and the
-# scans' reference counts are about the real heap), the probes of the multiprocess harness, and the docs, which run
-# users' code as users run it.
-_WHOLE_HEAP = ("multiproc", "docs", "leaks/test_heap.py")
-_TESTS = Path(__file__).resolve().parent
-
-
+# objects alive before it frozen (after one full collection, so that no pending garbage is frozen with them;
+# gc.freeze() moves them to the permanent generation, which collections skip) and unfrozen after it. A test's verdicts
+# are about the objects it creates, which the collections still visit: cyclic garbage among them is found as before,
+# and a cycle through a frozen object is alive from outside as long as that object stays reachable, which the
+# module's own globals and session fixtures do. What the freeze would hide: a cycle through a frozen object that a test
+# drops (no test here drops an object made before its module) and a leftover of an earlier module (each module's
+# checks arm themselves after their own collection anyway). gc.freeze() and gc.unfreeze() do not nest: code under
+# test that calls gc.unfreeze() (the multiprocess worker's Note [gc freeze]) thaws the module, which is then only
+# slower. Frozen objects are out of sight of gc.get_objects and gc.get_referrers too, so a module that searches the
+# whole heap overrides this fixture with one that freezes nothing (`_heap_frozen` in tests/leaks/test_heap.py, whose
+# race of issue 39 and reference counts are about the real heap; tests/multiproc/conftest.py, whose probes search
+# for holders; tests/docs/conftest.py, which runs users' code as users run it).
 @pytest.fixture(scope="module", autouse=True)
-def _heap_frozen(request):
+def _heap_frozen():
     """Note [frozen heap]."""
-    where = Path(request.path).resolve().relative_to(_TESTS).as_posix()
-    if any(where == name or where.startswith(name + "/") for name in _WHOLE_HEAP):
-        yield
-        return
+    gc.collect()
     gc.freeze()
     try:
         yield

@@ -180,3 +180,10 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Launch
     if _LAUNCHES is None:  # nothing was prefetched (e.g. a test reads a launch it did not declare)
         _LAUNCHES = _Launches(tmp_path_factory.mktemp("multiproc"))
     return _LAUNCHES.get
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _heap_frozen():
+    """The harness probes search the whole heap for holders: nothing frozen (Note [frozen heap] in
+    tests/conftest.py)."""
+    yield
