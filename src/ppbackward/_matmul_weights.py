@@ -125,6 +125,8 @@ def weight_contributions(calls: list[NodeCall], taken: dict) -> list[Contributio
         return out
     new = tuple.__new__  # Note [no frame per node] in ppbackward.backward: the formula inline, per call
     strided = torch.strided
+    # in the caller's inference mode, as the engine runs W's other nodes: under it the gradients are inference
+    # tensors, as a full backward there makes them (Note [inference-tensor gradients] in ppbackward._tree)
     check_nan = torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)

@@ -26,7 +26,7 @@ from torch.autograd.graph import GradientEdge, Node
 from ppbackward._compiled import PendingWeightGrads, is_region
 from ppbackward._errors import BadType, BadValue, StageBackwardError
 from ppbackward._graph import Intermediate
-from ppbackward._tree import check_like
+from ppbackward._tree import check_like, versioned
 
 # private module: what other modules use (ppbackward._handoff, backward, _weight_edges)
 __all__ = ["CLAIM_LOCK", "Contribution", "NodeCall", "ParamGroup", "RegionCall"]
@@ -382,7 +382,9 @@ def _checked_grads(
                 "stage_backward_input computed in one sum (Note [cheap weight gradients in B]); W cannot replace "
                 "its part alone: write None for it"
             )
-        out.append(tuple(entry) + (None,) * (len(metas) - len(entry)))
+        # Note [inference-tensor gradients] (ppbackward._tree): W records each written gradient's version
+        kept = tuple(None if g is None else versioned(g) for g in entry)
+        out.append(kept + (None,) * (len(metas) - len(entry)))
     return out
 
 

@@ -21,7 +21,8 @@ from torch.autograd.graph import GradientEdge
 
 from ppbackward._errors import BadAssertion, BadType, BadValue, StageBackwardError
 
-__all__ = ["FlatOutputs", "check_like", "flatten_outputs_and_grads"]  # private module: what other modules use
+# private module: what other modules use
+__all__ = ["FlatOutputs", "check_like", "flatten_outputs_and_grads", "versioned"]
 
 
 class FlatOutputs(NamedTuple):
@@ -65,6 +66,26 @@ def _check_grad(out: torch.Tensor, grad: Any, path: str, grads_given: bool) -> t
     if not isinstance(grad, torch.Tensor):
         raise BadType(f"{path}: gradient must be a torch.Tensor or None, got {type(grad).__name__}")
     return check_like(grad, out, path, "output")
+
+
+# Note [inference-tensor gradients]: a gradient made under ``torch.inference_mode()`` (an output gradient made
+# beside a B called there, or received there; one written into ``group["grads"]`` there) has no version counter,
+# and B and W record the version of every gradient B keeps or a caller writes for W (Note [captured gradients are
+# checked at W] in ``ppbackward._handoff``): an output's gradient is one of them, and the gradient flowing into the
+# last intermediate may be that very tensor. So such a gradient is used as a copy made outside inference mode: the
+# same values, with a version counter. B runs outside inference mode anyway (``stage_backward_input`` re-enters
+# itself with it off: leaves' ``AccumulateGrad`` nodes are found through views inference mode does not record); W
+# keeps the caller's mode, so that under inference mode the weights' ``.grad`` are inference tensors, as a full
+# backward there makes them. What a copy gives up: an in-place change of the caller's inference tensor between B
+# and W is not seen (it could not be: such a tensor has no version to compare); W uses its values at B (or at the
+# write). Torch's own split fails under inference mode (``Attempted to get grad_fn, but got None``, torch 2.13).
+def versioned(grad: torch.Tensor) -> torch.Tensor:
+    """``grad``, or where it is an inference tensor a copy of it made outside inference mode (Note
+    [inference-tensor gradients])."""
+    if not grad.is_inference():
+        return grad
+    with torch.inference_mode(False):
+        return grad.clone()
 
 
 def check_like(grad: torch.Tensor, like: Any, path: str, what: str) -> torch.Tensor:

@@ -56,7 +56,7 @@ from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import Contribution, NodeCall, ParamGroup, RegionCall
 from ppbackward._plan import analyze_planned
 from ppbackward._saved import HOOKS_VISIBLE, holds_saved_tensors, hook_kinds, pin_saved_inputs, release_saved_tensors
-from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads
+from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads, versioned
 from ppbackward._weight_edges import ENGINE_RUN_BACKWARD, run_weight_work
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -229,10 +229,10 @@ def stage_backward_input(
     input_values = list(input_values)
     flat = flatten_outputs_and_grads(stage_outputs_or_loss, output_grads, consumed=_DETACHED)
     grads = flat.grads
-    for i in range(len(grads)):  # Note [inference-tensor output gradients]
+    for i in range(len(grads)):  # Note [inference-tensor gradients] (ppbackward._tree)
         g = grads[i]
         if g is not None and g.is_inference():
-            grads[i] = g.clone()
+            grads[i] = versioned(g)
     weight_list = _weights_list(weights)
     wanted = _grad_inputs(input_values)
     weight_set = WeightSet(frozenset(map(id, weight_list)), len(weight_list), _any_dtensor(weight_list))
@@ -250,13 +250,6 @@ def stage_backward_input(
         return _backward_input(flat, output_grads is not None, input_values, wanted, weight_set)
 
 
-# Note [inference-tensor output gradients]: an output gradient made under ``torch.inference_mode()`` (B called
-# there, its gradients made beside it) has no version counter, and B records the version of every gradient it
-# keeps for W (Note [captured gradients are checked at W] in ``ppbackward._handoff``): an output's gradient is
-# one of them, and the gradient flowing into the last intermediate may be that very tensor. B gives such a
-# gradient to its engine call as a copy made outside inference mode: the same values, a version counter; W,
-# called under inference mode, then makes the weights' ``.grad`` inference tensors as a full backward there
-# does (tests/core/test_edge_cases.py).
 def _backward_input(
     flat: FlatOutputs, grads_given: bool, input_values: list[Any], wanted: list, weight_set: WeightSet
 ) -> tuple[tuple[torch.Tensor | None, ...], ParamGroups]:

@@ -170,10 +170,14 @@ def test_split_backward_called_under_inference_mode_matches_autograd():
         assert torch.equal(p.grad, q.grad)
 
 
-def test_grads_made_under_inference_mode_are_inference_tensors_as_a_full_backward_makes_them():
-    """A full backward run inside ``torch.inference_mode()`` leaves every ``.grad`` an inference tensor (made
-    there); B then W must too, over two accumulating microbatches, the weight matmuls W computes itself
-    included (Note [weight matmuls from their saved input])."""
+@pytest.mark.parametrize("where", ["inside", "received", "written"])
+def test_gradients_made_under_inference_mode_give_a_full_backward_s_grads(where):
+    """Note [inference-tensor gradients] (ppbackward._tree): output gradients made under
+    ``torch.inference_mode()``, with B and W called there (``inside``: every ``.grad`` an inference tensor, as a
+    full backward there makes them) or outside it (``received``), and B's gradients written back into
+    ``group["grads"]`` as copies made there (``written``); two accumulating microbatches each, the weight matmuls
+    W computes itself included (Note [weight matmuls from their saved input])."""
+    inside = where != "received"
 
     def grads(split: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -182,15 +186,22 @@ def test_grads_made_under_inference_mode_are_inference_tensors_as_a_full_backwar
         for _ in range(2):
             out = module(x)
             with torch.inference_mode():
-                if split:
-                    _, groups = pb.stage_backward_input(out, torch.ones(3, 4), [x], module.parameters())
-                    pb.stage_backward_weight(module.parameters(), groups)
-                else:
-                    pb.stage_backward(out, torch.ones(3, 4), [x])
+                grad = torch.ones(3, 4)
+            with torch.inference_mode(inside):
+                if not split:
+                    pb.stage_backward(out, grad, [x])
+                    continue
+                _, groups = pb.stage_backward_input(out, grad, [x], module.parameters())
+                if where == "written":
+                    for group in groups:
+                        group["grads"] = [
+                            tuple(None if g is None else g.clone() for g in entry) for entry in group["grads"]
+                        ]
+                pb.stage_backward_weight(module.parameters(), groups)
         return [p.grad for p in module.parameters() if p.grad is not None]
 
     split, full = grads(split=True), grads(split=False)
     assert len(split) == len(full) == 6
     for got, want in zip(split, full):
-        assert want.is_inference() and got.is_inference()
+        assert want.is_inference() == got.is_inference() == inside
         assert torch.equal(got, want)

@@ -19,6 +19,7 @@ import torch
 
 from ppbackward.leaks import LeakReport, TensorLeakError, _gc_phase, check_tensor_leaks
 from tests.leaks.gc_threads import another_thread_collecting
+from tests.leaks.odd_tensors import UnreadableGradFn
 
 
 def _make_cycle(n: int = 4) -> weakref.ref:
@@ -72,6 +73,20 @@ def test_leak_is_counted_with_chain_and_graph_in_a_temp_folder(tmp_path, monkeyp
     assert "1 tensor(s) and 0 autograd node(s)" in text and "40 bytes in 1 unique storage(s)" in text
     json.dumps(report.to_dict())
     assert report.to_dict()["ok"] is False
+    shutil.rmtree(report.output_dir)
+
+
+def test_a_leaked_tensor_whose_grad_fn_cannot_be_read_is_reported_not_raised(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    t = torch.zeros(2).as_subclass(UnreadableGradFn)
+    with pytest.raises(RuntimeError, match="undefined tensor"):
+        t.grad_fn  # noqa: B018  # what the checker meets in gc.garbage
+    with check_tensor_leaks(strict=False) as report:
+        box: list = [t]
+        box.append(box)
+        del t, box
+    assert (report.num_tensors, report.tensor_bytes) == (1, 8)
+    assert report.chains[0].splitlines()[0] == "[0] UnreadableGradFn float32[2] on cpu, 8 bytes"
     shutil.rmtree(report.output_dir)
 
 

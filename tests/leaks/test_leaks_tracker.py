@@ -25,6 +25,7 @@ from ppbackward.leaks import (
 from ppbackward.leaks._saved_hooks import top_hooks
 from tests.leaks.gc_threads import another_thread_collecting
 from tests.leaks.leaky_variants import HIDDEN_BYTES, OUT_BYTES, make_input, make_stage
+from tests.leaks.odd_tensors import UnreadableGradFn
 
 WEIGHT_BYTES = 16 * 8 * 4
 # Note [tracker composes with saved-tensor hooks] reads the hooks in force, which torch 2.5 does not expose
@@ -382,21 +383,12 @@ def test_print_of_a_report_is_readable_and_names_what_holds_a_kept_output():
     assert "what holds" not in str(report)
 
 
-class _Unreadable(torch.Tensor):
-    """A tensor whose ``grad_fn`` read raises as an undefined tensor's does: a tensor object the gc cleared in a
-    cycle it could not free yet (a full-suite CI run met one on torch 2.5.1)."""
-
-    @property
-    def grad_fn(self):
-        raise RuntimeError("cannot call get_autograd_meta() on undefined tensor")
-
-
 def test_the_holder_search_passes_over_a_tensor_whose_grad_fn_cannot_be_read():
     w, x = torch.randn(4, requires_grad=True), torch.randn(4)
     loop = _Loop()
     with track_activations() as tracker:
         loop.step(w, x, keep=True)
-    unreadable = torch.zeros(2).as_subclass(_Unreadable)
+    unreadable = torch.zeros(2).as_subclass(UnreadableGradFn)
     with pytest.raises(RuntimeError, match="undefined tensor"):
         unreadable.grad_fn  # noqa: B018  # what the search meets in the heap
     (chain,) = tracker.report().held_by

@@ -25,7 +25,7 @@ import torch
 
 from ppbackward._saved import saved_tensors
 from ppbackward.leaks._heap import referrers_of
-from ppbackward.leaks._storage import unique_storage_bytes
+from ppbackward.leaks._storage import grad_fn_or_none, unique_storage_bytes
 
 __all__ = [  # private module: what other modules use
     "Holders",
@@ -57,8 +57,9 @@ def _describe(obj: Any) -> str:
                 _, nbytes = unique_storage_bytes([obj])
                 dtype = str(obj.dtype).replace("torch.", "")
                 text = f"{type(obj).__name__} {dtype}{list(obj.shape)} on {obj.device}, {nbytes} bytes"
-                if obj.grad_fn is not None:
-                    text += f", grad_fn={obj.grad_fn.name()}"
+                fn = grad_fn_or_none(obj)
+                if fn is not None:
+                    text += f", grad_fn={fn.name()}"
             return text
         if _is_node(obj):
             _, nbytes = unique_storage_bytes(saved_tensors(obj, unpack=False))
@@ -393,16 +394,16 @@ def format_holders(holders: Holders) -> str:
         lines.append(f"  <- [{i}] {_describe(folded[i])}" + (f" via {label}" if label else ""))
     if holders.unheld:
         last = len(folded) - 1
-        line = (
-            f"  (nothing the gc sees refers to [{last}], nor a local variable of a running function: C code holds it)"
+        why = (
+            f"nothing the gc sees refers to [{last}], nor a local variable of a running function: C code holds it"
             if _LOCALS_SEEN else
-            f"  (nothing the gc sees refers to [{last}]: a local variable of a running function or C code holds it;"
-            " Python 3.13+ names the function)"
+            f"nothing the gc sees refers to [{last}]: a local variable of a running function or C code holds it;"
+            " Python 3.13+ names the function"
         )
         frozen = gc.get_freeze_count()
         if frozen:  # gc.freeze() hides objects from gc.get_referrers as from collections
-            line = f"{line[:-1]}; or one of the {frozen} objects gc.freeze() put out of the gc's sight)"
-        lines.append(line)
+            why += f"; or one of the {frozen} objects gc.freeze() put out of the gc's sight"
+        lines.append(f"  ({why})")
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ from ppbackward._saved import saved_tensors
 from ppbackward.leaks._chains import find_chain, format_chain, referrer_index, write_graph
 from ppbackward.leaks._gc_phase import full_collect
 from ppbackward.leaks._report import LeakReport, TensorLeakError
-from ppbackward.leaks._storage import unique_storage_bytes
+from ppbackward.leaks._storage import grad_fn_or_none, unique_storage_bytes
 
 __all__ = ["check_tensor_leaks"]
 
@@ -220,7 +220,7 @@ class _TensorLeakCheck:
         report.num_storages, report.tensor_bytes = unique_storage_bytes(tensors + saved_by_nodes)
         del saved_by_nodes
         # chains for the tensors that hold a graph first (what keeps activations alive), in gc order
-        tensors.sort(key=lambda t: t.grad_fn is None)
+        tensors.sort(key=lambda t: grad_fn_or_none(t) is None)
         leaked = (tensors + nodes)[: self._max_chains]
         if not leaked:
             return

@@ -47,7 +47,7 @@ from ppbackward.leaks._chains import format_holders, holder_chain
 from ppbackward.leaks._heap import instances_of
 from ppbackward.leaks._node_watches import LifeWatches
 from ppbackward.leaks._saved_hooks import OpMode, hooks_enabled, peek_sequence_nr, top_hooks, unpack
-from ppbackward.leaks._storage import storage_key, tensor_storages
+from ppbackward.leaks._storage import grad_fn_or_none, storage_key, tensor_storages
 from ppbackward.leaks._watch import Watch, WatchMap
 
 __all__ = ["ActivationTracker", "track_activations"]
@@ -77,19 +77,12 @@ _HOLDER_CHAINS = 3  # chains in ActivationReport.held_by
 
 
 def _made_in_block(t: torch.Tensor, key: str) -> bool:
-    """Whether ``t``'s ``grad_fn`` is a node the tracker watches (its sentinel is in the node's metadata).
-    ``False`` for a tensor object whose ``grad_fn`` cannot be read: one the gc cleared in a cycle it could not
-    free yet (an undefined tensor: ``cannot call get_autograd_meta() on undefined tensor``, seen on torch 2.5.1
-    in a heap scan), which holds no graph."""
-    try:
-        with torch._C.DisableTorchFunction():
-            fn = t.grad_fn
-    except RuntimeError:
-        return False
+    """Whether ``t``'s ``grad_fn`` is a node the tracker watches (its sentinel is in the node's metadata)."""
+    fn = grad_fn_or_none(t)
     if fn is None:
         return False
     try:
-        return key in fn.metadata  # type: ignore[operator]  # a property (a dict), not a method
+        return key in fn.metadata  # a property (a dict), not a method
     except (AttributeError, RuntimeError):
         return False
 

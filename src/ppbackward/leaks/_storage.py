@@ -1,4 +1,4 @@
-"""Which storages tensors keep alive, and how big they are.
+"""Which storages tensors keep alive, and how big they are; and which graph (``grad_fn``) they hold.
 
 Private module; nothing here is public. The one storage accountant of the project: the leak checker,
 the activation tracker and the tooling's measurements (``ppbackward._tools.memory``, the bench) count
@@ -15,6 +15,7 @@ import torch
 
 __all__ = [  # private module: what other modules use
     "format_bytes",
+    "grad_fn_or_none",
     "storage_key",
     "storage_nbytes",
     "tensor_storages",
@@ -30,6 +31,18 @@ except ImportError:  # pragma: no cover - very old torch
         return False
 
 
+def grad_fn_or_none(t: torch.Tensor) -> Any:
+    """``t.grad_fn`` as stored (no ``__torch_function__`` override), or ``None`` where it cannot be read: a
+    tensor object the gc cleared in a cycle it could not free yet is an undefined tensor ("cannot call
+    get_autograd_meta() on undefined tensor"; met in a heap scan on torch 2.5.1), which holds no graph. The
+    leak tools read every tensor they find through it."""
+    try:
+        with torch._C.DisableTorchFunction():
+            return t.grad_fn
+    except RuntimeError:
+        return None
+
+
 def tensor_storages(t: torch.Tensor) -> list[Any]:
     """The untyped storages that hold ``t``'s data.
 
@@ -39,10 +52,13 @@ def tensor_storages(t: torch.Tensor) -> list[Any]:
     nested) yield nothing.
     """
     if _is_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
+        try:  # a wrapper the gc cleared (grad_fn_or_none) has lost its inner tensors
+            names, _ = t.__tensor_flatten__()
+            inners = [getattr(t, name) for name in names]
+        except (AttributeError, RuntimeError):
+            return []
         found: list[Any] = []
-        for name in names:
-            inner = getattr(t, name)
+        for inner in inners:
             if isinstance(inner, torch.Tensor):  # DTensor lists its device_mesh too (torch >= 2.13)
                 found.extend(tensor_storages(inner))
         return found
