@@ -369,7 +369,10 @@ def _changed_gradient(
     groups: list[ParamGroup], grad: torch.Tensor, version: int, during_w: bool = False
 ) -> StageBackwardError:
     where = "a gradient"
-    keep = "Keep a microbatch's output gradients (e.g. a receive buffer) unchanged until its W"
+    keep = (
+        "Keep a microbatch's output gradients (e.g. a receive buffer) and the input gradients B returned (where a "
+        "gradient reaches a stage input unchanged, B returns the tensor it holds for W) unchanged until its W"
+    )
     for group in groups:
         for call in group.calls:
             for i, g in enumerate(call.grads):

@@ -46,6 +46,19 @@ def test_an_output_gradient_buffer_zeroed_between_b_and_w_is_a_clear_error():
     assert groups.consumed and len(groups) == 0  # and nothing kept
 
 
+def test_an_input_gradient_b_returned_changed_in_place_says_so():
+    """``x + w``: the gradient reaching the stage input is the one B holds for W, returned as it is; a caller
+    that scales it in place before W is told that the input gradients count too (hostile review)."""
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    (gx,), groups = pb.stage_backward_input((x + w,), (torch.randn(3, 4),), [x], [w])
+    gx.mul_(0.5)
+    with pytest.raises(pb.StageBackwardError, match="the input gradients B returned") as info:
+        pb.stage_backward_weight([w], groups)
+    assert "was modified in place after stage_backward_input (version 0 -> 1)" in str(info.value)
+    assert w.grad is None
+
+
 def test_a_view_of_the_buffer_changed_in_place_is_caught_too():
     mod = _stage()
     buffer = torch.ones(4, 3)
