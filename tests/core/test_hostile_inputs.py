@@ -239,6 +239,36 @@ def test_a_hook_registered_on_a_norm_weight_between_b_and_w_runs_in_w():
 @pytest.mark.skipif(
     not HOOKS_VISIBLE, reason="this torch does not expose saved-tensor hooks to Python: no weight is on B's frontier"
 )
+def test_a_hook_registered_during_b_on_a_weight_w_computes_runs_in_w_as_in_torch_s_split():
+    """docs/api.md: a hook on an activation registers a tensor hook on a later linear weight while the backward
+    runs. A full backward has accumulated that weight already (its layer runs first backwards) and does not run the
+    hook for the microbatch; the split computes that weight in W, where the hook then runs, as torch's split does."""
+
+    def weight_grad(how: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+        x = torch.randn(3, 4, requires_grad=True)
+        h = a(x)
+        handles: list = []
+        h.register_hook(lambda g: None if handles else handles.append(b.weight.register_hook(lambda gw: gw * 3)))
+        out = b(torch.tanh(h))
+        params, grad = [*a.parameters(), *b.parameters()], torch.ones(3, 4)
+        if how == "full":
+            out.backward(grad)
+        elif how == "ppbackward":
+            _, groups = pb.stage_backward_input([out], [grad], [x], params)
+            pb.stage_backward_weight(params, groups)
+        else:
+            _, torch_groups = upstream.stage_backward_input([out], [grad], [x], iter(params))
+            upstream.stage_backward_weight(iter(params), torch_groups)
+        assert len(handles) == 1 and b.weight.grad is not None
+        return b.weight.grad
+
+    full = weight_grad("full")
+    assert torch.equal(weight_grad("ppbackward"), full * 3)
+    assert torch.equal(weight_grad("torch"), full * 3)
+
+
 def test_a_hook_registered_during_b_on_a_frontier_weight_runs_once_and_the_old_ones_keep_their_order():
     """A checkpointed region's bias (B runs the region's weight work, and captures the bias's gradient at its
     ``AccumulateGrad``: Note [frontier captures skip leaf hooks]): a hook it had before B runs once, in W; one
