@@ -236,9 +236,6 @@ def test_a_hook_registered_on_a_norm_weight_between_b_and_w_runs_in_w():
     assert len(hooks) == 2 and hooks[0] == during_b[0]  # both kept, in registration order
 
 
-@pytest.mark.skipif(
-    not HOOKS_VISIBLE, reason="this torch does not expose saved-tensor hooks to Python: no weight is on B's frontier"
-)
 def test_a_hook_registered_during_b_on_a_weight_w_computes_runs_in_w_as_in_torch_s_split():
     """docs/api.md: a hook on an activation registers a tensor hook on a later linear weight while the backward
     runs. A full backward has accumulated that weight already (its layer runs first backwards) and does not run the
@@ -269,6 +266,9 @@ def test_a_hook_registered_during_b_on_a_weight_w_computes_runs_in_w_as_in_torch
     assert torch.equal(weight_grad("torch"), full * 3)
 
 
+@pytest.mark.skipif(
+    not HOOKS_VISIBLE, reason="this torch does not expose saved-tensor hooks to Python: no weight is on B's frontier"
+)
 def test_a_hook_registered_during_b_on_a_frontier_weight_runs_once_and_the_old_ones_keep_their_order():
     """A checkpointed region's bias (B runs the region's weight work, and captures the bias's gradient at its
     ``AccumulateGrad``: Note [frontier captures skip leaf hooks]): a hook it had before B runs once, in W; one
