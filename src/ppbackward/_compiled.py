@@ -347,8 +347,13 @@ class PendingWeightGrads:
             RuntimeError: anomaly mode found a NaN among them.
         """
         args, self.inputs, self.versions = self.inputs, [], []
-        with torch.no_grad(), torch._C._DisableAutocast():
-            grads = _call(self.graph, args)
+        grad_was = torch.is_grad_enabled()  # torch.no_grad() without its Python frames (five a call)
+        torch._C._set_grad_enabled(False)
+        try:
+            with torch._C._DisableAutocast():
+                grads = _call(self.graph, args)
+        finally:
+            torch._C._set_grad_enabled(grad_was)
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
             _check_nan(node, self.positions, grads)
         return grads

@@ -256,6 +256,14 @@ class _WeightHalf(torch.autograd.Function):
         return tuple(grads)
 
 
+# Note [weight halves hand their gradients over], continued: ``torch.autograd.Function.apply`` is Python that
+# maps functorch's dead-wrapper unwrapping over every argument (a generator frame per leaf handed over: 51 of a
+# compiled 4-block W's 197 calls) before it calls the C ``_FunctionBase.apply``. W calls the C one directly,
+# bound to ``_WeightHalf``, outside functorch transforms (none wraps W's leaves or gradients there: they are the
+# graph's parameters and the weight halves' outputs); inside one it takes torch's public path.
+_WEIGHT_HALF_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _WeightHalf)
+
+
 def _leaves_of(node: Any, positions: tuple[int, ...]) -> list | None:
     """The graph's ``AccumulateGrad`` nodes at ``node``'s edges ``positions`` and their leaves, flattened
     ``[acc, leaf, acc, leaf, ...]``; ``None`` where an edge is not an ``AccumulateGrad`` or its leaf no longer
@@ -284,7 +292,10 @@ def _hand_over(regions: list, found: list, anchor: torch.Tensor) -> torch.Tensor
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(True)
     try:
-        root = _WeightHalf.apply(regions, anchor, *found[1::2])
+        if torch._C._are_functorch_transforms_active():
+            root = _WeightHalf.apply(regions, anchor, *found[1::2])
+        else:
+            root = _WEIGHT_HALF_APPLY(regions, anchor, *found[1::2])
     finally:
         torch._C._set_grad_enabled(grad_was)
     node: Any = root.grad_fn  # the node just made

@@ -594,3 +594,45 @@ def test_a_dtype_round_trip_between_forward_and_w_leaves_the_compiled_grads_exac
         got = [p.grad for p in params]
     assert handed == [None]  # the hand-over declined: the node it made pointed at the new accumulators
     _assert_equal(got, want)
+
+
+def _w_calls(stage: nn.Module) -> collections.Counter:
+    """W's Python ``"call"`` events by function (Note [counted host cost] in ``ppbackward._tools.bench.calls``),
+    one accumulating microbatch after two warm-up ones."""
+    from ppbackward._tools.bench.calls import _counted
+
+    params = list(stage.parameters())
+    for x0 in _inputs(3):
+        x = x0.clone().requires_grad_()
+        _, groups = stage_backward_input([stage(x).sum()], None, [x], params)
+        calls: collections.Counter = collections.Counter()
+        _counted(functools.partial(stage_backward_weight, params, groups), calls)
+    return calls
+
+
+_PUBLIC_APPLY_IS_PYTHON = not isinstance(
+    torch.autograd.Function.__dict__["apply"], type(torch._C._FunctionBase.__dict__["apply"])
+)
+
+
+@pytest.mark.parametrize("public_apply", [False, True], ids=["ours", "negative-control"])
+def test_w_of_compiled_blocks_enters_no_python_frame_per_parameter_handed_over(public_apply, monkeypatch):
+    """Note [weight halves hand their gradients over]: the node handing the weight halves' gradients to the
+    graph's ``AccumulateGrad`` nodes is made by torch's C ``apply``; torch's Python ``Function.apply`` (before
+    torch 2.15) enters a frame per argument. Counted: two blocks hand over 8 parameters, and no function of W
+    runs 8 times but the weight halves' own aten ops (``aot_eager`` runs the graph op by op); with the public
+    ``apply`` one does."""
+    if public_apply:
+        if not _PUBLIC_APPLY_IS_PYTHON:
+            pytest.skip("this torch's Function.apply is the C one: no frame per argument to count")
+        monkeypatch.setattr(_weight_edges, "_WEIGHT_HALF_APPLY", _weight_edges._WeightHalf.apply)
+    with pb.installed():
+        stage = _compiled_stage("child")
+        n_leaves = sum(1 for _ in stage.blocks.parameters())
+        calls = _w_calls(stage)
+    assert n_leaves == 8
+    most = max(n for where, n in calls.items() if not where.startswith("_ops.py:"))
+    if public_apply:
+        assert most >= n_leaves, calls.most_common(3)
+    else:
+        assert most < n_leaves, calls.most_common(3)
