@@ -27,6 +27,15 @@ silently change what W accumulates; torch's split has the same hole. So B record
 gradient's version counter (``Tensor._version``, bumped by every in-place op on the tensor or a view
 of its storage) and the shape of every parameter W accumulates into, and W compares both before it
 runs anything (:meth:`ParamGroups._check_unchanged`): a few integer reads per intermediate.
+
+Note [saved tensors W reads are checked]: an intermediate W calls again (a ``BmmBackward0`` of an einsum, a
+convolution: not a linear layer's matmul, whose saved input B took out and versioned: Note [weight matmuls
+from their saved input] in ``ppbackward._matmul_weights``) reads the tensors it saved in the forward, a stage
+input among them. Changed in place after B, autograd refuses them inside W's engine call, with its own
+message and after W has claimed ``param_groups``. So W reads them first, as the node's backward would
+(:func:`ppbackward._saved.unreadable_saved`: one unpack per saved tensor, for those nodes only; none held
+through a caller's saved-tensor hooks), and refuses naming the group and the node, before anything of the
+chunk runs. A full backward cannot meet this: nothing runs between its forward and its backward.
 """
 
 from __future__ import annotations
@@ -37,11 +46,12 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
 from ppbackward._errors import BadValue, StageBackwardError
 from ppbackward._param_groups import CLAIM_LOCK, Contribution, NodeCall, ParamGroup, RegionCall
-from ppbackward._saved import release_pinned
+from ppbackward._saved import release_pinned, unreadable_saved
 
 # ParamGroups is re-exported by ppbackward (for type hints); the rest is what B and W use
 __all__ = ["CONSUMED", "ParamGroups", "WeightSet", "WeightWork"]
@@ -168,12 +178,14 @@ class ParamGroups:
         for i, run in enumerate(_hooked_runs_joined(_runs(self._groups, limit))):
             if i:
                 self._check_versions(run, during_w=True)
+                self._check_saved(run, during_w=True)
             yield _weight_work(run)
 
     def _check_unchanged(self, weights: list[torch.Tensor]) -> None:
         """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
         are checked at W]); ``weights`` (W's) name the parameters."""
         self._check_versions(self._groups, during_w=False)
+        self._check_saved(self._groups, during_w=False)
         for p, shape in self._shapes:
             if p.shape != shape:
                 where = next((f"weights[{i}]" for i, w in enumerate(weights) if w is p), "a leaf of the stage")
@@ -209,6 +221,20 @@ class ParamGroups:
         for grad, version in [*read, *written]:
             if grad._version != version:
                 raise _changed_gradient(self._groups, grad, version, during_w)
+
+    def _check_saved(self, groups: list[ParamGroup], during_w: bool) -> None:
+        """Raise naming the first intermediate of ``groups`` that W calls again and that cannot read a tensor
+        it saved (Note [saved tensors W reads are checked])."""
+        for group in groups:
+            calls = group.calls if group._written is None else group.w_work()[0]
+            taken = group.taken
+            for call in calls:  # plain loop (Note [no frame per node] in ppbackward.backward)
+                node = call[0]
+                if node in taken or isinstance(node, BackwardCFunction):  # a matmul's input: checked by version
+                    continue
+                error = unreadable_saved(node)
+                if error is not None:
+                    raise _unreadable_saved(group, node, error, during_w) from error
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -363,6 +389,23 @@ def _captured_grads(group: ParamGroup) -> Iterator[torch.Tensor]:
         yield from (g for g in call.grads if g is not None)
     for c in group.ready:
         yield c.grad
+
+
+def _unreadable_saved(group: ParamGroup, node: Node, error: RuntimeError, during_w: bool) -> StageBackwardError:
+    """The error of Note [saved tensors W reads are checked] for ``node`` of ``group``."""
+    head = (
+        f"{group._label()}: {node.name()}, an intermediate W calls again for its weight gradients, cannot read a "
+        f"tensor it saved in the forward: {str(error).strip()}"
+    )
+    if during_w:
+        return StageBackwardError(
+            f"{head} It changed during stage_backward_weight, by a hook of an earlier chunk's accumulation: the "
+            "earlier chunks were accumulated, this one and the later ones were not"
+        )
+    return StageBackwardError(
+        f"{head} A tensor W reads (a stage input, an activation of the forward) must not change between B and W "
+        "(a full backward would refuse it too); W accumulates nothing"
+    )
 
 
 def _changed_gradient(

@@ -241,6 +241,30 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
     return kinds
 
 
+def unreadable_saved(node: Node) -> RuntimeError | None:
+    """torch's error for the first tensor ``node`` saved that its backward could not read now (changed in
+    place since it was saved, or freed), or ``None`` (Note [saved tensors W reads are checked] in
+    ``ppbackward._handoff``). Read as the node's backward reads it (``_saved_<name>``: autograd's version
+    check; for a tensor B pinned, ppbackward's own: Note [outputs detached after B]). An attribute holding a
+    tensor through a caller's saved-tensor hooks is not read (its unpack hook would run once more: Note
+    [hooked saved tensors run once]); on a torch that does not show the hooks (before 2.13) nothing is read."""
+    if not HOOKS_VISIBLE:
+        return None
+    for attr in _saved_attrs(node):
+        try:
+            raw = getattr(node, attr)
+            hooked = False
+            for item in raw if isinstance(raw, (list, tuple)) else (raw,):  # Note [no frame per node]: inline
+                unpack = getattr(item, "unpack_hook", None)
+                if unpack is not None and unpack is not _unpin:
+                    hooked = True
+            if not hooked:
+                getattr(node, "_saved_" + attr[len("_raw_saved_") :])
+        except RuntimeError as e:
+            return e
+    return None
+
+
 def holds_saved_tensors(node: Node) -> bool:
     """Whether ``node`` holds a tensor it saved for backward now (``False`` once the engine freed it)."""
     return any(item is not None for item in _saved_items(node))

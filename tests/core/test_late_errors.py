@@ -103,6 +103,99 @@ def test_a_hook_of_an_earlier_chunk_changing_a_later_chunks_gradient_is_caught(m
     assert groups.consumed and len(groups) == 0
 
 
+# -- tensors the forward saved, changed in place before W (Note [saved tensors W reads are checked]) ------------
+
+
+class _Einsum(nn.Module):
+    """Two einsum layers: W calls their ``BmmBackward0`` nodes again, which saved the stage input and the
+    hidden activation (not a linear layer's matmul, whose saved input B takes out and versions)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Parameter(torch.randn(d, d))
+        self.b = nn.Parameter(torch.randn(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(torch.einsum("bsi,io->bso", x, self.a))
+        return torch.einsum("bsi,io->bso", h, self.b)
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "negative-control"])
+def test_a_stage_input_changed_in_place_between_b_and_w_names_the_group_and_node(check, monkeypatch):
+    """The stage input a ``BmmBackward0`` saved, changed in place after B: W refuses naming the group and the
+    node before anything runs. Without the check (negative control) autograd raises its own message from
+    inside W's engine call."""
+    import ppbackward._handoff as handoff
+
+    if not check:
+        monkeypatch.setattr(handoff.ParamGroups, "_check_saved", lambda *a, **k: None)
+    mod = _Einsum()
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    _, groups = pb.stage_backward_input((mod(x),), (torch.ones(2, 3, 4),), [x], mod.parameters())
+    with torch.no_grad():
+        x.add_(1.0)
+    if not check:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as raw:
+            pb.stage_backward_weight(mod.parameters(), groups)
+        assert not isinstance(raw.value, pb.StageBackwardError)
+        return
+    with pytest.raises(pb.StageBackwardError) as info:
+        pb.stage_backward_weight(mod.parameters(), groups)
+    message = str(info.value)
+    assert message.startswith("param_groups[")
+    assert ": BmmBackward0, an intermediate W calls again for its weight gradients, cannot read a tensor it " in message
+    assert "is at version 1; expected version 0 instead" in message
+    assert message.endswith("W accumulates nothing")
+    assert all(p.grad is None for p in mod.parameters())
+    assert groups.consumed and len(groups) == 0
+
+
+def test_saved_tensors_left_alone_pass_the_check_and_w_is_exact():
+    mod, ref = _Einsum(), _Einsum()
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    grad = torch.randn(2, 3, 4)
+    for p in mod.parameters():
+        p.grad = torch.ones_like(p)  # accumulating
+    _, groups = pb.stage_backward_input((mod(x),), (grad,), [x], mod.parameters())
+    pb.stage_backward_weight(mod.parameters(), groups)
+    for p in ref.parameters():
+        p.grad = torch.ones_like(p)
+    ref(x.detach()).backward(grad)
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_hook_of_an_earlier_chunk_changing_a_later_chunks_saved_tensor_is_caught(monkeypatch):
+    """One param group per chunk: a post-accumulate-grad hook of the first chunk changes in place the stage
+    input and the activation the later chunk's node saved; that chunk is refused before it runs."""
+    import ppbackward._handoff as handoff
+
+    monkeypatch.setattr(handoff, "_W_CHUNK_BYTES", 1)
+    mod = _Einsum()
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    out = mod(x)
+    _, groups = pb.stage_backward_input((out,), (torch.ones(2, 3, 4),), [x], mod.parameters())
+    assert len(groups) == 2
+    fired: list = []
+
+    def hostile(param) -> None:
+        if not fired:
+            fired.append(param)
+            with torch.no_grad():
+                x.add_(1.0)
+
+    for p in mod.parameters():
+        p.register_post_accumulate_grad_hook(hostile)
+    with pytest.raises(pb.StageBackwardError) as info:
+        pb.stage_backward_weight(mod.parameters(), groups)
+    message = str(info.value)
+    assert "cannot read a tensor it saved" in message
+    assert "this one and the later ones were not" in message
+    assert [p.grad is not None for p in mod.parameters()].count(True) == 1  # the first chunk only
+    assert groups.consumed and len(groups) == 0
+
+
 def test_writing_grads_once_w_has_started_is_refused():
     """A hook of W (or another thread) writing ``group["grads"]`` after W checked them: refused."""
     mod = _stage()
