@@ -19,7 +19,7 @@ from ppbackward._handoff import ParamGroups
 from ppbackward._install import active_adapter, install, installed, is_installed, merge_bw_enabled, uninstall
 from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "SUPPORTED_TORCH",
