@@ -31,11 +31,14 @@ runs anything (:meth:`ParamGroups._check_unchanged`): a few integer reads per in
 Note [saved tensors W reads are checked]: an intermediate W calls again (a ``BmmBackward0`` of an einsum, a
 convolution: not a linear layer's matmul, whose saved input B took out and versioned: Note [weight matmuls
 from their saved input] in ``ppbackward._matmul_weights``) reads the tensors it saved in the forward, a stage
-input among them. Changed in place after B, autograd refuses them inside W's engine call, with its own
-message and after W has claimed ``param_groups``. So W reads them first, as the node's backward would
-(:func:`ppbackward._saved.unreadable_saved`: one unpack per saved tensor, for those nodes only; none held
-through a caller's saved-tensor hooks), and refuses naming the group and the node, before anything of the
-chunk runs. A full backward cannot meet this: nothing runs between its forward and its backward.
+input or a parameter among them. Changed in place after B (or freed by another backward through the graph),
+autograd refuses them inside W's call of the node, with a message that names neither the node nor the param
+group. W's call of a chunk's intermediates comes before anything of the chunk accumulates, and calling a node
+releases nothing, so where it raises, W reads each called node's saved tensors as its backward would
+(:func:`ppbackward._saved.unreadable_saved`; none held through a caller's saved-tensor hooks, whose unpack hook
+would run once more) and raises naming the first one that cannot be read, the node and its group, from
+autograd's error; an error of another kind is raised as it came. Nothing is read where W succeeds. A full
+backward cannot meet this: nothing runs between its forward and its backward.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from ppbackward._param_groups import CLAIM_LOCK, Contribution, NodeCall, ParamGr
 from ppbackward._saved import release_pinned, unreadable_saved
 
 # ParamGroups is re-exported by ppbackward (for type hints); the rest is what B and W use
-__all__ = ["CONSUMED", "ParamGroups", "WeightSet", "WeightWork"]
+__all__ = ["CONSUMED", "ParamGroups", "WeightSet", "WeightWork", "unreadable_saved_error"]
 
 
 class WeightSet(NamedTuple):
@@ -78,6 +81,8 @@ class WeightWork(NamedTuple):
     # node -> (mat1, version) of the matmuls W computes from what B took out (Note [weight matmuls from their
     # saved input] in ppbackward._matmul_weights)
     taken: dict
+    groups: list[ParamGroup]  # whose work it is (errors name them)
+    first: bool  # W's first chunk: nothing was accumulated before it
 
 
 class ParamGroups:
@@ -178,14 +183,13 @@ class ParamGroups:
         for i, run in enumerate(_hooked_runs_joined(_runs(self._groups, limit))):
             if i:
                 self._check_versions(run, during_w=True)
-                self._check_saved(run, during_w=True)
-            yield _weight_work(run)
+            work = _weight_work(run)
+            yield work._replace(first=False) if i else work
 
     def _check_unchanged(self, weights: list[torch.Tensor]) -> None:
         """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
         are checked at W]); ``weights`` (W's) name the parameters."""
         self._check_versions(self._groups, during_w=False)
-        self._check_saved(self._groups, during_w=False)
         for p, shape in self._shapes:
             if p.shape != shape:
                 where = next((f"weights[{i}]" for i, w in enumerate(weights) if w is p), "a leaf of the stage")
@@ -221,20 +225,6 @@ class ParamGroups:
         for grad, version in [*read, *written]:
             if grad._version != version:
                 raise _changed_gradient(self._groups, grad, version, during_w)
-
-    def _check_saved(self, groups: list[ParamGroup], during_w: bool) -> None:
-        """Raise naming the first intermediate of ``groups`` that W calls again and that cannot read a tensor
-        it saved (Note [saved tensors W reads are checked])."""
-        for group in groups:
-            calls = group.calls if group._written is None else group.w_work()[0]
-            taken = group.taken
-            for call in calls:  # plain loop (Note [no frame per node] in ppbackward.backward)
-                node = call[0]
-                if node in taken or isinstance(node, BackwardCFunction):  # a matmul's input: checked by version
-                    continue
-                error = unreadable_saved(node)
-                if error is not None:
-                    raise _unreadable_saved(group, node, error, during_w) from error
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -376,7 +366,8 @@ def _weight_work(groups: list[ParamGroup]) -> WeightWork:
         calls += group_calls
         ready += group_ready
         regions += group_regions
-    return WeightWork(calls, ready, [edge for group in groups for edge in group.inputs], regions, taken)  # one frame
+    inputs = [edge for group in groups for edge in group.inputs]  # one frame
+    return WeightWork(calls, ready, inputs, regions, taken, groups, True)  # _chunks marks the later chunks
 
 # code that checks what it holds (``isinstance(groups, Sequence)``) sees the form of torch's list of dicts
 # (ParamGroup is registered as a Mapping in ppbackward._param_groups)
@@ -391,21 +382,32 @@ def _captured_grads(group: ParamGroup) -> Iterator[torch.Tensor]:
         yield c.grad
 
 
-def _unreadable_saved(group: ParamGroup, node: Node, error: RuntimeError, during_w: bool) -> StageBackwardError:
-    """The error of Note [saved tensors W reads are checked] for ``node`` of ``group``."""
-    head = (
-        f"{group._label()}: {node.name()}, an intermediate W calls again for its weight gradients, cannot read a "
-        f"tensor it saved in the forward: {str(error).strip()}"
-    )
-    if during_w:
-        return StageBackwardError(
-            f"{head} It changed during stage_backward_weight, by a hook of an earlier chunk's accumulation: the "
-            "earlier chunks were accumulated, this one and the later ones were not"
+def unreadable_saved_error(work: WeightWork, calls: list[NodeCall], error: RuntimeError) -> StageBackwardError | None:
+    """Where W's call of the intermediates ``calls`` of ``work`` raised ``error``: the refusal naming the param
+    group, the node and the saved tensor it could not read, or ``None`` where every call can read what it saved
+    (the error is another one: re-raise it). Note [saved tensors W reads are checked]."""
+    for call in calls:  # plain loop (Note [no frame per node] in ppbackward.backward)
+        node = call[0]
+        if isinstance(node, BackwardCFunction):  # one W runs again saved nothing (the others are refused)
+            continue
+        found = unreadable_saved(node)
+        if found is None:
+            continue
+        name, cause = found
+        label = next((g._label() for g in work.groups for c in g.w_work()[0] if c[0] is node), "param_groups")
+        said = str(cause).split(" Hint: ")[0].strip()
+        head = (
+            f"{label}: {node.name()}, an intermediate W calls again for its weight gradients, cannot read its saved "
+            f"'{name}': {said} W reads what the forward saved for it as it was at B: a tensor changed in place since "
+            "(a stage input, an activation, a parameter), or a graph another backward freed, cannot be used"
         )
-    return StageBackwardError(
-        f"{head} A tensor W reads (a stage input, an activation of the forward) must not change between B and W "
-        "(a full backward would refuse it too); W accumulates nothing"
-    )
+        if work.first:
+            return StageBackwardError(f"{head}; W accumulates nothing")
+        return StageBackwardError(
+            f"{head}; W runs this stage in chunks: the earlier chunks were accumulated, this one and the later ones "
+            "were not"
+        )
+    return None
 
 
 def _changed_gradient(

@@ -241,16 +241,17 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
     return kinds
 
 
-def unreadable_saved(node: Node) -> RuntimeError | None:
-    """torch's error for the first tensor ``node`` saved that its backward could not read now (changed in
-    place since it was saved, or freed), or ``None`` (Note [saved tensors W reads are checked] in
-    ``ppbackward._handoff``). Read as the node's backward reads it (``_saved_<name>``: autograd's version
+def unreadable_saved(node: Node) -> tuple[str, RuntimeError] | None:
+    """The first tensor ``node`` saved that its backward could not read now (changed in place since it was
+    saved, or freed) as ``(its name, torch's error)``, or ``None`` (Note [saved tensors W reads are checked]
+    in ``ppbackward._handoff``). Read as the node's backward reads it (``_saved_<name>``: autograd's version
     check; for a tensor B pinned, ppbackward's own: Note [outputs detached after B]). An attribute holding a
-    tensor through a caller's saved-tensor hooks is not read (its unpack hook would run once more: Note
-    [hooked saved tensors run once]); on a torch that does not show the hooks (before 2.13) nothing is read."""
+    tensor through a caller's saved-tensor hooks is not read (its unpack hook would run once more); on a torch
+    that does not show the hooks (before 2.13) nothing is read."""
     if not HOOKS_VISIBLE:
         return None
     for attr in _saved_attrs(node):
+        name = attr[len("_raw_saved_") :]
         try:
             raw = getattr(node, attr)
             hooked = False
@@ -259,9 +260,9 @@ def unreadable_saved(node: Node) -> RuntimeError | None:
                 if unpack is not None and unpack is not _unpin:
                     hooked = True
             if not hooked:
-                getattr(node, "_saved_" + attr[len("_raw_saved_") :])
+                getattr(node, "_saved_" + name)
         except RuntimeError as e:
-            return e
+            return name, e
     return None
 
 

@@ -16,7 +16,7 @@ from torch.autograd.graph import GradientEdge
 
 from ppbackward._errors import nan_output
 from ppbackward._graph import _ACCUMULATE_GRAD
-from ppbackward._handoff import WeightWork
+from ppbackward._handoff import WeightWork, unreadable_saved_error
 from ppbackward._matmul_weights import weight_contributions
 from ppbackward._param_groups import Contribution, NodeCall
 from ppbackward._saved import release_saved_tensors
@@ -354,14 +354,21 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
         del lean
     if calls:
         new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
-        for call, outs in zip(calls, weight_edge_grads(calls)):
+        try:
+            results = weight_edge_grads(calls)
+        except RuntimeError as e:  # Note [saved tensors W reads are checked] in ppbackward._handoff
+            refusal = unreadable_saved_error(work, calls, e)
+            if refusal is None:
+                raise
+            raise refusal from e
+        for call, outs in zip(calls, results):
             node = call[0]
             nf, seq = node.next_functions, node._sequence_nr()
             for i in call[2]:
                 if outs[i] is not None:
                     edge = new(GradientEdge, nf[i][:2])
                     contributions.append(new(Contribution, (edge, outs[i], seq)))
-        del outs
+        del outs, results
     if contributions or halves:
         contributions.sort(key=_BY_SEQ, reverse=True)
         roots = [c.edge for c in contributions] + halves

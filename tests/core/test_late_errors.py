@@ -130,13 +130,13 @@ _NO_HOOKS = pytest.mark.skipif(
 @_NO_HOOKS
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "negative-control"])
 def test_a_stage_input_changed_in_place_between_b_and_w_names_the_group_and_node(check, monkeypatch):
-    """The stage input a ``BmmBackward0`` saved, changed in place after B: W refuses naming the group and the
-    node before anything runs. Without the check (negative control) autograd raises its own message from
-    inside W's engine call."""
-    import ppbackward._handoff as handoff
+    """The stage input a ``BmmBackward0`` saved, changed in place after B: W refuses naming the group, the node
+    and the saved tensor, before anything accumulates. Without the explanation (negative control) autograd's
+    own message comes out of W's call of the node."""
+    import ppbackward._weight_edges as weight_edges
 
     if not check:
-        monkeypatch.setattr(handoff.ParamGroups, "_check_saved", lambda *a, **k: None)
+        monkeypatch.setattr(weight_edges, "unreadable_saved_error", lambda *a: None)
     mod = _Einsum()
     x = torch.randn(2, 3, 4, requires_grad=True)
     _, groups = pb.stage_backward_input((mod(x),), (torch.ones(2, 3, 4),), [x], mod.parameters())
@@ -151,11 +151,71 @@ def test_a_stage_input_changed_in_place_between_b_and_w_names_the_group_and_node
         pb.stage_backward_weight(mod.parameters(), groups)
     message = str(info.value)
     assert message.startswith("param_groups[")
-    assert ": BmmBackward0, an intermediate W calls again for its weight gradients, cannot read a tensor it " in message
-    assert "is at version 1; expected version 0 instead" in message
+    assert ": BmmBackward0, an intermediate W calls again for its weight gradients" in message
+    assert "cannot read its saved 'self'" in message
+    assert "is at version 1; expected version 0 instead" in message and "Hint" not in message
     assert message.endswith("W accumulates nothing")
     assert all(p.grad is None for p in mod.parameters())
     assert groups.consumed and len(groups) == 0
+
+
+@_NO_HOOKS
+def test_a_pinned_activation_changed_in_place_is_named_with_ppbackwards_own_check():
+    """Given a loss, B pins the saved inputs of every node W runs (Note [outputs detached after B]): their
+    unpack hook is ppbackward's, which checks the version itself. W's explanation reads through it and names
+    the node (reading only tensors without any hook would find nothing and re-raise the bare message)."""
+    mod = _Einsum()
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    h = torch.tanh(torch.einsum("bsi,io->bso", x, mod.a))
+    loss = torch.einsum("bsi,io->bso", h, mod.b).sum()
+    _, groups = pb.stage_backward_input((loss,), None, [x], mod.parameters())
+    with torch.no_grad():
+        h.mul_(2.0)
+    with pytest.raises(pb.StageBackwardError) as info:
+        pb.stage_backward_weight(mod.parameters(), groups)
+    message = str(info.value)
+    assert ": BmmBackward0, an intermediate W calls again for its weight gradients, cannot read its saved" in message
+    assert "Checked by ppbackward" in message and message.endswith("W accumulates nothing")
+    assert all(p.grad is None for p in mod.parameters())
+
+
+def _hooked_weight_and_changed_input(explain: bool, monkeypatch) -> tuple[int, BaseException]:
+    """B on the einsum stage, then a caller's saved-tensor hooks on the weight each ``BmmBackward0`` saved
+    (registered after B) and the stage input changed in place; W's error and how often the unpack hook ran."""
+    import ppbackward._weight_edges as weight_edges
+
+    if not explain:
+        monkeypatch.setattr(weight_edges, "unreadable_saved_error", lambda *a: None)
+    mod = _Einsum()
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    _, groups = pb.stage_backward_input((mod(x),), (torch.ones(2, 3, 4),), [x], mod.parameters())
+    unpacked: list = []
+
+    def unpack(t):
+        unpacked.append(t)
+        return t
+
+    for group in groups:
+        for node in group["intermediates"]:
+            node._raw_saved_mat2.register_hooks(lambda t: t, unpack)
+    with torch.no_grad():
+        x.add_(1.0)
+    with pytest.raises(RuntimeError) as info:
+        pb.stage_backward_weight(mod.parameters(), groups)
+    monkeypatch.undo()
+    return len(unpacked), info.value
+
+
+@_NO_HOOKS
+def test_the_explanation_runs_no_unpack_hook_of_a_callers_saved_tensor(monkeypatch):
+    """A caller's saved-tensor hooks on one tensor a node W calls saved, another (the stage input) changed in
+    place: the explanation names the changed one and runs the caller's unpack hook no more often than W's call
+    of the node did without it (the negative control's count)."""
+    runs, error = _hooked_weight_and_changed_input(True, monkeypatch)
+    runs_without, raw = _hooked_weight_and_changed_input(False, monkeypatch)
+    assert isinstance(error, pb.StageBackwardError) and "cannot read its saved 'self'" in str(error)
+    assert not isinstance(raw, pb.StageBackwardError)
+    assert runs == runs_without
 
 
 def test_saved_tensors_left_alone_pass_the_check_and_w_is_exact():
@@ -176,7 +236,8 @@ def test_saved_tensors_left_alone_pass_the_check_and_w_is_exact():
 @_NO_HOOKS
 def test_a_hook_of_an_earlier_chunk_changing_a_later_chunks_saved_tensor_is_caught(monkeypatch):
     """One param group per chunk: a post-accumulate-grad hook of the first chunk changes in place the stage
-    input and the activation the later chunk's node saved; that chunk is refused before it runs."""
+    input the later chunk's node saved; that chunk is refused before it accumulates, and the error says the
+    earlier one was."""
     import ppbackward._handoff as handoff
 
     monkeypatch.setattr(handoff, "_W_CHUNK_BYTES", 1)
@@ -198,8 +259,8 @@ def test_a_hook_of_an_earlier_chunk_changing_a_later_chunks_saved_tensor_is_caug
     with pytest.raises(pb.StageBackwardError) as info:
         pb.stage_backward_weight(mod.parameters(), groups)
     message = str(info.value)
-    assert "cannot read a tensor it saved" in message
-    assert "this one and the later ones were not" in message
+    assert "cannot read its saved 'self'" in message
+    assert "the earlier chunks were accumulated, this one and the later ones were not" in message
     assert [p.grad is not None for p in mod.parameters()].count(True) == 1  # the first chunk only
     assert groups.consumed and len(groups) == 0
 
