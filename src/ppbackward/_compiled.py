@@ -320,13 +320,15 @@ class PendingWeightGrads:
     bind every size] in ``ppbackward._graph_halves``), with the tensors' versions when the input half returned
     (Note [compiled regions split in two]). :meth:`run` empties it; so does W's release."""
 
-    __slots__ = ("graph", "inputs", "positions", "versions")
+    __slots__ = ("autocast", "graph", "inputs", "positions", "versions")
 
     def __init__(self, graph: Any, inputs: list, positions: tuple[int, ...]) -> None:
         self.graph = graph
         self.inputs = inputs
         self.positions = tuple(sorted(positions))  # the node's edges the weight half's outputs go to, in order
         self.versions = [(t, t._version) for t in inputs if isinstance(t, torch.Tensor)]
+        # Note [weight halves run under the input half's autocast]: made while the input half runs
+        self.autocast = _autocast_now() if torch._C._is_any_autocast_enabled() else None
 
     def device(self) -> torch.device:
         """The device of the tensors it holds (CPU when it holds none)."""
@@ -350,8 +352,15 @@ class PendingWeightGrads:
         grad_was = torch.is_grad_enabled()  # torch.no_grad() without its Python frames (five a call)
         torch._C._set_grad_enabled(False)
         try:
-            with torch._C._DisableAutocast():
-                grads = _call(self.graph, args)
+            if self.autocast is None:
+                with torch._C._DisableAutocast():
+                    grads = _call(self.graph, args)
+            else:
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(torch._C._DisableAutocast())
+                    for device_type, dtype, cache in self.autocast:
+                        stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+                    grads = _call(self.graph, args)
         finally:
             torch._C._set_grad_enabled(grad_was)
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
@@ -361,6 +370,30 @@ class PendingWeightGrads:
     def drop(self) -> None:
         """Let go of everything it holds (W's release, W never called)."""
         self.inputs, self.versions = [], []
+
+
+# Note [weight halves run under the input half's autocast]: a full backward runs a region's compiled backward
+# under the autocast state of the moment (AOTAutograd's wrapper switches it off only where the forward ran under
+# autocast: its ``disable_amp``); with a backend that runs aten ops (``aot_eager``), an autocast active during
+# the backward changes its kernels' dtypes. B runs the input half inside that same wrapper, so it sees that
+# state; W runs the weight half later, under whatever W's caller has. So the state the input half saw is
+# recorded when the weight half is made (``None``: none, the common case, one C read) and W runs the weight
+# half under exactly it: none, or each device type's autocast dtype as it was (B and W under
+# ``torch.autocast`` with a forward outside it gave grads unlike the full backward's, or a dtype error).
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def _autocast_now() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    """``(device type, dtype, cache enabled)`` of each device type whose autocast is on now."""
+    found = []
+    cache = torch.is_autocast_cache_enabled()
+    for device_type in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device_type):
+                found.append((device_type, torch.get_autocast_dtype(device_type), cache))
+        except (RuntimeError, TypeError):  # a device type this torch has no autocast for
+            continue
+    return tuple(found)
 
 
 def _check_nan(node: Any, positions: tuple[int, ...], grads: list) -> None:

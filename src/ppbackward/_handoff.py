@@ -431,8 +431,8 @@ def _changed_gradient(
                 where = f"a tensor the weight half of compiled region {region.node.name()} reads (held since B)"
         for node, (g, _) in group.taken.items():
             if g is grad:
-                where = f"the input {node.name()} saved for its weight gradient (held since B)"
-                keep = "an activation W reads must not change between B and W (a full backward would refuse it too)"
+                where = f"the input {node.name()} saved for its weight gradient ({group._label()}, held since B)"
+                keep = "An activation W reads must not change between B and W (a full backward would refuse it too)"
         for i, entry in enumerate(group.written or ()):
             for j, g in enumerate(entry or ()):
                 if g is grad:

@@ -199,6 +199,8 @@ def _saved_values(node: Node) -> Iterator[Any]:
             continue
 
 
+_TRANSPARENT = "_ppbackward_transparent"  # the mark of a saved-tensor hook that counts as none (above)
+
 _RANK = {"recompute": 1, "held": 2, "released": 3}  # what hook_kinds keeps for a node: the highest
 
 
@@ -245,9 +247,10 @@ def unreadable_saved(node: Node) -> tuple[str, RuntimeError] | None:
     """The first tensor ``node`` saved that its backward could not read now (changed in place since it was
     saved, or freed) as ``(its name, torch's error)``, or ``None`` (Note [saved tensors W reads are checked]
     in ``ppbackward._handoff``). Read as the node's backward reads it (``_saved_<name>``: autograd's version
-    check; for a tensor B pinned, ppbackward's own: Note [outputs detached after B]). An attribute holding a
-    tensor through a caller's saved-tensor hooks is not read (its unpack hook would run once more); on a torch
-    that does not show the hooks (before 2.13) nothing is read."""
+    check; for a tensor B pinned, ppbackward's own: Note [outputs detached after B]; through the tracker's
+    hooks, which count as none). An attribute holding a tensor through a caller's saved-tensor hooks is not
+    read (its unpack hook would run once more); on a torch that does not show the hooks (before 2.13) nothing
+    is read."""
     if not HOOKS_VISIBLE:
         return None
     for attr in _saved_attrs(node):
@@ -257,7 +260,8 @@ def unreadable_saved(node: Node) -> tuple[str, RuntimeError] | None:
             hooked = False
             for item in raw if isinstance(raw, (list, tuple)) else (raw,):  # Note [no frame per node]: inline
                 unpack = getattr(item, "unpack_hook", None)
-                if unpack is not None and unpack is not _unpin:
+                # a caller's hook: not ppbackward's pin, nor one that counts as none (the tracker's)
+                if unpack is not None and unpack is not _unpin and not getattr(unpack, _TRANSPARENT, False):
                     hooked = True
             if not hooked:
                 getattr(node, "_saved_" + name)
@@ -317,9 +321,12 @@ def release_saved_tensors(nodes: Iterable[Node]) -> int:
 # records the tensor's grad_fn when it is called, so a later in-place detach no longer matters; the
 # pack hook gets a detached alias (same storage: no copy, no memory) and keeps it in a holder with the
 # version it had, and the unpack hook checks that version (hooks switch off autograd's own check) and
-# returns the alias. W empties the holders once it is done (Note [release unread saved tensors]
-# cannot re-register hooks on these), so nothing outlives W. Saved tensors that already have hooks
-# (checkpointing, offloading) carry their own grad_fn the same way and are left alone.
+# returns the alias. That version is the one at B, so a tensor is pinned only once autograd's own check
+# passes (it is unpacked first): one changed in place between the forward and B is left unpinned, for
+# autograd to refuse in W as a full backward would. W empties the holders once it is done (Note
+# [release unread saved tensors] cannot re-register hooks on these), so nothing outlives W. Saved
+# tensors that already have hooks (checkpointing, offloading) carry their own grad_fn the same way and
+# are left alone.
 # B tells leaves and outputs apart by the saved tensor as stored (``SavedTensor.data``, torch 2.13+),
 # so a hooked one's unpack hook never runs for it (Note [hooked saved tensors run once]); before 2.13
 # only the node's ``_saved_*`` value tells, and reading it unpacks a hooked tensor once more.
@@ -398,16 +405,20 @@ def pin_saved_inputs(nodes: Iterable[Node]) -> list[_Pinned]:
             items = raw if isinstance(raw, (list, tuple)) else (raw,)
             values = value if isinstance(value, (list, tuple)) else (value,)
             for item, t in zip(items, values):
-                _pin(item, t, node, pack)
+                _pin(item, t, node, pack, checked=True)  # read through the node: autograd checked its version
     return pack.pinned
 
 
-def _pin(item: Any, t: object, node: Node, pack: _PinHook) -> None:
+def _pin(item: Any, t: object, node: Node, pack: _PinHook, checked: bool = False) -> None:
     if not isinstance(t, torch.Tensor) or t.grad_fn is None or t.grad_fn is node:
         return  # not a tensor, a leaf, or the node's own output: nothing to lose
     try:
+        if not checked:
+            # the version the pin records is the one now: the tensor must still be the one the forward saved,
+            # or the pin would hide autograd's check (changed in place between the forward and B)
+            item.unpack()
         item.register_hooks(pack, _unpin)
-    except RuntimeError:  # already has hooks: its owner keeps its grad_fn
+    except RuntimeError:  # already has hooks (its owner keeps its grad_fn), or changed since saved: autograd refuses it
         pass
 
 

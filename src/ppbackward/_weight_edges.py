@@ -259,8 +259,10 @@ class _WeightHalf(torch.autograd.Function):
 # Note [weight halves hand their gradients over], continued: ``torch.autograd.Function.apply`` is Python that
 # maps functorch's dead-wrapper unwrapping over every argument (a generator frame per leaf handed over: 51 of a
 # compiled 4-block W's 197 calls) before it calls the C ``_FunctionBase.apply``. W calls the C one directly,
-# bound to ``_WeightHalf``, outside functorch transforms (none wraps W's leaves or gradients there: they are the
-# graph's parameters and the weight halves' outputs); inside one it takes torch's public path.
+# bound to ``_WeightHalf``: W refuses to run inside a functorch transform (``_refuse_in_functorch_transform`` in
+# ppbackward.backward), so no functorch wrapper can reach it (W's leaves and gradients are the graph's
+# parameters and the weight halves' outputs); ``_WeightHalf`` has no ``setup_context``, so torch's
+# default-argument binding does nothing for it either.
 _WEIGHT_HALF_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _WeightHalf)
 
 
@@ -292,10 +294,7 @@ def _hand_over(regions: list, found: list, anchor: torch.Tensor) -> torch.Tensor
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(True)
     try:
-        if torch._C._are_functorch_transforms_active():
-            root = _WeightHalf.apply(regions, anchor, *found[1::2])
-        else:
-            root = _WEIGHT_HALF_APPLY(regions, anchor, *found[1::2])
+        root = _WEIGHT_HALF_APPLY(regions, anchor, *found[1::2])
     finally:
         torch._C._set_grad_enabled(grad_was)
     node: Any = root.grad_fn  # the node just made

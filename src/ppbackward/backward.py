@@ -103,6 +103,16 @@ def _capture_hook(box: list):
     return hook
 
 
+def _refuse_in_functorch_transform(name: str) -> None:
+    """Refuse a call inside a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``...), as
+    ``torch.autograd.backward`` and ``torch.autograd.grad`` do there, before anything runs. One C read."""
+    if torch._C._are_functorch_transforms_active():
+        raise StageBackwardError(
+            f"{name} called inside a torch.func transform (grad, vjp, vmap, ...): autograd's backward is not "
+            "supported there (torch.autograd.backward refuses it too); call it outside the transform. Nothing was run"
+        )
+
+
 def stage_backward(
     stage_output: Any,
     output_grads: Any,
@@ -134,6 +144,7 @@ def stage_backward(
         ValueError, TypeError: malformed ``output_grads`` (see ``ppbackward._tree``); nothing has
             been run or accumulated then.
     """
+    _refuse_in_functorch_transform("stage_backward")
     if outputs_with_grads_idxs is not None:  # deprecated upstream, used by torch's compiler path: no warning
         stage_output, output_grads = _select_outputs(stage_output, output_grads, outputs_with_grads_idxs)
     input_values = list(input_values)
@@ -221,6 +232,7 @@ def stage_backward_input(
             had captured for W (Note [captured gradients are checked at W]); the input gradients are
             not returned, nothing was accumulated and no hook is left registered.
     """
+    _refuse_in_functorch_transform("stage_backward_input")
     if torch.is_inference_mode_enabled():
         # The graph was built outside; B needs views with grad_fn to find leaves' AccumulateGrad
         # nodes, which inference mode does not record (a full backward needs none).
@@ -816,6 +828,7 @@ def stage_backward_weight(
         accumulating call (e.g. by a user hook) can leave the parameters accumulated before it, but
         never half-accumulates one: each gets exactly one ``AccumulateGrad`` call.
     """
+    _refuse_in_functorch_transform("stage_backward_weight")
     weight_list = _weights_list(weights)
     _check_param_groups(param_groups, weight_list)
     with param_groups._consumed_by_w(weight_list, retain_graph) as chunks, automatic_gc_paused():

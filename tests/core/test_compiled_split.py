@@ -636,3 +636,46 @@ def test_w_of_compiled_blocks_enters_no_python_frame_per_parameter_handed_over(p
         assert most >= n_leaves, calls.most_common(3)
     else:
         assert most < n_leaves, calls.most_common(3)
+
+
+class _EinsumBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(D, D))
+        self.l1 = nn.Linear(D, D)
+        self.l2 = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(torch.einsum("si,io->so", x, self.a))))
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "negative-control"])
+def test_b_and_w_under_autocast_after_a_forward_outside_it_equal_the_full_backward(recorded, monkeypatch):
+    """Note [weight halves run under the input half's autocast]: the forward in float32, the backward under
+    ``torch.autocast("cpu", bfloat16)`` (``aot_eager`` runs aten ops, which autocast casts): the weight half runs
+    in W under the autocast state the input half saw in B, so B + W equal the compiled full backward under the
+    same autocast bitwise. Without the recorded state (negative control) the weight half ran with autocast off:
+    a dtype error in the einsum's weight gradient (hostile review)."""
+    if not recorded:
+        monkeypatch.setattr(_compiled, "_autocast_now", lambda: ())
+    torch.manual_seed(0)
+    with pb.installed():
+        blocks = [_EinsumBlock() for _ in range(2)]
+        blocks[1].load_state_dict(blocks[0].state_dict())
+        ref, mod = (torch.compile(b, backend="aot_eager") for b in blocks)
+        x0, grad = torch.randn(3, D), torch.randn(3, D)
+        out = ref(x0.clone().requires_grad_())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.autograd.backward(out, grad)
+        x = x0.clone().requires_grad_()
+        out = mod(x)
+        params = list(blocks[1].parameters())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, groups = stage_backward_input((out,), (grad,), [x], params)
+            assert sum(len(group.regions) for group in groups) == 1
+            if not recorded:
+                with pytest.raises(RuntimeError, match="expected scalar type"):
+                    stage_backward_weight(params, groups)
+                return
+            stage_backward_weight(params, groups)
+    _assert_equal([p.grad for p in params], [p.grad for p in blocks[0].parameters()])

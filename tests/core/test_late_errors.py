@@ -218,6 +218,56 @@ def test_the_explanation_runs_no_unpack_hook_of_a_callers_saved_tensor(monkeypat
     assert runs == runs_without
 
 
+class _LastStage(nn.Module):
+    """A last stage whose input needs no grad (B is given the loss, W runs the whole graph): B pins what W's
+    nodes saved (Note [outputs detached after B] in ``ppbackward._saved``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Parameter(torch.randn(4, 4))
+        self.b = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.einsum("bsi,io->bso", x, self.a)
+        return h, torch.einsum("bsi,io->bso", h, self.b).square().sum()
+
+
+@_NO_HOOKS
+@pytest.mark.parametrize("checked", [True, False], ids=["pinned-after-check", "negative-control"])
+def test_an_activation_changed_between_the_forward_and_b_is_refused_as_by_a_full_backward(checked, monkeypatch):
+    """The activation ``h`` changed in place after the forward, before B (hostile review). A full backward
+    refuses it (autograd's version check); so does W, because B pins a saved tensor only once autograd's check
+    passed. Pinned without that check (negative control), the pin records the changed version and W silently
+    computes ``b``'s gradient from the changed ``h``."""
+    import ppbackward._saved as saved
+
+    if not checked:
+        real = saved._pin
+        monkeypatch.setattr(saved, "_pin", lambda item, t, node, pack, checked=False: real(item, t, node, pack, True))
+    x = torch.randn(2, 3, 4)  # a received activation: needs no grad
+    ref = _LastStage()
+    h, loss = ref(x)
+    with torch.no_grad():
+        h.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    mod = _LastStage()
+    h, loss = mod(x)
+    with torch.no_grad():
+        h.mul_(2.0)
+    _, groups = pb.stage_backward_input((loss,), None, [x], mod.parameters())
+    if not checked:
+        pb.stage_backward_weight(mod.parameters(), groups)  # silently: b's gradient from the changed h
+        clean = _LastStage()
+        clean(x)[1].backward()
+        assert not torch.equal(mod.b.grad, clean.b.grad)
+        return
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        pb.stage_backward_weight(mod.parameters(), groups)
+    assert groups.consumed and len(groups) == 0
+
+
 def test_saved_tensors_left_alone_pass_the_check_and_w_is_exact():
     mod, ref = _Einsum(), _Einsum()
     x = torch.randn(2, 3, 4, requires_grad=True)
@@ -263,6 +313,61 @@ def test_a_hook_of_an_earlier_chunk_changing_a_later_chunks_saved_tensor_is_caug
     assert "the earlier chunks were accumulated, this one and the later ones were not" in message
     assert [p.grad is not None for p in mod.parameters()].count(True) == 1  # the first chunk only
     assert groups.consumed and len(groups) == 0
+
+
+# -- calls inside a torch.func transform ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["refused", "negative-control"])
+def test_w_inside_a_torch_func_transform_is_refused_before_anything_runs(refused, monkeypatch):
+    """As ``torch.autograd.backward`` refuses inside ``torch.func.grad`` (hostile review): W refuses before it
+    claims ``param_groups``, which then runs exactly outside the transform. Without the refusal (negative
+    control) W fails inside with another error, after claiming them."""
+    import ppbackward.backward as backward
+
+    if not refused:
+        monkeypatch.setattr(backward, "_refuse_in_functorch_transform", lambda name: None)
+    mod, ref = _Einsum(), _Einsum()
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    grad = torch.randn(2, 3, 4)
+    _, groups = pb.stage_backward_input((mod(x),), (grad,), [x], mod.parameters())
+
+    def inside(y: torch.Tensor) -> torch.Tensor:
+        pb.stage_backward_weight(mod.parameters(), groups)
+        return (y * 2).sum()
+
+    with pytest.raises(Exception) as info:  # the negative control's error is torch's, of any kind
+        torch.func.grad(inside)(torch.ones(2))
+    if not refused:
+        assert not isinstance(info.value, pb.StageBackwardError) and groups.consumed
+        return
+    assert isinstance(info.value, pb.StageBackwardError)
+    assert str(info.value).startswith("stage_backward_weight called inside a torch.func transform")
+    assert not groups.consumed and all(p.grad is None for p in mod.parameters())
+    pb.stage_backward_weight(mod.parameters(), groups)
+    ref(x.detach()).backward(grad)
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("which", ["stage_backward", "stage_backward_input"])
+def test_b_and_the_full_backward_inside_a_torch_func_transform_are_refused(which):
+    mod = _Einsum()
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    out = mod(x)
+
+    def inside(y: torch.Tensor) -> torch.Tensor:
+        if which == "stage_backward":
+            pb.stage_backward((out,), (torch.ones_like(out),), [x])
+        else:
+            pb.stage_backward_input((out,), (torch.ones_like(out),), [x], mod.parameters())
+        return (y * 2).sum()
+
+    with pytest.raises(pb.StageBackwardError, match=f"^{which} called inside a torch.func transform"):
+        torch.func.grad(inside)(torch.ones(2))
+    assert x.grad is None and all(p.grad is None for p in mod.parameters())
+    (gx,) = pb.stage_backward((out,), (torch.ones_like(out),), [x])  # nothing ran: the graph is intact
+    assert gx is not None
 
 
 def test_writing_grads_once_w_has_started_is_refused():
