@@ -382,14 +382,14 @@ def _captured_grads(group: ParamGroup) -> Iterator[torch.Tensor]:
         yield c.grad
 
 
-def unreadable_saved_error(work: WeightWork, calls: list[NodeCall], error: RuntimeError) -> StageBackwardError | None:
-    """Where W's call of the intermediates ``calls`` of ``work`` raised ``error``: the refusal naming the param
-    group, the node and the saved tensor it could not read, or ``None`` where every call can read what it saved
-    (the error is another one: re-raise it). Note [saved tensors W reads are checked]."""
+def unreadable_saved_error(work: WeightWork, calls: list[NodeCall]) -> StageBackwardError | None:
+    """Once W's call of the intermediates ``calls`` of ``work`` raised: the refusal naming the param group, the
+    node and the saved tensor it could not read, or ``None`` where every call can read what it saved (W's error
+    is another one: re-raise it). Note [saved tensors W reads are checked]."""
     for call in calls:  # plain loop (Note [no frame per node] in ppbackward.backward)
         node = call[0]
-        if isinstance(node, BackwardCFunction):  # one W runs again saved nothing (the others are refused)
-            continue
+        if isinstance(node, BackwardCFunction):  # B released what a custom Function saved (reading it raises
+            continue  # "freed"); the ones W may run again saved nothing, writes for the others are refused
         found = unreadable_saved(node)
         if found is None:
             continue

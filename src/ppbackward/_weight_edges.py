@@ -356,7 +356,7 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
         try:
             results = weight_edge_grads(calls)
         except RuntimeError as e:  # Note [saved tensors W reads are checked] in ppbackward._handoff
-            refusal = unreadable_saved_error(work, calls, e)
+            refusal = unreadable_saved_error(work, calls)
             if refusal is None:
                 raise
             raise refusal from e
