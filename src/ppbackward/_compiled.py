@@ -380,14 +380,15 @@ class PendingWeightGrads:
 # recorded when the weight half is made (``None``: none, the common case, one C read) and W runs the weight
 # half under exactly it: none, or each device type's autocast dtype as it was (B and W under
 # ``torch.autocast`` with a forward outside it gave grads unlike the full backward's, or a dtype error).
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia")
 
 
 def _autocast_now() -> tuple[tuple[str, torch.dtype, bool], ...]:
-    """``(device type, dtype, cache enabled)`` of each device type whose autocast is on now."""
+    """``(device type, dtype, cache enabled)`` of each device type whose autocast is on now (the cache flag is
+    one for all of them)."""
     found = []
     cache = torch.is_autocast_cache_enabled()
-    for device_type in _AUTOCAST_DEVICES:
+    for device_type in (*_AUTOCAST_DEVICES, torch._C._get_privateuse1_backend_name()):
         try:
             if torch.is_autocast_enabled(device_type):
                 found.append((device_type, torch.get_autocast_dtype(device_type), cache))

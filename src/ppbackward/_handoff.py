@@ -82,7 +82,7 @@ class WeightWork(NamedTuple):
     # saved input] in ppbackward._matmul_weights)
     taken: dict
     groups: list[ParamGroup]  # whose work it is (errors name them)
-    first: bool  # W's first chunk: nothing was accumulated before it
+    first_chunk: bool  # W's first chunk: nothing was accumulated before it
 
 
 class ParamGroups:
@@ -184,7 +184,7 @@ class ParamGroups:
             if i:
                 self._check_versions(run, during_w=True)
             work = _weight_work(run)
-            yield work._replace(first=False) if i else work
+            yield work._replace(first_chunk=False) if i else work
 
     def _check_unchanged(self, weights: list[torch.Tensor]) -> None:
         """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
@@ -401,7 +401,7 @@ def unreadable_saved_error(work: WeightWork, calls: list[NodeCall]) -> StageBack
             f"'{name}': {said} W reads what the forward saved for it as it was at B: a tensor changed in place since "
             "(a stage input, an activation, a parameter), or a graph another backward freed, cannot be used"
         )
-        if work.first:
+        if work.first_chunk:
             return StageBackwardError(f"{head}; W accumulates nothing")
         return StageBackwardError(
             f"{head}; W runs this stage in chunks: the earlier chunks were accumulated, this one and the later ones "

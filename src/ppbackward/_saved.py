@@ -110,7 +110,7 @@ def _refuse(_packed):
 
 def _kind(raw: object) -> str | None:
     unpack = getattr(raw, "unpack_hook", None)
-    if unpack is None or getattr(unpack, "_ppbackward_transparent", False):
+    if unpack is None or getattr(unpack, _TRANSPARENT, False):
         return None
     if unpack is _refuse or unpack is _unpin:  # an earlier B's own (Note [B claims its outputs])
         return "released"
@@ -229,7 +229,7 @@ def hook_kinds(nodes: Iterable[Node]) -> dict[Node, str]:
                 continue
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 unpack = getattr(item, "unpack_hook", None)
-                if unpack is None or getattr(unpack, "_ppbackward_transparent", False):
+                if unpack is None or getattr(unpack, _TRANSPARENT, False):
                     continue
                 # _kind inline (Note [no frame per node] in ppbackward.backward)
                 if unpack is _refuse or unpack is _unpin:
@@ -411,7 +411,9 @@ def pin_saved_inputs(nodes: Iterable[Node]) -> list[_Pinned]:
 
 def _pin(item: Any, t: object, node: Node, pack: _PinHook, checked: bool = False) -> None:
     if not isinstance(t, torch.Tensor) or t.grad_fn is None or t.grad_fn is node:
-        return  # not a tensor, a leaf, or the node's own output: nothing to lose
+        # not a tensor, a leaf, or the node's own output (stored without its grad_fn): nothing to lose, and an
+        # output could not be unpacked below without its node
+        return
     try:
         if not checked:
             # the version the pin records is the one now: the tensor must still be the one the forward saved,

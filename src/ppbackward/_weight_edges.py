@@ -111,7 +111,7 @@ def _anchor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return pair
 
 
-def weight_edge_grads(calls: list[NodeCall]) -> list[list]:
+def weight_edge_grads(calls: list[NodeCall], job: _Job | None = None) -> list[list]:
     """Call each intermediate on its captured gradients, computing only its weight edges.
 
     Note [W computes only weight edges]: an autograd node decides which of its outputs to compute
@@ -134,7 +134,7 @@ def weight_edge_grads(calls: list[NodeCall]) -> list[list]:
         broadcast gradients summed back, dtype and device cast), in C++ (Note [W roots are validated by
         the engine]).
     """
-    job = _Job(calls)
+    job = job if job is not None else _Job(calls)  # the caller's, to see which call raised
     targets: list[GradientEdge] = []
     seen: set = set()
     new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
@@ -353,10 +353,12 @@ def run_weight_work(work: WeightWork, retain_graph: bool) -> None:
         del lean
     if calls:
         new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
+        job = _Job(calls)
         try:
-            results = weight_edge_grads(calls)
+            results = weight_edge_grads(calls, job)
         except RuntimeError as e:  # Note [saved tensors W reads are checked] in ppbackward._handoff
-            refusal = unreadable_saved_error(work, calls)
+            done = len(job.results)  # the calls that returned; the next one raised
+            refusal = unreadable_saved_error(work, calls[done : done + 1])
             if refusal is None:
                 raise
             raise refusal from e

@@ -104,8 +104,9 @@ def _capture_hook(box: list):
 
 
 def _refuse_in_functorch_transform(name: str) -> None:
-    """Refuse a call inside a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``...), as
-    ``torch.autograd.backward`` and ``torch.autograd.grad`` do there, before anything runs. One C read."""
+    """Refuse a call inside a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``...) before anything runs, as
+    ``torch.autograd.backward`` (torch's ``stage_backward``) does there; torch's own B fails there too ("Attempted
+    to get grad_fn, but got None"), and its W never gets that far. One C read."""
     if torch._C._are_functorch_transforms_active():
         raise StageBackwardError(
             f"{name} called inside a torch.func transform (grad, vjp, vmap, ...): autograd's backward is not "
