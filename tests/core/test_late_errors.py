@@ -123,7 +123,8 @@ class _Einsum(nn.Module):
 
 
 _NO_HOOKS = pytest.mark.skipif(
-    not HOOKS_VISIBLE, reason="this torch does not expose saved-tensor hooks to Python: W reads nothing ahead"
+    not HOOKS_VISIBLE,
+    reason="this torch does not expose saved-tensor hooks to Python: W cannot name the saved tensor autograd refused",
 )
 
 
