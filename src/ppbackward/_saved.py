@@ -108,6 +108,9 @@ def _refuse(_packed):
     )
 
 
+_TRANSPARENT = "_ppbackward_transparent"  # the mark of a saved-tensor hook that counts as none (above)
+
+
 def _kind(raw: object) -> str | None:
     unpack = getattr(raw, "unpack_hook", None)
     if unpack is None or getattr(unpack, _TRANSPARENT, False):
@@ -199,8 +202,6 @@ def _saved_values(node: Node) -> Iterator[Any]:
             continue
 
 
-_TRANSPARENT = "_ppbackward_transparent"  # the mark of a saved-tensor hook that counts as none (above)
-
 _RANK = {"recompute": 1, "held": 2, "released": 3}  # what hook_kinds keeps for a node: the highest
 
 
@@ -257,11 +258,9 @@ def unreadable_saved(node: Node) -> tuple[str, RuntimeError] | None:
         name = attr[len("_raw_saved_") :]
         try:
             raw = getattr(node, attr)
-            hooked = False
-            for item in raw if isinstance(raw, (list, tuple)) else (raw,):  # Note [no frame per node]: inline
-                unpack = getattr(item, "unpack_hook", None)
-                # a caller's hook: not ppbackward's pin, nor one that counts as none (the tracker's)
-                if unpack is not None and unpack is not _unpin and not getattr(unpack, _TRANSPARENT, False):
+            hooked = False  # through a caller's hook: one _kind sees (not none, not the tracker's), not B's pin
+            for item in raw if isinstance(raw, (list, tuple)) else (raw,):
+                if _kind(item) is not None and item.unpack_hook is not _unpin:
                     hooked = True
             if not hooked:
                 getattr(node, "_saved_" + name)

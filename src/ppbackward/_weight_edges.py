@@ -111,7 +111,7 @@ def _anchor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return pair
 
 
-def weight_edge_grads(calls: list[NodeCall], job: _Job | None = None) -> list[list]:
+def weight_edge_grads(calls: list[NodeCall], job: _Job) -> list[list]:
     """Call each intermediate on its captured gradients, computing only its weight edges.
 
     Note [W computes only weight edges]: an autograd node decides which of its outputs to compute
@@ -127,6 +127,9 @@ def weight_edge_grads(calls: list[NodeCall], job: _Job | None = None) -> list[li
     entries"); it accumulates nothing, and the hook is removed when the call returns, whatever happens. No
     hook touches a node of the stage.
 
+    ``job`` is the caller's :class:`_Job` over ``calls``: its ``results`` grow call by call, so where a call
+    raises the caller knows which one (Note [saved tensors W reads are checked] in ``ppbackward._handoff``).
+
     Returns:
         For each call, what the node returned (aligned with its ``next_functions``), as the node
         returned it: :func:`accumulate` hands every weight-edge gradient to the engine as a root, and
@@ -134,7 +137,6 @@ def weight_edge_grads(calls: list[NodeCall], job: _Job | None = None) -> list[li
         broadcast gradients summed back, dtype and device cast), in C++ (Note [W roots are validated by
         the engine]).
     """
-    job = job if job is not None else _Job(calls)  # the caller's, to see which call raised
     targets: list[GradientEdge] = []
     seen: set = set()
     new = tuple.__new__  # Note [no frame per node] in ppbackward.backward
