@@ -1,28 +1,26 @@
 """Instructions per microbatch of the full backward and of B+W, counted by valgrind's callgrind: a host cost that
-does not move with the machine's load (issue 36; Note [counted host cost] counts Python calls, this counts
-everything the CPU executes for them, the engine's C++ and the interpreter's C included).
+does not move with the machine's load (issue 36; Note [counted host cost] counts Python calls, this counts what
+the CPU executes for them, the engine's C++ and the interpreter's C included). Figures and caveats:
+benchmarks/RESULTS.md, "Instructions, not seconds".
 
     python scripts/host_instructions.py [--compile BACKEND] [--before COMMIT] [CONFIG] [MICROBATCHES]
-    e.g. python scripts/host_instructions.py --before HEAD 4x16x4 20
+    e.g. python scripts/host_instructions.py --before HEAD 4x16x4 20   (this working tree against its last commit)
 
-Each figure is the difference of two runs of this script's child under ``valgrind --tool=callgrind`` on the
-bench stage (``bench --split``'s, ``CONFIG`` default 4x16x4), both after the same five warm-up microbatches
-(the full backward, or B then W): ``MICROBATCHES`` forwards each followed by that backward (grads accumulating)
-against as many forwards alone, so that importing torch, building the stage, B's first plans and (with
-``--compile``: every layer compiled, ppbackward installed) compiling the regions and their halves cancel
-out. The checkout's ``src/ppbackward`` is copied first (the children import it minutes later); ``--before
-COMMIT`` counts that commit's B+W too, exported the way ``scripts/side_by_side.py`` does. Each child takes a
-few minutes under valgrind (the interpreter's start and torch's import run about 50 times slower); two run at
-a time. The heap after the warm-up is frozen (``gc.freeze()``: the young collections still run, over what the
-microbatches make). Eager counts are repeatable to about 0.5 % (hash randomization, addresses); instructions
-are not time (a cache miss costs more than an add), but a change that leaves them unchanged did not make the
-host cost smaller. With ``--compile`` they are not repeatable to that (the compiled full backward counted
-4.24 M and 4.59 M in two runs of the same code; benchmarks/RESULTS.md, "Instructions, not seconds"): time the
-compiled stage instead.
+Each figure is the difference of two runs of a child under ``valgrind --tool=callgrind`` on the bench stage
+(``bench --split``'s, ``CONFIG`` default 4x16x4), both after the same five warm-up microbatches and with the heap
+then frozen (``gc.freeze()``): ``MICROBATCHES`` forwards each followed by the backward (grads accumulating)
+against as many forwards alone, divided by ``MICROBATCHES``. The full backward is ``torch.autograd.backward``
+(not ppbackward's ``stage_backward``: the engine's cost alone); B+W is ppbackward's ``stage_backward_input`` then
+``stage_backward_weight``. The working tree's ``src/ppbackward`` is copied first (the children import it minutes
+later); ``--before COMMIT`` also counts that commit's B+W, exported as ``scripts/side_by_side.py`` does. Children
+run two at a time, a few minutes each, with ``PYTHONHASHSEED=0``.
+
+Raises ``SystemExit`` without valgrind or on a bad argument, ``RuntimeError`` naming the child that failed.
 """
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import os
 import pathlib
@@ -35,26 +33,25 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve()
 
 
-def _child(module: str, config: str, mode: str, n: int, backend: str | None) -> None:
-    """Under valgrind: five warm-up microbatches, then ``n`` with backward ``mode`` and ``20 - n`` forwards alone."""
+def _child(module: str, config: str, mode: str, backwards: int, total: int, backend: str | None) -> None:
+    """Under valgrind: five warm-up microbatches, the heap frozen, then ``total`` forwards, the first
+    ``backwards`` of them each followed by the backward ``mode`` (``full`` or ``split``)."""
     import gc
     import importlib
 
     import torch
 
-    from ppbackward._tools.harness.models import Config
-    from ppbackward._tools.harness.models import build as build_stage
+    from ppbackward._tools.harness.models import build, parse_configs
 
     torch.set_num_threads(1)
     backward = importlib.import_module(f"{module}.backward")
     if backend is not None:
+        importlib.import_module(module).install()
+    stage = build(parse_configs(config)[0])
+    if backend is not None:
         from ppbackward._tools.harness.schedule_bench import compile_layers
 
-        importlib.import_module(module).install()
-        stage = build_stage(Config(*map(int, config.split("x"))))
         compile_layers(stage.model, backend)
-    else:
-        stage = build_stage(Config(*map(int, config.split("x"))))
     params, x, grad = stage.params, stage.x, stage.grad
 
     def one(with_backward: bool) -> None:
@@ -69,23 +66,27 @@ def _child(module: str, config: str, mode: str, n: int, backend: str | None) -> 
 
     for _ in range(5):
         one(True)
-    # the heap so far (torch, the stage, the compiled code) out of the collector's sight: a full collection
-    # over it, which the counted microbatches might start or not, would swamp the difference
+    # the heap so far (torch, the stage, compiled code) out of the collector's sight: a full collection over it,
+    # which the counted microbatches might start or not, would swamp the difference
     gc.collect()
     gc.freeze()
-    for i in range(20):
-        one(i < n)
+    for i in range(total):
+        one(i < backwards)
 
 
-def _count(path: str, module: str, config: str, mode: str, n: int, backend: str | None) -> int:
-    """Instructions callgrind counted for one child (``path``: prepended to ``PYTHONPATH``, for ``module``)."""
-    args = [sys.executable, str(HERE), "--child", module, config, mode, str(n), backend or "-"]
-    env = dict(os.environ)
-    if path:
-        env["PYTHONPATH"] = os.pathsep.join([path, *filter(None, [env.get("PYTHONPATH")])])
+def _count(paths: list[str], module: str, config: str, mode: str, backwards: int, total: int,
+           backend: str | None) -> int:
+    """The instructions callgrind counted for one child, ``paths`` put first on its ``PYTHONPATH``.
+
+    Raises:
+        RuntimeError: the child failed (its stderr's end in the message).
+    """
+    args = [sys.executable, str(HERE), "--child", module, config, mode, str(backwards), str(total), backend or "-"]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
     done = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *args],
-        capture_output=True, text=True, env=env,
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *args], capture_output=True, text=True,
+        env=env,
     )
     found = re.search(r"Collected : (\d+)", done.stderr)
     if done.returncode or found is None:
@@ -94,44 +95,56 @@ def _count(path: str, module: str, config: str, mode: str, n: int, backend: str 
 
 
 def main(argv: list[str]) -> None:
+    """Count and print (see the module docstring)."""
     if argv[:1] == ["--child"]:
-        module, config, mode, n, backend = argv[1:6]
-        _child(module, config, mode, int(n), None if backend == "-" else backend)
+        module, config, mode, backwards, total, backend = argv[1:7]
+        _child(module, config, mode, int(backwards), int(total), None if backend == "-" else backend)
         return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", nargs="?", default="4x16x4", help="LAYERSxDMODELxSEQ (default 4x16x4)")
+    parser.add_argument("microbatches", nargs="?", type=int, default=20, help="counted microbatches (default 20)")
+    parser.add_argument("--compile", metavar="BACKEND", help="every layer compiled with BACKEND (e.g. inductor)")
+    parser.add_argument("--before", metavar="COMMIT", help="also count this commit's B+W")
+    opts = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is needed (Debian: apt-get install valgrind)")
-    backend = before = None
-    while argv[:1] and argv[0].startswith("--"):
-        flag, value, argv = argv[0], argv[1], argv[2:]
-        if flag == "--compile":
-            backend = value
-        elif flag == "--before":
-            before = value
-        else:
-            raise SystemExit(f"unknown option {flag}")
-    config = argv[0] if argv else "4x16x4"
-    n = int(argv[1]) if len(argv) > 1 else 20
+    if opts.microbatches < 1:
+        raise SystemExit("MICROBATCHES: at least 1")
+    from ppbackward._tools.harness.models import parse_configs
+
+    try:
+        configs = parse_configs(opts.config)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if len(configs) != 1:
+        raise SystemExit(f"CONFIG: one configuration, got {opts.config!r}")
+    config, n = configs[0].name, opts.microbatches
     with tempfile.TemporaryDirectory() as tmp:
-        # each counted beside its own baseline: the same warm-up (B's first microbatches plan, and compile the
-        # compiled regions' halves) and as many forwards alone
         now = pathlib.Path(tmp) / "now"
         shutil.copytree(HERE.parent.parent / "src" / "ppbackward", now / "ppbackward")
-        runs = {"full backward": (str(now), "ppbackward", "full"), "B+W": (str(now), "ppbackward", "split")}
-        if before is not None:
+        # name -> (PYTHONPATH entries, the package whose B and W run, mode); the harness is the copy's in each
+        runs = {"full backward": ([str(now)], "ppbackward", "full"), "B+W": ([str(now)], "ppbackward", "split")}
+        if opts.before is not None:
             sys.path.insert(0, str(HERE.parent))
             from side_by_side import _export  # the one export of another commit (renamed ppbackward_before)
 
-            _export(before, pathlib.Path(tmp))
-            runs[f"B+W at {before}"] = (tmp, "ppbackward_before", "split")
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two children at a time (two cores)
-            futures = {(name, k): pool.submit(_count, path, module, config, mode, k, backend)
-                       for name, (path, module, mode) in runs.items() for k in (n, 0)}
+            _export(opts.before, pathlib.Path(tmp))
+            runs[f"B+W at {opts.before}"] = ([tmp, str(now)], "ppbackward_before", "split")
+        pool = concurrent.futures.ThreadPoolExecutor(2)  # two children at a time (two cores)
+        try:
+            futures = {
+                (name, k): pool.submit(_count, paths, module, config, mode, k, n, opts.compile)
+                for name, (paths, module, mode) in runs.items() for k in (n, 0)
+            }
             per = {name: (futures[name, n].result() - futures[name, 0].result()) / n for name in runs}
-    what = f"{config}" + (f", every layer compiled ({backend})" if backend else "")
+        finally:
+            pool.shutdown(cancel_futures=True)
+    what = config + (f", every layer compiled ({opts.compile})" if opts.compile else "")
     print(f"{what}: instructions per microbatch (callgrind; {n} microbatches less as many forwards)")
     full = per["full backward"]
     for name, count in per.items():
-        print(f"  {name:<20} {count / 1e6:8.3f} M  {count / full:.3f}x the full backward")
+        label = "torch.autograd.backward" if name == "full backward" else name
+        print(f"  {label:<24} {count / 1e6:8.3f} M  {count / full:.3f}x the full backward")
 
 
 if __name__ == "__main__":
