@@ -121,6 +121,7 @@ def _titan_args(assets: Path, out: Path, schedule: str, checkpointing: bool, ste
         "--training.disable_cuda_graphs", "--parallelism.pipeline_parallel_degree", "2",
         "--parallelism.pipeline_parallel_schedule", schedule, "--debug.seed", "42",
         "--checkpoint.no-enable", "--validator.no-enable", "--dump_folder", str(out / "dump"),
+        "--training.max_norm", "1e9",  # no clipping: Note [torchtitan grads within a bound]
     ]
     if compile_backend is not None:
         args += ["--compile.enable", "--compile.backend", compile_backend]
@@ -198,7 +199,12 @@ def reference(assets: Path) -> Run:
 # in 9 of 49,152 elements of the grad flex attention's backward returns for one microbatch (2.4e-7 of
 # 0.0028 on one wqkv, 8.6e-5 relative; cause not established). The failures the test exists for are far
 # above the bound: a grad None (torch's final norm), torch 2.14.1's 0.3 % on rank 1's stages, a doubled
-# or missing microbatch (>= 25 % with 4 microbatches).
+# or missing microbatch (>= 25 % with 4 microbatches). Every run trains without gradient clipping
+# (``--training.max_norm 1e9``): clipping scales every grad by one norm summed across the pipeline ranks, and
+# ZBVZeroBubble places the stages on the ranks otherwise than Interleaved1F1B, so that norm, the clipped step
+# and so step 2's grads differ between the two schedules with the backward's grads bitwise equal (measured
+# 2026-12-03 on one machine: step 1 bitwise equal, step 2 up to 0.5 % apart with clipping, within the bound
+# without it).
 REL_BOUND = 5e-4
 
 
