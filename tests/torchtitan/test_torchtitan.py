@@ -3,7 +3,8 @@
 Runs in the environment of the pytest that collects it, where torchtitan is installed: ``nox -s torchtitan``
 (torch 2.15.0 + torchtitan 0.3.0, a shared venv of about 5.9 GB built once in a few minutes, then reused;
 noxfile.py); skipped elsewhere. Cost: 11 torchrun launches of 2 ranks (gloo, CPU) of torchtitan's
-``llama3_debugmodel`` (float32, sequence length 64, 4 microbatches of 1, PP degree 2, 2 stages per rank):
+``llama3_debugmodel`` (float32, sequence length 64, 4 microbatches of 1, PP degree 2, 2 stages per rank, no
+gradient clipping):
 5.1-7.1 minutes measured for the 7 without ``--compile.enable`` on 2 busy cores (load average 7-9) with the
 venv in place (README); the 4 compiled ones (aot_eager) 1.4 minutes more on 2 cores at load average 2-4, 2.3
 minutes at 5 (16-35 s a launch, against 11-26 s for an uncompiled one at load average 5).
