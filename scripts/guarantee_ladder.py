@@ -25,6 +25,9 @@ gradients in B; a rung refuses any other graph. The rungs:
   activation's tensor hooks, with its version for the in-place check), not by ``GradientEdge``.
 * ``r3 +general graphs``: B's graph analysis is ppbackward's (any graph: intermediates, param groups, the
   weight gradients B computes itself; ``ppbackward._graph.analyze``) instead of the type walk.
+* ``r3p +one plan per structure``: the same analysis the way ppbackward's B runs it, a stored plan reused per
+  graph structure (``ppbackward._plan.analyze_planned``: the walk and its key, the probes replayed, the plan
+  mapped onto this graph's nodes): the cheapest exact analysis of any graph this design has.
 * ``pp``: ppbackward (torch's B/W contract: output trees and their errors, param groups read and written like
   torch's, version checks at W, saved-tensor hooks, custom Functions, compiled regions, DTensor, W in chunks,
   no collection inside B and W, hooks registered during B, outputs claimed and detached).
@@ -55,6 +58,7 @@ from torch.autograd.graph import GradientEdge, _engine_run_backward
 
 from ppbackward._compiled import is_region, splitting
 from ppbackward._graph import analyze, gradient_edge
+from ppbackward._plan import analyze_planned
 
 
 def _types() -> dict[str, type]:
@@ -107,10 +111,10 @@ def _walk(root) -> tuple[list, list]:
     return mms, [a for a in accs if a not in in_mm]
 
 
-def _from_analysis(out: torch.Tensor, x: torch.Tensor) -> tuple[list, list]:
-    """The same lists from ppbackward's general analysis: the deferred intermediates' weight matmuls, and the
-    leaves whose gradients B computes."""
-    a = analyze([gradient_edge(out)], {gradient_edge(x).node})
+def _from_analysis(out: torch.Tensor, x: torch.Tensor, planned: bool = False) -> tuple[list, list]:
+    """The same lists from ppbackward's general analysis (``planned``: reused per graph structure, as B does):
+    the deferred intermediates' weight matmuls, and the leaves whose gradients B computes."""
+    a = (analyze_planned if planned else analyze)([gradient_edge(out)], {gradient_edge(x).node})
     mms = []
     for spec in a.groups:
         for node, w_edges in spec.intermediates:
@@ -125,9 +129,9 @@ def _capture(box: list, grads: tuple) -> None:
     box.append((grads, [g._version if g is not None else -1 for g in grads]))
 
 
-def _b(outputs, grads, inputs, weights, *, analysis: bool, hooks: bool):
+def _b(outputs, grads, inputs, weights, *, analysis: bool, hooks: bool, planned: bool = False):
     out, grad, x = outputs[0], grads[0], inputs[0]
-    mms, cheap = _from_analysis(out, x) if analysis else _walk(out.grad_fn)
+    mms, cheap = _from_analysis(out, x, planned) if analysis else _walk(out.grad_fn)
     taken = [getattr(n, _MAT2[type(n)][1]) for n, _, _ in mms]
     edges = [GradientEdge(a, 0) for a in cheap]
     if hooks:
@@ -188,6 +192,7 @@ RUNGS = {
     "r1 +AccumulateGrad": (functools.partial(_b, analysis=False, hooks=False), _w_engine),
     "r2 +capture after hooks": (functools.partial(_b, analysis=False, hooks=True), _w_engine),
     "r3 +general graphs": (functools.partial(_b, analysis=True, hooks=True), _w_engine),
+    "r3p +one plan per structure": (functools.partial(_b, analysis=True, hooks=True, planned=True), _w_engine),
 }
 
 

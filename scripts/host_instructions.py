@@ -3,18 +3,21 @@ does not move with the machine's load (issue 36; Note [counted host cost] counts
 the CPU executes for them, the engine's C++ and the interpreter's C included). Figures and caveats:
 benchmarks/RESULTS.md, "Instructions, not seconds".
 
-    python scripts/host_instructions.py [--compile BACKEND] [--before COMMIT] [CONFIG] [MICROBATCHES]
+    python scripts/host_instructions.py [--compile BACKEND] [--before COMMIT] [--rungs NAMES] [CONFIG] [MICROBATCHES]
     e.g. python scripts/host_instructions.py --before HEAD 4x16x4 20   (this working tree against its last commit)
+         python scripts/host_instructions.py --rungs r2,r3p 4x16x4 20  (rungs of scripts/guarantee_ladder.py too)
 
 Each figure is the difference of two runs of a child under ``valgrind --tool=callgrind`` on the bench stage
 (``bench --split``'s, ``CONFIG`` default 4x16x4), both after the same five warm-up microbatches and with the heap
 then frozen (``gc.freeze()``): ``MICROBATCHES`` forwards each followed by the backward (grads accumulating)
 against as many forwards alone, divided by ``MICROBATCHES``. The full backward is ``torch.autograd.backward``
 (not ppbackward's ``stage_backward``: the engine's cost alone); B+W is ppbackward's ``stage_backward_input`` then
-``stage_backward_weight``. The working tree's ``src/ppbackward`` is copied first (the children import it minutes
-later); ``--before COMMIT`` also counts that commit's B+W, exported as ``scripts/side_by_side.py`` does. Children
-run two at a time, a few minutes each, with ``PYTHONHASHSEED=0``. Use 20 microbatches or more: with 2, two
-counts of the same B+W differed by 6 % (the young collections fall differently).
+``stage_backward_weight``; ``--rungs`` also counts the B+W of those rungs of ``scripts/guarantee_ladder.py``
+(named by the first word of the rung's name: ``r0`` ... ``r3p``; eager only). The working tree's
+``src/ppbackward`` is copied first (the children import it minutes later); ``--before COMMIT`` also counts that
+commit's B+W, exported as ``scripts/side_by_side.py`` does. Children run two at a time, a few minutes each,
+with ``PYTHONHASHSEED=0``. Use 20 microbatches or more: with 2, two counts of the same B+W differed by 6 % (the
+young collections fall differently).
 
 Raises ``SystemExit`` without valgrind or on a bad argument, ``RuntimeError`` naming the child that failed.
 """
@@ -53,6 +56,7 @@ def _child(module: str, config: str, mode: str, backwards: int, total: int, back
         importlib.import_module(module).install()
         compile_layers(stage.model, backend)
     params, x, grad = stage.params, stage.x, stage.grad
+    rung = _rung(mode[len("rung:") :]) if mode.startswith("rung:") else None
 
     def one(with_backward: bool) -> None:
         out = stage.model(x)
@@ -60,6 +64,10 @@ def _child(module: str, config: str, mode: str, backwards: int, total: int, back
             return
         if mode == "full":
             torch.autograd.backward((out,), (grad,))
+        elif mode.startswith("rung:"):
+            b, w = rung
+            _, state = b((out,), (grad,), [x], params)
+            w(params, state)
         else:
             _, groups = backward.stage_backward_input([out], [grad], [x], iter(params))
             backward.stage_backward_weight(iter(params), groups)
@@ -72,6 +80,17 @@ def _child(module: str, config: str, mode: str, backwards: int, total: int, back
     gc.freeze()
     for i in range(total):
         one(i < backwards)
+
+
+def _rung(name: str) -> tuple:
+    """The ``(B, W)`` of the ladder rung whose name starts with ``name`` (``scripts/guarantee_ladder.py``)."""
+    sys.path.insert(0, str(HERE.parent))
+    from guarantee_ladder import RUNGS
+
+    found = [pair for full, pair in RUNGS.items() if full.split()[0] == name]
+    if not found:
+        raise SystemExit(f"--rungs: no rung {name!r}; the rungs: {', '.join(r.split()[0] for r in RUNGS)}")
+    return found[0]
 
 
 def _count(paths: list[str], module: str, config: str, mode: str, backwards: int, total: int,
@@ -105,7 +124,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("microbatches", nargs="?", type=int, default=20, help="counted microbatches (default 20)")
     parser.add_argument("--compile", metavar="BACKEND", help="every layer compiled with BACKEND (e.g. inductor)")
     parser.add_argument("--before", metavar="COMMIT", help="also count this commit's B+W")
+    parser.add_argument("--rungs", metavar="NAMES", help="also count these ladder rungs' B+W (e.g. r2,r3p)")
     opts = parser.parse_args(argv)
+    rungs = opts.rungs.split(",") if opts.rungs else []
+    if rungs and opts.compile:
+        raise SystemExit("--rungs: the eager rungs only (not with --compile)")
+    for name in rungs:
+        _rung(name)  # a bad name stops here, before any valgrind run
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is needed (Debian: apt-get install valgrind)")
     if opts.microbatches < 1:
@@ -130,6 +155,8 @@ def main(argv: list[str]) -> None:
 
             _export(opts.before, pathlib.Path(tmp))
             runs[f"B+W at {opts.before}"] = ([tmp, str(now)], "ppbackward_before", "split")
+        for name in rungs:
+            runs[f"rung {name} B+W"] = ([str(now)], "ppbackward", f"rung:{name}")
         pool = concurrent.futures.ThreadPoolExecutor(2)  # two children at a time (two cores)
         try:
             futures = {
