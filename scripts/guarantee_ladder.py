@@ -45,6 +45,9 @@ region run its input half (``ppbackward._compiled.splitting``); everything else 
 * ``c1 +AccumulateGrad``: W hands the weight halves' gradients to one engine call into the graph's
   ``AccumulateGrad`` nodes (parameter hooks, post-accumulate hooks, the grad layout); ``c1 per region``: the
   same, one engine call per region right after its weight half (one region's gradients alive at a time).
+* ``c2 +one plan per structure``: ``c1 per region`` with the regions found by ppbackward's analysis as its B runs
+  it (``ppbackward._plan.analyze_planned``, Note [one plan per graph structure]) instead of the type walk: exact
+  on any graph, every guarantee a user observes kept; what ppbackward adds beyond it is torch's B/W contract.
 """
 
 from __future__ import annotations
@@ -214,9 +217,20 @@ def _regions(root, stop) -> list:
     return found
 
 
-def _b_compiled(outputs, grads, inputs, weights):
+def _planned_regions(root_edge, stop) -> list:
+    """``_regions``' list from ppbackward's analysis as its B runs it (one plan per graph structure): every
+    intermediate with its weight edges; the bench stage's are all compiled regions."""
+    a = analyze_planned([root_edge], {stop})
+    found = [(node, w_edges) for spec in a.groups for node, w_edges in spec.intermediates]
+    assert all(is_region(node) for node, _ in found), "an intermediate that is not a compiled region"
+    return found
+
+
+def _b_compiled(outputs, grads, inputs, weights, planned: bool = False):
     out, grad, x = outputs[0], grads[0], inputs[0]
-    with splitting(_regions(out.grad_fn, gradient_edge(x).node), []) as plans:
+    stop = gradient_edge(x).node
+    found = _planned_regions(gradient_edge(out), stop) if planned else _regions(out.grad_fn, stop)
+    with splitting(found, []) as plans:
         res = _engine_run_backward((out,), (grad,), False, False, (x,), True, False)
     pending = [(node, plan.pending) for node, plan in plans.items()]
     assert all(p is not None for _, p in pending), "a region ran whole (compiled before install?)"
@@ -260,6 +274,7 @@ COMPILED_RUNGS = {
     "c0 floor": (_b_compiled, _w_compiled_direct),
     "c1 +AccumulateGrad": (_b_compiled, _w_compiled_engine),
     "c1 per region": (_b_compiled, _w_compiled_engine_each),
+    "c2 +one plan per structure": (functools.partial(_b_compiled, planned=True), _w_compiled_engine_each),
 }
 
 
