@@ -1,8 +1,10 @@
 """Test-suite wide settings and fixtures. ``tests`` is a package: shared helpers are imported by their
 full name (``from tests.core.stages import build``), and pytest puts the repository root on ``sys.path``."""
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -31,17 +33,32 @@ ppbackward._plan.VERIFY = True
 # test that calls gc.unfreeze() (the multiprocess worker's Note [gc freeze]) thaws the module, which is then only
 # slower. Frozen objects are out of sight of gc.get_objects and gc.get_referrers too, so a module that searches the
 # whole heap overrides this fixture with one that freezes nothing (`_heap_frozen` in tests/leaks/test_heap.py, whose
-# race of issue 39 and reference counts are about the real heap; tests/multiproc/conftest.py, whose probes search
-# for holders; tests/docs/conftest.py, which runs users' code as users run it).
-@pytest.fixture(scope="module", autouse=True)
-def _heap_frozen():
-    """Note [frozen heap]."""
+# reference counts are about the real heap; tests/multiproc/conftest.py, whose probes search for holders;
+# tests/docs/conftest.py, which runs users' code as users run it). A test there that needs only a heap of a known
+# size freezes for itself (`heap_frozen`: test_heap's race of issue 39, Note [a race needs a long scan]).
+@contextlib.contextmanager
+def _frozen() -> Iterator[None]:
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
         gc.unfreeze()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _heap_frozen():
+    """Note [frozen heap]."""
+    with _frozen():
+        yield
+
+
+@pytest.fixture
+def heap_frozen():
+    """The objects alive before the test frozen for the test alone (Note [frozen heap]), in a module that freezes
+    nothing."""
+    with _frozen():
+        yield
 
 
 @pytest.fixture(scope="module")
