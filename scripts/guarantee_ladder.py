@@ -27,7 +27,8 @@ gradients in B; a rung refuses any other graph. The rungs:
   weight gradients B computes itself; ``ppbackward._graph.analyze``) instead of the type walk.
 * ``r3p +one plan per structure``: the same analysis the way ppbackward's B runs it, a stored plan reused per
   graph structure (``ppbackward._plan.analyze_planned``: the walk and its key, the probes replayed, the plan
-  mapped onto this graph's nodes): the cheapest exact analysis of any graph this design has.
+  mapped onto this graph's nodes): this design's cheapest analysis of any graph (the rung itself, like every
+  rung, runs only the bench stage).
 * ``pp``: ppbackward (torch's B/W contract: output trees and their errors, param groups read and written like
   torch's, version checks at W, saved-tensor hooks, custom Functions, compiled regions, DTensor, W in chunks,
   no collection inside B and W, hooks registered during B, outputs claimed and detached).
@@ -46,8 +47,8 @@ region run its input half (``ppbackward._compiled.splitting``); everything else 
   ``AccumulateGrad`` nodes (parameter hooks, post-accumulate hooks, the grad layout); ``c1 per region``: the
   same, one engine call per region right after its weight half (one region's gradients alive at a time).
 * ``c2 +one plan per structure``: ``c1 per region`` with the regions found by ppbackward's analysis as its B runs
-  it (``ppbackward._plan.analyze_planned``, Note [one plan per graph structure]) instead of the type walk: exact
-  on any graph, every guarantee a user observes kept; what ppbackward adds beyond it is torch's B/W contract.
+  it (``ppbackward._plan.analyze_planned``, Note [one plan per graph structure]) instead of the type walk: an
+  analysis of any graph (the rung runs only the bench stage); what ppbackward adds beyond it is torch's B/W contract.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from __future__ import annotations
 import functools
 import pathlib
 import sys
+from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import GradientEdge, _engine_run_backward
@@ -62,6 +64,7 @@ from torch.autograd.graph import GradientEdge, _engine_run_backward
 from ppbackward._compiled import is_region, splitting
 from ppbackward._graph import analyze, gradient_edge
 from ppbackward._plan import analyze_planned
+from ppbackward.backward import _deferred
 
 
 def _types() -> dict[str, type]:
@@ -114,10 +117,10 @@ def _walk(root) -> tuple[list, list]:
     return mms, [a for a in accs if a not in in_mm]
 
 
-def _from_analysis(out: torch.Tensor, x: torch.Tensor, planned: bool = False) -> tuple[list, list]:
-    """The same lists from ppbackward's general analysis (``planned``: reused per graph structure, as B does):
-    the deferred intermediates' weight matmuls, and the leaves whose gradients B computes."""
-    a = (analyze_planned if planned else analyze)([gradient_edge(out)], {gradient_edge(x).node})
+def _from_analysis(out: torch.Tensor, x: torch.Tensor, analysis: Callable) -> tuple[list, list]:
+    """The same lists from ppbackward's general analysis (``analysis``: ``analyze``, or ``analyze_planned`` as B
+    runs it): the deferred intermediates' weight matmuls, and the leaves whose gradients B computes."""
+    a = analysis([gradient_edge(out)], {gradient_edge(x).node})
     mms = []
     for spec in a.groups:
         for node, w_edges in spec.intermediates:
@@ -132,9 +135,9 @@ def _capture(box: list, grads: tuple) -> None:
     box.append((grads, [g._version if g is not None else -1 for g in grads]))
 
 
-def _b(outputs, grads, inputs, weights, *, analysis: bool, hooks: bool, planned: bool = False):
+def _b(outputs, grads, inputs, weights, *, analysis: Callable | None, hooks: bool):
     out, grad, x = outputs[0], grads[0], inputs[0]
-    mms, cheap = _from_analysis(out, x, planned) if analysis else _walk(out.grad_fn)
+    mms, cheap = _walk(out.grad_fn) if analysis is None else _from_analysis(out, x, analysis)
     taken = [getattr(n, _MAT2[type(n)][1]) for n, _, _ in mms]
     edges = [GradientEdge(a, 0) for a in cheap]
     if hooks:
@@ -191,11 +194,11 @@ def _w_engine(weights, state: _State) -> None:
 
 
 RUNGS = {
-    "r0 floor": (functools.partial(_b, analysis=False, hooks=False), _w_direct),
-    "r1 +AccumulateGrad": (functools.partial(_b, analysis=False, hooks=False), _w_engine),
-    "r2 +capture after hooks": (functools.partial(_b, analysis=False, hooks=True), _w_engine),
-    "r3 +general graphs": (functools.partial(_b, analysis=True, hooks=True), _w_engine),
-    "r3p +one plan per structure": (functools.partial(_b, analysis=True, hooks=True, planned=True), _w_engine),
+    "r0 floor": (functools.partial(_b, analysis=None, hooks=False), _w_direct),
+    "r1 +AccumulateGrad": (functools.partial(_b, analysis=None, hooks=False), _w_engine),
+    "r2 +capture after hooks": (functools.partial(_b, analysis=None, hooks=True), _w_engine),
+    "r3 +general graphs": (functools.partial(_b, analysis=analyze, hooks=True), _w_engine),
+    "r3p +one plan per structure": (functools.partial(_b, analysis=analyze_planned, hooks=True), _w_engine),
 }
 
 
@@ -218,11 +221,14 @@ def _regions(root, stop) -> list:
 
 
 def _planned_regions(root_edge, stop) -> list:
-    """``_regions``' list from ppbackward's analysis as its B runs it (one plan per graph structure): every
-    intermediate with its weight edges; the bench stage's are all compiled regions."""
+    """``_regions``' list from ppbackward's analysis as its B runs it (one plan per graph structure): the
+    intermediates whose weight work B defers, with their weight edges, chosen by B's own ``_deferred``; on the
+    bench stage all compiled regions, and nothing whose weight gradients B computes itself (refused otherwise: this
+    rung's B names only the stage input)."""
     a = analyze_planned([root_edge], {stop})
-    found = [(node, w_edges) for spec in a.groups for node, w_edges in spec.intermediates]
+    found = list(zip(*_deferred(a.groups, set(), a.cheap.edges)))
     assert all(is_region(node) for node, _ in found), "an intermediate that is not a compiled region"
+    assert not a.cheap.leaves, "weight gradients B computes itself: this rung does not return them"
     return found
 
 

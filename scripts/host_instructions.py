@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib.util
 import os
 import pathlib
 import re
@@ -33,13 +34,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 HERE = pathlib.Path(__file__).resolve()
 
 
 def _child(module: str, config: str, mode: str, backwards: int, total: int, backend: str | None) -> None:
     """Under valgrind: five warm-up microbatches, the heap frozen, then ``total`` forwards, the first
-    ``backwards`` of them each followed by the backward ``mode`` (``full`` or ``split``)."""
+    ``backwards`` of them each followed by the backward ``mode`` (``full``, ``split``, or ``rung:NAME``: a ladder
+    rung's B then W)."""
     import gc
     import importlib
 
@@ -82,9 +85,11 @@ def _child(module: str, config: str, mode: str, backwards: int, total: int, back
         one(i < backwards)
 
 
-def _rung(name: str) -> tuple:
-    """The ``(B, W)`` of the ladder rung whose name starts with ``name`` (``scripts/guarantee_ladder.py``)."""
-    sys.path.insert(0, str(HERE.parent))
+def _rung(name: str) -> tuple[Callable, Callable]:
+    """The ``(B, W)`` of the ladder rung whose name starts with ``name`` (``guarantee_ladder.py``: the copy on the
+    child's path, else this checkout's)."""
+    if importlib.util.find_spec("guarantee_ladder") is None:
+        sys.path.insert(0, str(HERE.parent))
     from guarantee_ladder import RUNGS
 
     found = [pair for full, pair in RUNGS.items() if full.split()[0] == name]
@@ -126,7 +131,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--before", metavar="COMMIT", help="also count this commit's B+W")
     parser.add_argument("--rungs", metavar="NAMES", help="also count these ladder rungs' B+W (e.g. r2,r3p)")
     opts = parser.parse_args(argv)
-    rungs = opts.rungs.split(",") if opts.rungs else []
+    rungs = list(dict.fromkeys(opts.rungs.split(","))) if opts.rungs else []
     if rungs and opts.compile:
         raise SystemExit("--rungs: the eager rungs only (not with --compile)")
     for name in rungs:
@@ -147,6 +152,7 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         now = pathlib.Path(tmp) / "now"
         shutil.copytree(HERE.parent.parent / "src" / "ppbackward", now / "ppbackward")
+        shutil.copy(HERE.parent / "guarantee_ladder.py", now)  # the rungs, copied with src for the same reason
         # name -> (PYTHONPATH entries, the package whose B and W run, mode); the harness is the copy's in each
         runs = {"full backward": ([str(now)], "ppbackward", "full"), "B+W": ([str(now)], "ppbackward", "split")}
         if opts.before is not None:
