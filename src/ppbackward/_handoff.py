@@ -37,8 +37,14 @@ group. W's call of a chunk's intermediates comes before anything of the chunk ac
 releases nothing, so where it raises, W reads each called node's saved tensors as its backward would
 (:func:`ppbackward._saved.unreadable_saved`; none held through a caller's saved-tensor hooks, whose unpack hook
 would run once more) and raises naming the first one that cannot be read, the node and its group, from
-autograd's error; an error of another kind is raised as it came. Nothing is read where W succeeds. A full
-backward cannot meet this: nothing runs between its forward and its backward.
+autograd's error; an error of another kind is raised as it came. Nothing is read where W succeeds. The
+weight-only nodes W's accumulating calls run (``a @ b`` of a merged weight, not a linear layer's ``TBackward0``,
+which saves nothing) cannot be checked that way: autograd refuses them inside the accumulating engine call,
+after other parameters of the chunk accumulated there. So B lists those whose type saves tensors (a dict read per
+weight-only node) and W reads their saved tensors the same way before anything runs: a weight changed in place
+since B, or a weight computed once for several microbatches whose graph the first microbatch's W freed, is
+refused with every ``.grad`` untouched (torch's split fails there with autograd's message). A full backward
+cannot meet this: nothing runs between its forward and its backward.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
 from ppbackward._errors import BadValue, StageBackwardError
+from ppbackward._graph import is_accumulate_grad
 from ppbackward._param_groups import CLAIM_LOCK, Contribution, NodeCall, ParamGroup, RegionCall
 from ppbackward._saved import release_pinned, unreadable_saved
 
@@ -95,7 +102,9 @@ class ParamGroups:
     See Note [param_groups hold no cycle] in this module.
     """
 
-    __slots__ = ("_consumed", "_groups", "_hooked_in_b", "_owners", "_pinned", "_shapes", "_versions", "_weights")
+    __slots__ = (
+        "_consumed", "_groups", "_hooked_in_b", "_owners", "_pinned", "_shapes", "_versions", "_weight_only", "_weights"
+    )
 
     def __init__(
         self,
@@ -104,6 +113,7 @@ class ParamGroups:
         owners: tuple[Node, ...] = (),
         pinned: list | None = None,
         hooked_in_b: list[tuple[torch.Tensor, tuple[int, ...]]] | None = None,
+        weight_only: list[Node] | None = None,
     ) -> None:
         self._groups = groups
         for i, group in enumerate(groups):
@@ -112,6 +122,8 @@ class ParamGroups:
         self._owners = owners  # Note [custom Function nodes need an owner] (ppbackward._node_owner)
         self._pinned = pinned or []  # Note [outputs detached after B] (ppbackward._saved)
         self._hooked_in_b = hooked_in_b or []  # Note [W mutes B's hooks]
+        # the weight-only nodes W's accumulating calls run that saved tensors (Note [saved tensors W reads are checked])
+        self._weight_only = weight_only or []
         self._consumed = False
         # Note [captured gradients are checked at W]: by id, so that W checks only what it will read.
         # _captured_grads inline, plain loops (Note [no frame per node] in ppbackward.backward)
@@ -190,6 +202,10 @@ class ParamGroups:
         """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
         are checked at W]); ``weights`` (W's) name the parameters."""
         self._check_versions(self._groups, during_w=False)
+        for node in self._weight_only:  # Note [saved tensors W reads are checked]: these first, as nothing has run
+            found = unreadable_saved(node)
+            if found is not None:
+                raise _unreadable_error(_group_of(self._groups, node), node, "a weight-only node W runs", *found, True)
         for p, shape in self._shapes:
             if p.shape != shape:
                 where = next((f"weights[{i}]" for i, w in enumerate(weights) if w is p), "a leaf of the stage")
@@ -253,6 +269,7 @@ class ParamGroups:
         self._owners = ()
         self._pinned = []
         self._hooked_in_b = []
+        self._weight_only = []
         self._versions = {}
         self._shapes = []
         self._consumed = True
@@ -393,21 +410,48 @@ def unreadable_saved_error(work: WeightWork, calls: list[NodeCall]) -> StageBack
         found = unreadable_saved(node)
         if found is None:
             continue
-        name, cause = found
         label = next((g._label() for g in work.groups for c in g.w_work()[0] if c[0] is node), "param_groups")
-        said = str(cause).split(" Hint: ")[0].strip()
-        head = (
-            f"{label}: {node.name()}, an intermediate W calls again for its weight gradients, cannot read its saved "
-            f"'{name}': {said} W reads what the forward saved for it as it was at B: a tensor changed in place since "
-            "(a stage input, an activation, a parameter), or a graph another backward freed, cannot be used"
-        )
-        if work.first_chunk:
-            return StageBackwardError(f"{head}; W accumulates nothing")
-        return StageBackwardError(
-            f"{head}; W runs this stage in chunks: the earlier chunks were accumulated, this one and the later ones "
-            "were not"
+        return _unreadable_error(
+            label, node, "an intermediate W calls again for its weight gradients", *found, work.first_chunk
         )
     return None
+
+
+def _unreadable_error(
+    label: str, node: Node, what: str, name: str, cause: RuntimeError, first_chunk: bool
+) -> StageBackwardError:
+    """The refusal of Note [saved tensors W reads are checked]: ``node`` (``what`` it is to W) of the group
+    ``label`` cannot read its saved ``name`` (autograd's ``cause``)."""
+    said = str(cause).split(" Hint: ")[0].strip()
+    head = (
+        f"{label}: {node.name()}, {what}, cannot read its saved '{name}': {said} W reads what the forward saved for "
+        "it as it was at B: a tensor changed in place since (a stage input, an activation, a parameter), or a graph "
+        "another backward freed (a weight computed once and used by several microbatches, freed by the first one's "
+        "W or backward), cannot be used"
+    )
+    if first_chunk:
+        return StageBackwardError(f"{head}; W accumulates nothing")
+    return StageBackwardError(
+        f"{head}; W runs this stage in chunks: the earlier chunks were accumulated, this one and the later ones "
+        "were not"
+    )
+
+
+def _group_of(groups: list[ParamGroup], node: Node) -> str:
+    """How errors name the group whose weights a weight-only ``node`` leads to (``param_groups`` if none is found)."""
+    leaves: set[Node] = set()
+    seen = {node}
+    todo = [node]
+    while todo:  # the weight-only subgraph below the node (an error path)
+        for kid, _ in todo.pop().next_functions:
+            if kid is None or kid in seen:
+                continue
+            seen.add(kid)
+            if is_accumulate_grad(kid):
+                leaves.add(kid)
+            else:
+                todo.append(kid)
+    return next((g._label() for g in groups if any(leaf in leaves for leaf in g._leaves)), "param_groups")
 
 
 def _changed_gradient(

@@ -27,12 +27,14 @@ from torch.autograd.graph import Node
 
 __all__ = [  # private module: what other modules use
     "HOOKS_VISIBLE",
+    "cpp_nodes_saving",
     "holds_saved_tensors",
     "hook_kinds",
     "pin_saved_inputs",
     "release_pinned",
     "release_saved_tensors",
     "saved_tensors",
+    "unreadable_saved",
 ]
 
 # Note [hooked saved tensors run once]: a saved tensor with hooks (activation checkpointing, a
@@ -267,6 +269,23 @@ def unreadable_saved(node: Node) -> tuple[str, RuntimeError] | None:
         except RuntimeError as e:
             return name, e
     return None
+
+
+def cpp_nodes_saving(nodes: Iterable[Node]) -> list[Node]:
+    """The C++ nodes among ``nodes`` whose type saves tensors for backward (``_raw_saved_*`` attributes, read once
+    per type); not custom ``autograd.Function`` nodes. What each holds now is not read (see
+    :func:`holds_saved_tensors`). One call for all: a node whose type saves nothing costs a dict read."""
+    found: list[Node] = []
+    cache = _ATTRS
+    for node in nodes:  # Note [no frame per node] in ppbackward.backward
+        attrs = cache.get(type(node))
+        if attrs is None:
+            if isinstance(node, BackwardCFunction):
+                continue
+            attrs = _saved_attrs(node)
+        if attrs:
+            found.append(node)
+    return found
 
 
 def holds_saved_tensors(node: Node) -> bool:

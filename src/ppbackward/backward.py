@@ -55,7 +55,14 @@ from ppbackward._matmul_weights import take_saved_inputs
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import Contribution, NodeCall, ParamGroup, RegionCall
 from ppbackward._plan import analyze_planned
-from ppbackward._saved import HOOKS_VISIBLE, holds_saved_tensors, hook_kinds, pin_saved_inputs, release_saved_tensors
+from ppbackward._saved import (
+    HOOKS_VISIBLE,
+    cpp_nodes_saving,
+    holds_saved_tensors,
+    hook_kinds,
+    pin_saved_inputs,
+    release_saved_tensors,
+)
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads, versioned
 from ppbackward._weight_edges import ENGINE_RUN_BACKWARD, run_weight_work
 
@@ -329,10 +336,13 @@ def _backward_input(
         specs, captured, cheap.edges, flat.grads, root_edges, run.frontier, eager.nodes, spent, run.halves, taken
     )
     pinned: list = []
+    w_saving: list = []
     taken_ = taken or {}  # the matmuls W computes from what B took out: their graph is released
     if groups:  # Note [release unread saved tensors]
         called = set(deferred)
         done_in_b = {*eager.nodes, *cheap.nodes, *[n for n in cheap.edges if n not in called]}
+        if HOOKS_VISIBLE:  # Note [saved tensors W reads are checked] (ppbackward._handoff): W reads them first
+            w_saving = [n for n in cpp_nodes_saving(w_only) if n not in done_in_b]
         if retain:  # else B's engine call released every node it ran
             release_saved_tensors(
                 [*b_only, *[n for n in deferred if isinstance(n, BackwardCFunction)], *done_in_b]
@@ -349,7 +359,7 @@ def _backward_input(
     result: list[torch.Tensor | None] = [None] * len(input_values)
     for i, t in wanted:
         result[i] = run.found.get(id(t))
-    return tuple(result), ParamGroups(groups, weight_set, owners, pinned, run.hooked_in_b)
+    return tuple(result), ParamGroups(groups, weight_set, owners, pinned, run.hooked_in_b, w_saving)
 
 
 def _deferred(specs: list, eager_nodes: set, cheap_edges: dict) -> tuple[list[Node], list[tuple[int, ...]]]:

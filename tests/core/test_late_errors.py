@@ -362,6 +362,107 @@ def test_a_hook_of_an_earlier_chunk_changing_a_later_chunks_saved_tensor_is_caug
     assert groups.consumed and len(groups) == 0
 
 
+class _MergedWeight(nn.Module):
+    """A weight computed from two parameters (``a @ b``, a merged low-rank update): its ``MmBackward0`` is a
+    weight-only node W's accumulating call runs, which saved both parameters; a norm after it gets its
+    gradients in B (Note [cheap weight gradients in B]), so W's one accumulating call has them too."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Parameter(torch.randn(d, d))
+        self.b = nn.Parameter(torch.randn(d, d))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, merged: torch.Tensor | None = None) -> torch.Tensor:
+        return self.norm(x @ (self.a @ self.b if merged is None else merged))
+
+
+def _unchecked(monkeypatch) -> None:
+    """The negative control: W reads nothing ahead (every saved tensor looks readable)."""
+    import ppbackward._handoff as handoff
+
+    monkeypatch.setattr(handoff, "unreadable_saved", lambda node: None)
+
+
+@_NO_HOOKS
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "negative-control"])
+def test_a_weight_changed_in_place_that_a_weight_only_node_saved_is_refused_before_anything_accumulates(
+    check, monkeypatch
+):
+    """``a`` changed in place between B and W: autograd refuses the ``MmBackward0`` inside W's accumulating call,
+    after the norm's parameters accumulated there. W reads the weight-only nodes' saved tensors first and refuses
+    naming the group, the node and the tensor, every ``.grad`` untouched (torch's split leaves them untouched too).
+    Without the check (negative control) autograd's message comes out with the norm's ``.grad`` half of the
+    microbatch accumulated."""
+    if not check:
+        _unchecked(monkeypatch)
+    mod = _MergedWeight()
+    x = torch.randn(3, 4, requires_grad=True)
+    out = mod(x)
+    _, groups = pb.stage_backward_input((out,), (torch.ones_like(out),), [x], mod.parameters())
+    with torch.no_grad():
+        mod.a.mul_(2.0)
+    if not check:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as raw:
+            pb.stage_backward_weight(mod.parameters(), groups)
+        assert not isinstance(raw.value, pb.StageBackwardError)
+        assert mod.norm.weight.grad is not None and mod.a.grad is None  # half of the microbatch
+        return
+    with pytest.raises(pb.StageBackwardError) as info:
+        pb.stage_backward_weight(mod.parameters(), groups)
+    message = str(info.value)
+    assert message.startswith("param_groups[")
+    assert ": MmBackward0, a weight-only node W runs, cannot read its saved 'self'" in message
+    assert "is at version 1; expected version 0 instead" in message and message.endswith("W accumulates nothing")
+    assert all(p.grad is None for p in mod.parameters())
+    assert groups.consumed and len(groups) == 0
+
+
+@_NO_HOOKS
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "negative-control"])
+def test_a_weight_only_graph_freed_by_an_earlier_microbatchs_w_is_refused_before_anything_accumulates(
+    check, monkeypatch
+):
+    """One merged weight computed once and used by two microbatches: the first W runs and frees its
+    ``MmBackward0`` (as a first full backward would); the second W refuses naming it, every ``.grad`` as the first
+    W left it. Without the check (negative control) autograd's "backward through the graph a second time" comes
+    out of the second W with the norm's gradients accumulated once more."""
+    if not check:
+        _unchecked(monkeypatch)
+    mod = _MergedWeight()
+    merged = mod.a @ mod.b
+    groups = []
+    for _ in range(2):
+        x = torch.randn(3, 4, requires_grad=True)
+        out = mod(x, merged)
+        groups.append(pb.stage_backward_input((out,), (torch.ones_like(out),), [x], mod.parameters())[1])
+    pb.stage_backward_weight(mod.parameters(), groups[0])
+    before = [p.grad.clone() for p in mod.parameters()]
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as info:
+        pb.stage_backward_weight(mod.parameters(), groups[1])
+    changed = [not torch.equal(p.grad, q) for p, q in zip(mod.parameters(), before)]
+    if not check:
+        assert not isinstance(info.value, pb.StageBackwardError) and any(changed)
+        return
+    message = str(info.value)
+    assert isinstance(info.value, pb.StageBackwardError) and ": MmBackward0, a weight-only node W runs" in message
+    assert message.endswith("W accumulates nothing") and not any(changed)
+
+
+def test_weight_only_nodes_left_alone_pass_the_check_and_w_is_exact():
+    mod, ref = _MergedWeight(), _MergedWeight()
+    x = torch.randn(3, 4, requires_grad=True)
+    grad = torch.randn(3, 4)
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)  # accumulating
+    _, groups = pb.stage_backward_input((mod(x),), (grad,), [x], mod.parameters())
+    pb.stage_backward_weight(mod.parameters(), groups)
+    ref(x.detach()).backward(grad)
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 # -- calls inside a torch.func transform ------------------------------------------------------------------
 
 
