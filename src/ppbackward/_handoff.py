@@ -200,7 +200,8 @@ class ParamGroups:
 
     def _check_unchanged(self, weights: list[torch.Tensor]) -> None:
         """Raise naming the gradient or parameter changed in place since B (Note [captured gradients
-        are checked at W]); ``weights`` (W's) name the parameters."""
+        are checked at W]), or the weight-only node that cannot read a tensor it saved (Note [saved tensors W reads
+        are checked]); ``weights`` (W's) name the parameters."""
         self._check_versions(self._groups, during_w=False)
         for node in self._weight_only:  # Note [saved tensors W reads are checked]: these first, as nothing has run
             found = unreadable_saved(node)

@@ -830,7 +830,8 @@ def stage_backward_weight(
         These three are raised before anything runs; ``param_groups`` stays usable then. Once W has
         started (claimed ``param_groups``), it is released whatever happens, and these refusals come
         before anything accumulates: StageBackwardError, a gradient B captured (or a caller wrote into
-        ``"grads"``) was changed in place since (Note [captured gradients are checked at W]); ValueError, a
+        ``"grads"``) was changed in place since (Note [captured gradients are checked at W]), or a weight-only
+        node W runs cannot read a tensor it saved (Note [saved tensors W reads are checked]); ValueError, a
         parameter's shape changed since B. A chunk after the first is checked again before it runs
         (a hook of an earlier chunk may have changed its gradients): refused there, the earlier chunks
         stay accumulated. An exception while computing a
