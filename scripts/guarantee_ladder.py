@@ -202,9 +202,10 @@ RUNGS = {
 }
 
 
-def _regions(root, stop) -> list:
+def _regions(out: torch.Tensor, stop) -> list:
     """``(region node, its edges into AccumulateGrad nodes other than ``stop``, the stage input's)`` of every
-    compiled region below ``root``."""
+    compiled region below ``out``."""
+    root = out.grad_fn
     seen = {root}
     stack = [root]
     found = []
@@ -220,23 +221,21 @@ def _regions(root, stop) -> list:
     return found
 
 
-def _planned_regions(root_edge, stop) -> list:
+def _planned_regions(out: torch.Tensor, stop) -> list:
     """``_regions``' list from ppbackward's analysis as its B runs it (one plan per graph structure): the
     intermediates whose weight work B defers, with their weight edges, chosen by B's own ``_deferred``; on the
     bench stage all compiled regions, and nothing whose weight gradients B computes itself (refused otherwise: this
     rung's B names only the stage input)."""
-    a = analyze_planned([root_edge], {stop})
+    a = analyze_planned([gradient_edge(out)], {stop})
     found = list(zip(*_deferred(a.groups, set(), a.cheap.edges)))
     assert all(is_region(node) for node, _ in found), "an intermediate that is not a compiled region"
     assert not a.cheap.leaves, "weight gradients B computes itself: this rung does not return them"
     return found
 
 
-def _b_compiled(outputs, grads, inputs, weights, planned: bool = False):
+def _b_compiled(outputs, grads, inputs, weights, *, regions: Callable):
     out, grad, x = outputs[0], grads[0], inputs[0]
-    stop = gradient_edge(x).node
-    found = _planned_regions(gradient_edge(out), stop) if planned else _regions(out.grad_fn, stop)
-    with splitting(found, []) as plans:
+    with splitting(regions(out, gradient_edge(x).node), []) as plans:
         res = _engine_run_backward((out,), (grad,), False, False, (x,), True, False)
     pending = [(node, plan.pending) for node, plan in plans.items()]
     assert all(p is not None for _, p in pending), "a region ran whole (compiled before install?)"
@@ -277,10 +276,10 @@ def _w_compiled_engine_each(weights, pending: list) -> None:
 
 
 COMPILED_RUNGS = {
-    "c0 floor": (_b_compiled, _w_compiled_direct),
-    "c1 +AccumulateGrad": (_b_compiled, _w_compiled_engine),
-    "c1 per region": (_b_compiled, _w_compiled_engine_each),
-    "c2 +one plan per structure": (functools.partial(_b_compiled, planned=True), _w_compiled_engine_each),
+    "c0 floor": (functools.partial(_b_compiled, regions=_regions), _w_compiled_direct),
+    "c1 +AccumulateGrad": (functools.partial(_b_compiled, regions=_regions), _w_compiled_engine),
+    "c1 per region": (functools.partial(_b_compiled, regions=_regions), _w_compiled_engine_each),
+    "c2 +one plan per structure": (functools.partial(_b_compiled, regions=_planned_regions), _w_compiled_engine_each),
 }
 
 
