@@ -11,15 +11,38 @@ Public surface (see ``docs/api.md``):
   ``RuntimeError``, and a ``ValueError`` or ``TypeError``); :class:`UnsupportedTorchError`;
   :class:`UntestedTorchWarning` (``install(allow_untested=True)`` on a torch newer than the newest known);
 * ``ppbackward.leaks`` — the tensor-leak checker and activation-lifetime tracker.
+
+Note [lazy package]: ``import ppbackward`` imports nothing but this file; each public name is imported from its
+module when first read (``ppbackward.install``, ``from ppbackward import install``: PEP 562's module
+``__getattr__``), and then kept here as an ordinary attribute. So what only needs the package (the pytest plugin,
+which pytest loads in every run wherever ppbackward is installed; ``python -m ppbackward.run``'s usage errors;
+``__version__``) does not import torch (about 2 s) or torch._dynamo (about 1.5 s more).
 """
 
-from ppbackward._compat import SUPPORTED_TORCH, UnsupportedTorchError, UntestedTorchWarning
-from ppbackward._errors import StageBackwardError
-from ppbackward._handoff import ParamGroups
-from ppbackward._install import active_adapter, install, installed, is_installed, merge_bw_enabled, uninstall
-from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.3.0.dev0"
+
+# public name -> the module that defines it (Note [lazy package])
+_HOMES = {
+    "SUPPORTED_TORCH": "ppbackward._compat",
+    "UnsupportedTorchError": "ppbackward._compat",
+    "UntestedTorchWarning": "ppbackward._compat",
+    "StageBackwardError": "ppbackward._errors",
+    "ParamGroups": "ppbackward._handoff",
+    "active_adapter": "ppbackward._install",
+    "install": "ppbackward._install",
+    "installed": "ppbackward._install",
+    "is_installed": "ppbackward._install",
+    "merge_bw_enabled": "ppbackward._install",
+    "uninstall": "ppbackward._install",
+    "stage_backward": "ppbackward.backward",
+    "stage_backward_input": "ppbackward.backward",
+    "stage_backward_weight": "ppbackward.backward",
+}
 
 __all__ = [
     "SUPPORTED_TORCH",
@@ -37,3 +60,28 @@ __all__ = [
     "stage_backward_weight",
     "uninstall",
 ]
+
+if TYPE_CHECKING:
+    from ppbackward._compat import SUPPORTED_TORCH, UnsupportedTorchError, UntestedTorchWarning
+    from ppbackward._errors import StageBackwardError
+    from ppbackward._handoff import ParamGroups
+    from ppbackward._install import active_adapter, install, installed, is_installed, merge_bw_enabled, uninstall
+    from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first read (Note [lazy package]).
+
+    Raises:
+        AttributeError: ``name`` is not public here (nor a submodule imported already).
+    """
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ppbackward' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

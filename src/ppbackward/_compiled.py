@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -61,21 +62,22 @@ from ppbackward._errors import StageBackwardError, nan_output
 from ppbackward._graph_halves import CannotSplit, split_backward_graph
 
 __all__ = [
-    "SUPPORTED",
-    "UNSUPPORTED_WHY",
     "PendingWeightGrads",
     "SplittableBackward",
     "disable",
     "enable",
     "is_region",
     "splitting",
+    "support",
 ]
 
 LOGGER = logging.getLogger("ppbackward")
 
 
-def _support() -> tuple[bool, str]:
-    """Whether this torch has what the split needs, and if not why (one line)."""
+@functools.cache
+def support() -> tuple[bool, str]:
+    """Whether this torch has what the split needs, and if not why (one line). Asked when first needed, not at
+    import: it imports ``torch._dynamo`` (about 1.5 s; Note [lazy package] in ``ppbackward``)."""
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     if version < (2, 13):
         return False, f"torch {torch.__version__} (the split of compiled regions needs torch 2.13 or newer)"
@@ -88,8 +90,6 @@ def _support() -> tuple[bool, str]:
         return False, f"torch {torch.__version__} lacks torch._C._current_autograd_node"
     return True, ""
 
-
-SUPPORTED, UNSUPPORTED_WHY = _support()
 
 _lock = threading.Lock()
 _patched: dict[str, Any] = {}  # "call" -> AotAutograd.__call__ while enabled
@@ -113,8 +113,8 @@ class _Plan:
 
 def enable() -> None:
     """Compile the backward of every forward AOTAutograd compiles from now on through
-    :func:`_compile_backward`. Idempotent; nothing on a torch without the split (:data:`SUPPORTED`)."""
-    if not SUPPORTED:
+    :func:`_compile_backward`. Idempotent; nothing on a torch without the split (:func:`support`)."""
+    if not support()[0]:
         return
     from torch._dynamo.backends.common import AotAutograd
 
@@ -146,7 +146,7 @@ def enable() -> None:
 def disable() -> None:
     """Put ``AotAutograd.__call__`` back. Regions compiled meanwhile stay splittable, but only ppbackward's
     B splits them. Idempotent."""
-    if not SUPPORTED:
+    if not support()[0]:
         return
     from torch._dynamo.backends.common import AotAutograd
 
@@ -425,7 +425,7 @@ def splitting(split: list[tuple[Any, tuple[int, ...]]], whole: list[Any]) -> Ite
     if not (split or whole):
         yield {}
         return
-    plans = {node: _Plan(tuple(w_edges)) for node, w_edges in split} if SUPPORTED else {}
+    plans = {node: _Plan(tuple(w_edges)) for node, w_edges in split} if support()[0] else {}
     found = [getattr(node._forward_cls, "metadata", None) for node in [*(n for n, _ in split), *whole]]
     metas: list[Any] = list({id(m): m for m in found if getattr(m, "bw_donated_idxs", None)}.values())
     with _lock:

@@ -3,8 +3,9 @@
 Registered through the ``pytest11`` entry point ``ppbackward`` (see ``pyproject.toml``), so it is
 active wherever ppbackward is installed. Public names: the marker ``no_tensor_leaks`` and the fixture
 ``tensor_leak_check``; see ``docs/leak-hunting.md``. Everything else here is private. torch and
-``ppbackward.leaks`` are imported only when a test asks for the check, so the plugin costs nothing
-to test suites that do not use it.
+``ppbackward.leaks`` are imported only when a test asks for the check (the package imports nothing on its own:
+Note [lazy package] in ``ppbackward``), so the plugin costs nothing to test suites that do not use it
+(tests/core/test_lazy_import.py).
 
 Both wrap only the test *call* (not fixture setup or teardown) in
 :func:`ppbackward.leaks.check_tensor_leaks` with ``strict=False``, then fail the test with the

@@ -1,0 +1,112 @@
+"""What importing ppbackward costs (Note [lazy package] in ``ppbackward``): the package, its pytest plugin and
+``python -m ppbackward.run``'s usage errors import no torch; each public name imports its module when first read;
+``ppbackward.backward`` imports torch but not ``torch._dynamo`` (``ppbackward._compiled.support``).
+
+Each check runs a fresh interpreter (this one imported torch long ago) and reads ``sys.modules`` there at exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import ppbackward
+from ppbackward import _compiled
+
+# runs MODULE as ``python -m MODULE ARGS`` would, then reports on stderr, at exit, which of ASKED are imported
+_PROBE = """
+import atexit, json, runpy, sys
+module, asked, *args = sys.argv[1:]
+imported = lambda: json.dumps(sorted(set(asked.split(",")) & set(sys.modules)))
+atexit.register(lambda: print("IMPORTED " + imported(), file=sys.stderr))
+sys.argv = [module, *args]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+_ASKED = (
+    "torch", "torch._dynamo", "ppbackward", "ppbackward.pytest_plugin", "ppbackward.backward", "ppbackward._install"
+)
+
+
+def _run(module: str, *args: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``python -m MODULE ARGS`` in a fresh interpreter, and which of :data:`_ASKED` it had imported at exit."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, module, ",".join(_ASKED), *args],
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
+    )
+    lines = [line for line in done.stderr.splitlines() if line.startswith("IMPORTED ")]
+    assert len(lines) == 1, done.stdout + done.stderr
+    return done, set(json.loads(lines[0].split(" ", 1)[1]))
+
+
+def _code(code: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``python -c CODE`` in a fresh interpreter (through a module of that code), and what it imported."""
+    where = cwd or Path(tempfile.mkdtemp())
+    (where / "_probe_target.py").write_text(code)
+    return _run("_probe_target", cwd=where)
+
+
+def test_the_package_and_its_pytest_plugin_import_no_torch() -> None:
+    done, modules = _code("import ppbackward, ppbackward.pytest_plugin\nprint(ppbackward.__version__)\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ppbackward.__version__
+    assert modules == {"ppbackward", "ppbackward.pytest_plugin"}
+
+
+def test_a_pytest_run_that_asks_for_no_leak_check_imports_no_torch(tmp_path: Path) -> None:
+    """pytest loads the plugin (entry point ``pytest11``) in every run wherever ppbackward is installed."""
+    (tmp_path / "test_plain.py").write_text("def test_plain():\n    assert 1 + 1 == 2\n")
+    done, modules = _run("pytest", "-q", "-p", "no:cacheprovider", "test_plain.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+    assert modules == {"ppbackward", "ppbackward.pytest_plugin"}  # the plugin loaded, and nothing of torch
+
+
+def test_the_launcher_s_usage_error_imports_no_torch() -> None:
+    done, modules = _run("ppbackward.run")
+    assert done.returncode == 2
+    assert "ppbackward.run: no target given" in done.stderr
+    assert modules == {"ppbackward"}
+
+
+def test_the_functions_module_imports_torch_but_not_dynamo() -> None:
+    done, modules = _code("import ppbackward.backward\n")
+    assert done.returncode == 0, done.stderr
+    assert modules == {"torch", "ppbackward", "ppbackward.backward"}  # not torch._dynamo
+
+
+def test_reading_a_public_name_imports_its_module_once() -> None:
+    done, modules = _code("from ppbackward import stage_backward_input\n")
+    assert done.returncode == 0, done.stderr
+    assert "ppbackward.backward" in modules and "ppbackward._install" not in modules
+    done, modules = _code("import ppbackward\nppbackward.install\nppbackward.install\n")
+    assert done.returncode == 0, done.stderr
+    assert "ppbackward._install" in modules
+
+
+def test_every_public_name_is_its_home_module_s_object() -> None:
+    import importlib
+
+    assert sorted(ppbackward.__all__) == sorted(ppbackward._HOMES)
+    for name in ppbackward.__all__:
+        assert getattr(ppbackward, name) is getattr(importlib.import_module(ppbackward._HOMES[name]), name), name
+    assert set(ppbackward.__all__) <= set(dir(ppbackward))
+
+
+def test_an_unknown_name_is_a_clear_error() -> None:
+    with pytest.raises(AttributeError, match="module 'ppbackward' has no attribute 'stage_backward_wieght'"):
+        ppbackward.stage_backward_wieght  # noqa: B018
+    with pytest.raises(ImportError, match="stage_backward_wieght"):
+        from ppbackward import stage_backward_wieght  # noqa: F401
+
+
+def test_the_compiled_split_is_supported_on_this_torch_and_asked_once() -> None:
+    major, minor = (int(p) for p in __import__("torch").__version__.split(".")[:2])
+    assert _compiled.support() == ((major, minor) >= (2, 13), _compiled.support()[1])
+    assert _compiled.support() is _compiled.support()  # cached: one answer per process
