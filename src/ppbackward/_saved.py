@@ -17,8 +17,8 @@ left alone: its owner manages its memory. Nodes are never otherwise mutated (no 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint
@@ -30,6 +30,7 @@ __all__ = [  # private module: what other modules use
     "cpp_nodes_saving",
     "holds_saved_tensors",
     "hook_kinds",
+    "observing_only",
     "pin_saved_inputs",
     "release_pinned",
     "release_saved_tensors",
@@ -55,7 +56,7 @@ __all__ = [  # private module: what other modules use
 # tensor through another hook (``"held"``), all of W's nodes run in B, so that nothing is left for W
 # to call and B's engine call can release every node it runs (``retain_graph=False``). Each hooked
 # tensor is then unpacked once, as in a full backward; W accumulates what B computed. Hooks that only
-# observe (``ppbackward.leaks.track_activations``'s own, marked ``_ppbackward_transparent``) count as no
+# observe (``ppbackward.leaks.track_activations``'s own, marked by ``observing_only``) count as no
 # hooks. On a torch whose ``SavedTensor`` does not expose its hooks (before 2.13) nothing can be told
 # apart: hooked tensors are treated as before (unpacked twice, kept until the graph dies).
 #
@@ -111,6 +112,15 @@ def _refuse(_packed):
 
 
 _TRANSPARENT = "_ppbackward_transparent"  # the mark of a saved-tensor hook that counts as none (above)
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def observing_only(unpack: _Hook) -> _Hook:
+    """Mark a saved-tensor unpack hook that only observes (it returns the very tensor autograd saved): B and W
+    then treat what it unpacks as unhooked (Note [hooked saved tensors run once]). Returns ``unpack`` itself;
+    usable as a decorator, on a method too."""
+    setattr(unpack, _TRANSPARENT, True)
+    return unpack
 
 
 def _kind(raw: object) -> str | None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import ppbackward as pb
+from ppbackward._saved import observing_only
 from ppbackward.leaks._gc_phase import full_collect
 from tests.core.helpers import clone_inputs, output_grads
 from tests.core.stages import ZOO, build, make_mul_function
@@ -53,10 +54,9 @@ def _saved_activations():
         refs.append(weakref.ref(alias))
         return alias
 
+    @observing_only  # the split treats the tensors as unhooked
     def unpack(t):
         return t
-
-    unpack._ppbackward_transparent = True  # only observes: the split treats the tensors as unhooked
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield refs
 

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ppbackward._saved import observing_only
+
 if TYPE_CHECKING:
     from ppbackward.leaks._lifetime import ActivationTracker
 
@@ -88,7 +90,7 @@ def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 # ppbackward._saved), so that tracking does not change which work B and W do. One thing it does change:
 # a saved tensor takes one pair of hooks, so B cannot release the unread ones early under the tracker
 # (docs/leak-hunting.md, the tracker's limits).
-unpack._ppbackward_transparent = True  # type: ignore[attr-defined]
+observing_only(unpack)
 
 
 class OpMode(TorchFunctionMode):

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ppbackward._saved import observing_only
 from ppbackward._tools.bench.impls import run_b, run_w
 from ppbackward._tools.harness.models import Stage, reset_grads
 from ppbackward._tools.memory import alive_bytes, saved_storages
@@ -83,13 +84,11 @@ class SavedRecorder:
         self.refs.append((weakref.ref(a), _keys(a)))
         return a
 
+    @observing_only  # the split treats the tensors as unhooked (Note [hooked saved tensors run once])
     def unpack(self, a: torch.Tensor) -> torch.Tensor:
         if not (a.requires_grad and a.grad_fn is None):
             self.unpacked.setdefault(self.phase, set()).update(_keys(a))
         return a
-
-    # only observes: the split treats the tensors as unhooked (Note [hooked saved tensors run once])
-    unpack._ppbackward_transparent = True  # type: ignore[attr-defined]
 
     def hooks(self) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
