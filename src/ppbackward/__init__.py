@@ -16,13 +16,17 @@ Note [lazy package]: ``import ppbackward`` imports nothing but this file; each p
 module when first read (``ppbackward.install``, ``from ppbackward import install``: PEP 562's module
 ``__getattr__``), and then kept here as an ordinary attribute. So what only needs the package (the pytest plugin,
 which pytest loads in every run wherever ppbackward is installed; ``python -m ppbackward.run``'s usage errors;
-``__version__``) does not import torch (about 2 s) or torch._dynamo (about 1.5 s more).
+``__version__``) does not import torch (about 2 s) or torch._dynamo (about 1.5 s more). Nor are the submodules
+imported with the package: ``ppbackward.backward`` is there once something imported it (a public function read, or
+``import ppbackward.backward``). The module ``__getattr__`` exists at run time only, so that type checkers still
+refuse a misspelt name.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import sys as _sys
+from typing import TYPE_CHECKING
 
 __version__ = "0.3.0.dev0"
 
@@ -61,27 +65,28 @@ __all__ = [
     "uninstall",
 ]
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what type checkers see: the names themselves, and no __getattr__ that would accept any name
     from ppbackward._compat import SUPPORTED_TORCH, UnsupportedTorchError, UntestedTorchWarning
     from ppbackward._errors import StageBackwardError
     from ppbackward._handoff import ParamGroups
     from ppbackward._install import active_adapter, install, installed, is_installed, merge_bw_enabled, uninstall
     from ppbackward.backward import stage_backward, stage_backward_input, stage_backward_weight
+else:
 
+    def __getattr__(name: str) -> object:
+        """A public name, imported from its module on first read, then kept here (Note [lazy package]).
 
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first read (Note [lazy package]).
+        Raises:
+            AttributeError: ``name`` is neither public here nor a submodule imported already.
+        """
+        home = _HOMES.get(name)
+        if home is None:
+            raise AttributeError(f"module 'ppbackward' has no attribute {name!r}")
+        value = getattr(_importlib.import_module(home), name)
+        globals()[name] = value
+        return value
 
-    Raises:
-        AttributeError: ``name`` is not public here (nor a submodule imported already).
-    """
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'ppbackward' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    def __dir__() -> list[str]:
+        """The public names, ``__version__`` and the submodules imported so far."""
+        loaded = [m.split(".")[1] for m in _sys.modules if m.count(".") == 1 and m.startswith("ppbackward.")]
+        return sorted({*__all__, "__version__", *loaded})

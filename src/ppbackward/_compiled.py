@@ -53,7 +53,7 @@ import functools
 import logging
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -64,6 +64,7 @@ from ppbackward._graph_halves import CannotSplit, split_backward_graph
 __all__ = [
     "PendingWeightGrads",
     "SplittableBackward",
+    "Support",
     "disable",
     "enable",
     "is_region",
@@ -74,21 +75,32 @@ __all__ = [
 LOGGER = logging.getLogger("ppbackward")
 
 
+class Support(NamedTuple):
+    """Whether this torch can split compiled regions (``ok``), and if not why (``why``, one line; ``""`` if ok)."""
+
+    ok: bool
+    why: str
+
+
 @functools.cache
-def support() -> tuple[bool, str]:
-    """Whether this torch has what the split needs, and if not why (one line). Asked when first needed, not at
-    import: it imports ``torch._dynamo`` (about 1.5 s; Note [lazy package] in ``ppbackward``)."""
+def support() -> Support:
+    """Whether this torch has what the split needs. Asked when first needed, not at import: it imports
+    ``torch._dynamo`` (about 1.5 s; Note [lazy package] in ``ppbackward``). Cached: one answer per process.
+
+    Returns:
+        :class:`Support`; raises nothing (a torch without dynamo is a ``Support(False, why)``).
+    """
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     if version < (2, 13):
-        return False, f"torch {torch.__version__} (the split of compiled regions needs torch 2.13 or newer)"
+        return Support(False, f"torch {torch.__version__} (the split of compiled regions needs torch 2.13 or newer)")
     try:
         from torch._dynamo.backends.common import AotAutograd  # noqa: F401
         from torch._guards import CompileContext, TracingContext, compile_context, tracing  # noqa: F401
     except ImportError as e:  # pragma: no cover - a torch without dynamo
-        return False, f"torch {torch.__version__} has no {e.name}"
+        return Support(False, f"torch {torch.__version__} has no {e.name}")
     if not hasattr(torch._C, "_current_autograd_node"):
-        return False, f"torch {torch.__version__} lacks torch._C._current_autograd_node"
-    return True, ""
+        return Support(False, f"torch {torch.__version__} lacks torch._C._current_autograd_node")
+    return Support(True, "")
 
 
 _lock = threading.Lock()
@@ -114,7 +126,7 @@ class _Plan:
 def enable() -> None:
     """Compile the backward of every forward AOTAutograd compiles from now on through
     :func:`_compile_backward`. Idempotent; nothing on a torch without the split (:func:`support`)."""
-    if not support()[0]:
+    if not support().ok:
         return
     from torch._dynamo.backends.common import AotAutograd
 
@@ -146,7 +158,7 @@ def enable() -> None:
 def disable() -> None:
     """Put ``AotAutograd.__call__`` back. Regions compiled meanwhile stay splittable, but only ppbackward's
     B splits them. Idempotent."""
-    if not support()[0]:
+    if not support().ok:
         return
     from torch._dynamo.backends.common import AotAutograd
 
@@ -425,7 +437,7 @@ def splitting(split: list[tuple[Any, tuple[int, ...]]], whole: list[Any]) -> Ite
     if not (split or whole):
         yield {}
         return
-    plans = {node: _Plan(tuple(w_edges)) for node, w_edges in split} if support()[0] else {}
+    plans = {node: _Plan(tuple(w_edges)) for node, w_edges in split} if support().ok else {}
     found = [getattr(node._forward_cls, "metadata", None) for node in [*(n for n, _ in split), *whole]]
     metas: list[Any] = list({id(m): m for m in found if getattr(m, "bw_donated_idxs", None)}.values())
     with _lock:

@@ -186,9 +186,9 @@ def _announce(adapter: Adapter, merge_bw: bool) -> None:
         "ppbackward %s installed: torch %s's pipeline stages run ppbackward's stage backward (%s, merge_bw %s)",
         __version__, adapter.version, adapter.name, "on" if merge_bw else "off",
     )
-    if not _compiled.support()[0]:  # Note [compiled regions split in two] in ppbackward._compiled
-        LOGGER.info("ppbackward: torch.compile'd regions run whole in B, not split into B and W: %s",
-                    _compiled.support()[1])
+    compiled = _compiled.support()
+    if not compiled.ok:  # Note [compiled regions split in two] in ppbackward._compiled
+        LOGGER.info("ppbackward: torch.compile'd regions run whole in B, not split into B and W: %s", compiled.why)
 
 
 def uninstall() -> None:

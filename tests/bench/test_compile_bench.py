@@ -27,7 +27,7 @@ from ppbackward._tools.cli.bench import main
 from ppbackward._tools.harness import records, schedule_bench
 from ppbackward._tools.harness.models import build
 
-pytestmark = pytest.mark.skipif(not _compiled.support()[0], reason=f"no split here: {_compiled.support()[1]}")
+pytestmark = pytest.mark.skipif(not _compiled.support().ok, reason=f"no split here: {_compiled.support().why}")
 
 
 @pytest.fixture(autouse=True)

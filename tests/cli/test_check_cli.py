@@ -510,8 +510,8 @@ def test_check_compiled_zb_shows_torch_refusing_and_ppbackward_splitting_every_r
     """Issue 37: ``--scenario compiled-zb``: torch.compile(block) children under the zero-bubble schedules."""
     from ppbackward import _compiled
 
-    if not _compiled.support()[0]:
-        pytest.skip(f"no split here: {_compiled.support()[1]}")
+    if not _compiled.support().ok:
+        pytest.skip(f"no split here: {_compiled.support().why}")
     out = tmp_path / "check.json"
     rc, text, err = _check_main(capsys, "--scenario", "compiled-zb", "--steps", "1", "--json", str(out))
     assert rc == 0, text + err

@@ -68,8 +68,8 @@ def test_torch_refuses_compiled_blocks_on_its_own(name, same_rank_transport):
 
 @pytest.mark.parametrize("name", ZERO_BUBBLE)
 def test_installed_zero_bubble_schedules_split_compiled_blocks_exactly(name, same_rank_transport, monkeypatch):
-    if not _compiled.support()[0]:
-        pytest.skip(_compiled.support()[1])
+    if not _compiled.support().ok:
+        pytest.skip(_compiled.support().why)
     split = []
     real = backward._build_groups
 

@@ -22,7 +22,7 @@ import ppbackward as pb
 from ppbackward import _compiled, _weight_edges, stage_backward, stage_backward_input, stage_backward_weight
 from ppbackward._tools.bench.device_work import REGIMES, stage_work
 
-pytestmark = pytest.mark.skipif(not _compiled.support()[0], reason=f"no split here: {_compiled.support()[1]}")
+pytestmark = pytest.mark.skipif(not _compiled.support().ok, reason=f"no split here: {_compiled.support().why}")
 
 BATCH, D = 3, 8
 MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")

@@ -93,11 +93,11 @@ def test_install_says_once_that_compiled_regions_run_whole_on_a_torch_without_th
     pb.install()
     pb.install()
     lines = [r.getMessage() for r in caplog.records if "torch.compile'd regions" in r.getMessage()]
-    if _compiled.support()[0]:
+    if _compiled.support().ok:
         assert lines == []
     else:
         assert lines == [
-            "ppbackward: torch.compile'd regions run whole in B, not split into B and W: " + _compiled.support()[1]
+            "ppbackward: torch.compile'd regions run whole in B, not split into B and W: " + _compiled.support().why
         ]
 
 

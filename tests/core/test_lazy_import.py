@@ -11,10 +11,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 import ppbackward
 from ppbackward import _compiled
@@ -33,27 +33,32 @@ _ASKED = (
 )
 
 
-def _run(module: str, *args: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess[str], set[str]]:
-    """``python -m MODULE ARGS`` in a fresh interpreter, and which of :data:`_ASKED` it had imported at exit."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+# what would change the child's imports or pytest's plugin loading
+_UNSET = ("PYTEST_ADDOPTS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "PYTEST_PLUGINS", "PYTHONSAFEPATH", "PYTHONSTARTUP")
+
+
+def _run(module: str, *args: str, cwd: Path) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``python -m MODULE ARGS`` in a fresh interpreter in ``cwd``, and which of :data:`_ASKED` it had imported at
+    exit. Its own timeout comes well before pytest-timeout's (300 s), so a hang reads as one."""
+    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, module, ",".join(_ASKED), *args],
-        capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=120,
     )
     lines = [line for line in done.stderr.splitlines() if line.startswith("IMPORTED ")]
     assert len(lines) == 1, done.stdout + done.stderr
     return done, set(json.loads(lines[0].split(" ", 1)[1]))
 
 
-def _code(code: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess[str], set[str]]:
-    """``python -c CODE`` in a fresh interpreter (through a module of that code), and what it imported."""
-    where = cwd or Path(tempfile.mkdtemp())
+def _code(code: str, where: Path) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``python -c CODE`` in a fresh interpreter (through a module of that code, written in ``where``), and what it
+    imported."""
     (where / "_probe_target.py").write_text(code)
     return _run("_probe_target", cwd=where)
 
 
-def test_the_package_and_its_pytest_plugin_import_no_torch() -> None:
-    done, modules = _code("import ppbackward, ppbackward.pytest_plugin\nprint(ppbackward.__version__)\n")
+def test_the_package_and_its_pytest_plugin_import_no_torch(tmp_path: Path) -> None:
+    done, modules = _code("import ppbackward, ppbackward.pytest_plugin\nprint(ppbackward.__version__)\n", tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ppbackward.__version__
     assert modules == {"ppbackward", "ppbackward.pytest_plugin"}
@@ -68,24 +73,28 @@ def test_a_pytest_run_that_asks_for_no_leak_check_imports_no_torch(tmp_path: Pat
     assert modules == {"ppbackward", "ppbackward.pytest_plugin"}  # the plugin loaded, and nothing of torch
 
 
-def test_the_launcher_s_usage_error_imports_no_torch() -> None:
-    done, modules = _run("ppbackward.run")
+def test_the_launcher_s_usage_error_imports_no_torch(tmp_path: Path) -> None:
+    done, modules = _run("ppbackward.run", cwd=tmp_path)
     assert done.returncode == 2
     assert "ppbackward.run: no target given" in done.stderr
     assert modules == {"ppbackward"}
 
 
-def test_the_functions_module_imports_torch_but_not_dynamo() -> None:
-    done, modules = _code("import ppbackward.backward\n")
+def test_the_functions_module_imports_torch_but_not_dynamo(tmp_path: Path) -> None:
+    done, modules = _code("import ppbackward.backward\n", tmp_path)
     assert done.returncode == 0, done.stderr
     assert modules == {"torch", "ppbackward", "ppbackward.backward"}  # not torch._dynamo
 
 
-def test_reading_a_public_name_imports_its_module_once() -> None:
-    done, modules = _code("from ppbackward import stage_backward_input\n")
+def test_reading_a_public_name_imports_its_module_and_keeps_the_name(tmp_path: Path) -> None:
+    done, modules = _code("from ppbackward import stage_backward_input\n", tmp_path)
     assert done.returncode == 0, done.stderr
     assert "ppbackward.backward" in modules and "ppbackward._install" not in modules
-    done, modules = _code("import ppbackward\nppbackward.install\nppbackward.install\n")
+    kept = (
+        "import ppbackward\nassert 'install' not in vars(ppbackward)\n"
+        "ppbackward.install\nassert 'install' in vars(ppbackward)\n"
+    )
+    done, modules = _code(kept, tmp_path)
     assert done.returncode == 0, done.stderr
     assert "ppbackward._install" in modules
 
@@ -97,16 +106,20 @@ def test_every_public_name_is_its_home_module_s_object() -> None:
     for name in ppbackward.__all__:
         assert getattr(ppbackward, name) is getattr(importlib.import_module(ppbackward._HOMES[name]), name), name
     assert set(ppbackward.__all__) <= set(dir(ppbackward))
+    assert "importlib" not in dir(ppbackward) and "Any" not in dir(ppbackward)
 
 
 def test_an_unknown_name_is_a_clear_error() -> None:
     with pytest.raises(AttributeError, match="module 'ppbackward' has no attribute 'stage_backward_wieght'"):
-        ppbackward.stage_backward_wieght  # noqa: B018
+        ppbackward.stage_backward_wieght  # type: ignore[attr-defined]  # noqa: B018
     with pytest.raises(ImportError, match="stage_backward_wieght"):
-        from ppbackward import stage_backward_wieght  # noqa: F401
+        from ppbackward import stage_backward_wieght  # type: ignore[attr-defined]  # noqa: F401
 
 
-def test_the_compiled_split_is_supported_on_this_torch_and_asked_once() -> None:
-    major, minor = (int(p) for p in __import__("torch").__version__.split(".")[:2])
-    assert _compiled.support() == ((major, minor) >= (2, 13), _compiled.support()[1])
+def test_the_compiled_split_is_supported_from_torch_2_13_and_asked_once() -> None:
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if (major, minor) >= (2, 13):
+        assert _compiled.support() == (True, "")
+    else:
+        assert not _compiled.support().ok and "needs torch 2.13 or newer" in _compiled.support().why
     assert _compiled.support() is _compiled.support()  # cached: one answer per process

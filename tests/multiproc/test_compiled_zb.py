@@ -28,7 +28,7 @@ CASES = [case_id(s, "compiled-blocks") for s in ZB]
 
 @uses_launch("compiled-zb")
 @pytest.mark.timeout(LAUNCH_TEST_TIMEOUT)
-@pytest.mark.skipif(not _compiled.support()[0], reason=f"no split here: {_compiled.support()[1]}")
+@pytest.mark.skipif(not _compiled.support().ok, reason=f"no split here: {_compiled.support().why}")
 def test_ppbackward_splits_every_compiled_region_of_every_b_exactly(launches) -> None:
     result = launches("compiled-zb")
     assert result.complete, result.format_launch()

@@ -310,8 +310,8 @@ def test_regions_probe_counts_the_regions_each_b_split_and_flags_one_run_whole(c
     import ppbackward
     from ppbackward import _compiled
 
-    if not _compiled.support()[0]:
-        pytest.skip(f"no split here: {_compiled.support()[1]}")
+    if not _compiled.support().ok:
+        pytest.skip(f"no split here: {_compiled.support().why}")
     ppbackward.uninstall()
     torch._dynamo.reset()
     spec = models.get_model("compiled-blocks")

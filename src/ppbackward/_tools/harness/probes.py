@@ -29,7 +29,7 @@ step, adds up ``len(group.regions)`` per call and lets the groups go. Every B ca
 each of the stage's regions (``ModelSpec.regions_per_b``, exactly); a call that split fewer ran some region
 whole in B, exact but with nothing of it left for W (kind ``regions-whole``). torch's own B returns plain
 dicts, which say nothing of regions: counted as not counted. On a torch without the split
-(``ppbackward._compiled.support()[0]``) nothing is judged.
+(``ppbackward._compiled.support().ok``) nothing is judged.
 
 Note [one numerics rule]: every comparison with a reference, the check's and the bench's, is
 :func:`compare`: each grad and each microbatch loss within ``|x - ref| <= atol + rtol * |ref|`` elementwise
@@ -718,7 +718,7 @@ def regions_expected(case: CaseRun) -> int:
     import ppbackward
     from ppbackward import _compiled
 
-    return case.spec.regions_per_b if ppbackward.is_installed() and _compiled.support()[0] else 0
+    return case.spec.regions_per_b if ppbackward.is_installed() and _compiled.support().ok else 0
 
 
 def check_probes(case: CaseRun) -> list[Probe]:

@@ -266,7 +266,7 @@ class _Variant:
         """The regions each B call of this variant must split (Note [compiled schedule benchmark])."""
         from ppbackward import _compiled
 
-        split = self.backward != "upstream" and _compiled.support()[0]
+        split = self.backward != "upstream" and _compiled.support().ok
         return bench.spec.regions_per_b if split else 0
 
 
