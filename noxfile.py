@@ -2,7 +2,7 @@
 
 Arguments after ``--`` go to pytest (``nox -s tests -- -m "not slow"``, ``nox -s torch-2.15 -- tests/core -x``).
 
-* ``lint``, ``tests``, ``release`` (and ``docs``): a fresh venv of their own under ``.nox/`` with the pinned torch
+* ``lint``, ``tests``, ``docs``, ``release``: a fresh venv of their own under ``.nox/`` with the pinned torch
   (2.13.0, the CPU wheel on local disk), nothing else from the network than the install.
 * ``torch-2.15``, ``torchtitan``, ``torch-2.5.1`` (and ``compat``): torch from the package registry, CUDA builds of
   several GB. Their packages live in a venv shared by every clone, ``~/.cache/ppbackward-nox/torch-VERSION``
@@ -47,9 +47,8 @@ TORCHTITAN = "0.3.0"  # needs torch >= 2.14
 # `PPB_TORCHTITAN_TORCH=2.14.1 nox -s torchtitan` trains torchtitan on another torch (docs/torchtitan.md)
 TITAN_TORCH = os.environ.get("PPB_TORCHTITAN_TORCH", NEWEST_TORCH)
 CACHE = Path(os.environ.get("PPB_NOX_CACHE", Path.home() / ".cache" / "ppbackward-nox"))
-# what the tests session leaves to the session of the same name (tests/docs runs in it too: its own venv cost more
-# than its tests; ``nox -s docs`` runs those alone)
-OTHER_SESSIONS = ("--ignore=tests/torchtitan",)
+# what the tests session leaves to the sessions of the same names
+OTHER_SESSIONS = ("--ignore=tests/docs", "--ignore=tests/torchtitan")
 PURELIB = "import sysconfig; print(sysconfig.get_path('purelib'))"
 # run in a session's venv with the torch release and the src folder it must use: says what runs, asserts it
 WHICH = """
@@ -151,7 +150,7 @@ def _suite(session: nox.Session) -> None:
 
 @nox.session(tags=["torch"])
 def tests(session: nox.Session) -> None:
-    """The suite on the pinned torch 2.13.0 (CPU), tests/docs included, but tests/torchtitan (its own session)."""
+    """The suite on the pinned torch 2.13.0 (CPU), but tests/docs and tests/torchtitan (their own sessions)."""
     _suite(session)
 
 
@@ -161,11 +160,9 @@ def torch_2_13(session: nox.Session) -> None:
     _suite(session)
 
 
-@nox.session(default=False)
+@nox.session
 def docs(session: nox.Session) -> None:
-    """tests/docs alone on the pinned torch (the tests session runs them too).
-
-    README.md and docs/*.md: links, every python block run, the figures."""
+    """tests/docs on the pinned torch: README.md and docs/*.md links, every python block run, the figures."""
     _install_pinned(session, "test")
     _pytest(session, "tests/docs", *session.posargs)
 
