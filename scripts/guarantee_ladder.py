@@ -5,6 +5,7 @@ rung timed side by side with the full backward and ppbackward in one process (``
     python scripts/guarantee_ladder.py --check                  exactness of every rung (torch.equal)
     python scripts/guarantee_ladder.py --compile [CONFIGS] [REPEATS] [BACKEND]   issue 37's floor (below)
     python scripts/guarantee_ladder.py --check --compile [BACKEND]
+    python scripts/guarantee_ladder.py --pieces [CONFIGS] [REPEATS]     ppbackward's contract, piece by piece (below)
 
 Every rung is exact on the bench stage (``--check``: each ``.grad`` and input gradient bit-identical to a
 full backward's, grads accumulating over four microbatches, B1 B2 W1 B3 W2 B4 W3 W4). Only the bench
@@ -32,6 +33,12 @@ gradients in B; a rung refuses any other graph. The rungs:
 * ``pp``: ppbackward (torch's B/W contract: output trees and their errors, param groups read and written like
   torch's, version checks at W, saved-tensor hooks, custom Functions, compiled regions, DTensor, W in chunks,
   no collection inside B and W, hooks registered during B, outputs claimed and detached).
+
+``--pieces`` times what ppbackward adds beyond ``r3p``, each piece by the guarantee it keeps: the functions B and W
+call, each wrapped with a clock in place (``ppbackward.backward``'s module names and ``ParamGroups``' methods; a
+wrapper costs well under a microsecond), in rounds interleaved with the full backward, ``r2`` and ``r3p``, grads
+accumulating; medians over the rounds, in µs and as a fraction of the full backward. What no piece names (context
+managers: claims, the gc pause, muted hooks; the lines of B and W between calls) is ``the rest``.
 
 Issue 37, item 4 (``--compile``): the same ladder's first rungs on the bench stage with every layer compiled
 (``compile_layers``, backend ``inductor`` unless given), ppbackward installed (so each region's backward is
@@ -405,11 +412,148 @@ def check() -> None:
         print(f"{cfg.name}: every rung bit-identical to the full backward")
 
 
+# the functions ppbackward's B and W call, by the guarantee each keeps (``--pieces``): ``ppbackward.backward``'s names
+_PIECES = {
+    "_refuse_in_functorch_transform": "refusals (functorch transform, reentrant checkpoint)",
+    "_refuse_reentrant_checkpoint": "refusals (functorch transform, reentrant checkpoint)",
+    "flatten_outputs_and_grads": "output trees, input values and their errors",
+    "_grad_inputs": "output trees, input values and their errors",
+    "_weights_list": "weights checked (B and W)",
+    "_check_param_groups": "weights checked (B and W)",
+    "analyze_planned": "analysis of any graph (one plan per structure)",
+    "_deferred": "analysis of any graph (one plan per structure)",
+    "candidate_owners": "custom Function nodes kept alive",
+    "owners_needed": "custom Function nodes kept alive",
+    "hook_kinds": "saved-tensor hook scan",
+    "take_saved_inputs": "matmul inputs taken out (B keeps no graph)",
+    "_engine_call": "B's engine call (captures after tensor hooks, version records)",
+    "_build_groups": "param groups read and written like torch's",
+    "cpp_nodes_saving": "held bytes (release, pins)",
+    "release_saved_tensors": "held bytes (release, pins)",
+    "pin_saved_inputs": "held bytes (release, pins)",
+    "_detach_outputs": "outputs detached after B",
+    "run_weight_work": "W's engine work (matmuls, accumulating calls)",
+}
+# ... and methods of ``ppbackward._handoff.ParamGroups`` / functions of ``ppbackward._handoff``
+_HANDOFF_PIECES = {
+    "ParamGroups.__init__": "param groups read and written like torch's",
+    "ParamGroups._claim": "W claims param_groups (once, thread-safe)",
+    "ParamGroups._check_unchanged": "version and shape checks at W",
+    "ParamGroups._release": "param_groups released (no cycle)",
+    "_weight_work": "W in chunks",
+    "release_pinned": "held bytes (release, pins)",
+}
+
+
+def _wrapped_pieces(spent: dict[str, int]) -> Callable[[], None]:
+    """Wrap every piece with a clock adding its nanoseconds to ``spent[label]``; returns the undo."""
+    import time
+
+    import ppbackward._handoff as handoff
+    import ppbackward.backward as ours
+
+    undo = []
+
+    def wrap(owner, name: str, label: str) -> None:
+        f = getattr(owner, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter_ns()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0) + time.perf_counter_ns() - t
+
+        setattr(owner, name, timed)
+        undo.append((owner, name, f))
+
+    for name, label in _PIECES.items():
+        wrap(ours, name, label)
+    for name, label in _HANDOFF_PIECES.items():
+        cls, _, meth = name.rpartition(".")
+        wrap(getattr(handoff, cls) if cls else handoff, meth, label)
+
+    def restore() -> None:
+        for owner, name, f in reversed(undo):
+            setattr(owner, name, f)
+
+    return restore
+
+
+def main_pieces(argv: list[str]) -> None:
+    """``--pieces``: ppbackward's B and W piece by piece beside the full backward, r2 and r3p (module docstring)."""
+    import statistics
+    import time
+
+    import ppbackward.backward as ours
+    from ppbackward._tools.bench.timing import gc_paused, prepare_regime
+    from ppbackward._tools.harness.models import build, parse_configs
+    from ppbackward._tools.repeats import rotations
+
+    torch.set_num_threads(1)
+    configs = parse_configs(argv[0]) if argv else parse_configs("4x16x4,16x64x16")
+    repeats = int(argv[1]) if len(argv) > 1 else 30
+    load = pathlib.Path("/proc/loadavg").read_text().split()[:3]
+    print(f"torch {torch.__version__}; grads accumulating; medians of {repeats} rounds; load average at start {load}")
+    pairs = {k: RUNGS[k] for k in ("r2 +capture after hooks", "r3p +one plan per structure")}
+    pairs["pp"] = (ours.stage_backward_input, ours.stage_backward_weight)
+    for cfg in configs:
+        stage = build(cfg)
+        spent: dict[str, int] = {}
+        restore = _wrapped_pieces(spent)
+        rounds: list[dict[str, float]] = []
+        try:
+            for r, order in enumerate(rotations(("full", *pairs), repeats + 3)):
+                got: dict[str, float] = {}
+                with gc_paused():
+                    for name in order:
+                        prepare_regime(stage, "accumulating")
+                        out = stage.model(stage.x)
+                        if name == "full":
+                            t0 = time.perf_counter_ns()
+                            ours.stage_backward((out,), (stage.grad,), [stage.x])
+                            got["full"] = time.perf_counter_ns() - t0
+                            continue
+                        b, w = pairs[name]
+                        spent.clear()
+                        t0 = time.perf_counter_ns()
+                        _, groups = b((out,), (stage.grad,), [stage.x], iter(stage.params))
+                        t1 = time.perf_counter_ns()
+                        in_b = sum(spent.values())
+                        w(iter(stage.params), groups)
+                        t2 = time.perf_counter_ns()
+                        got[name + " B"], got[name + " W"] = t1 - t0, t2 - t1
+                        if name == "pp":
+                            got.update({"piece " + k: v for k, v in spent.items()})
+                            got["rest B"] = t1 - t0 - in_b
+                            got["rest W"] = t2 - t1 - (sum(spent.values()) - in_b)
+                if r >= 3:  # the first rounds warm up (the plan stored, the allocator's pools)
+                    rounds.append(got)
+        finally:
+            restore()
+        med = {k: statistics.median(g[k] for g in rounds if k in g) / 1e3 for k in rounds[-1]}
+        full = med["full"]
+        print(f"\n{cfg.name} ({cfg.layers}x{cfg.d_model}x{cfg.seq}): full backward {full:.0f} us")
+        for name in pairs:
+            bw = med[name + " B"] + med[name + " W"]
+            print(f"  {name:32s} B {med[name + ' B']:7.0f}  W {med[name + ' W']:7.0f}  B+W {bw / full:.2f}x")
+        pieces = sorted(((k[6:], v) for k, v in med.items() if k.startswith("piece ")), key=lambda kv: -kv[1])
+        rest = [("the rest of B (context managers, lines between calls)", med["rest B"]),
+                ("the rest of W (context managers, lines between calls)", med["rest W"])]
+        for label, v in [*pieces, *rest]:
+            print(f"  pp: {label:64s} {v:7.0f} us  {v / full:.3f}x")
+    print(f"load average at end {pathlib.Path('/proc/loadavg').read_text().split()[:3]}")
+
+
 def main(argv: list[str]) -> None:
     flags = {a for a in argv if a.startswith("--")}
     argv = [a for a in argv if not a.startswith("--")]
-    if flags - {"--check", "--compile"}:
-        raise SystemExit(f"unknown option(s) {sorted(flags - {'--check', '--compile'})}; see the module docstring")
+    unknown = flags - {"--check", "--compile", "--pieces"}
+    if unknown:
+        raise SystemExit(f"unknown option(s) {sorted(unknown)}; see the module docstring")
+    if flags == {"--pieces"}:
+        main_pieces(argv)
+        return
     if flags == {"--check", "--compile"}:
         check_compiled(argv[0] if argv else "inductor")
         return
