@@ -3,20 +3,21 @@
 
 CPython tracks a tuple before its items are set; a scan that holds it while its builder resumes makes the
 builder fail with ``SystemError: ... bad argument to internal function``. Each race test runs a naive scan
-first, as the negative control that must make the builder fail, then ppbackward's scans, which must not.
-Interleaving is forced by events and the smallest switch interval, not by time: the main thread scans
-only after the builder finished another tuple.
+first, as the negative control that must make the builder fail, in a child process of its own (Note [the naive
+control in a child process] in ``tests/leaks/heap_race.py``: here it would break the suite's other threads too),
+then ppbackward's scans, here, which must not. Interleaving is forced by events and the smallest switch
+interval, not by time: the main thread scans only after the builder finished another tuple.
 """
 
 from __future__ import annotations
 
 import ast
 import gc
+import json
 import re
+import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ import torch
 
 from ppbackward.leaks import track_activations
 from ppbackward.leaks._heap import instances_of, referrers_of
+from tests.leaks import heap_race
+from tests.leaks.heap_race import POPULATION, Marker, running_builder, scan_beside_builder
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,117 +41,53 @@ def _heap_frozen():
 # list is alive, so what the race needs is a scan long enough for switches (the smallest switch interval), not the
 # whole heap; each scan of ours, though, costs a pass over the whole heap (referrers_of one more per tuple it keeps),
 # and in the suite's heap (300k-600k objects by then) the test took 30-90 s, and its run time followed what ran before
-# it. So the race tests freeze the heap (the `heap_frozen` fixture) and scan a population of their own of a known size:
-# with _POPULATION objects the naive scans broke the builder within 1-8 scans, as they do in the whole heap, and the
-# factor of ten below is unchanged; ours are no less exposed, since they hand nothing to Python whatever the heap's
-# size.
-_POPULATION = 50_000
+# it. So the race tests freeze the heap (the `heap_frozen` fixture) and scan a population of their own of a known size
+# (heap_race.POPULATION, in the child of the naive control too): the naive scans broke the builder within 1-8 scans, as
+# they do in the whole heap, and the factor of ten below is unchanged; ours are no less exposed, since they hand
+# nothing to Python whatever the heap's size.
 
 
 @pytest.fixture
 def population(heap_frozen):
-    """_POPULATION objects for the scans to pass over, the heap before the test frozen (Note [a race needs a long
+    """POPULATION objects for the scans to pass over, the heap before the test frozen (Note [a race needs a long
     scan])."""
-    return [[i] for i in range(_POPULATION)]
-
-
-class _Marker:
-    """Instances of it are what the scans look for; the builder's tuples hold the class itself."""
+    return [[i] for i in range(POPULATION)]
 
 
 # Scans of ppbackward's that must leave the builder unharmed: ten times as many as the naive scan took to break it
 # in the same test (it broke within 1-8 in 16 tries on Python 3.11 in the suite's heap), at least this many. A scan
 # of ours as hazardous as the naive one then survives with a chance of about e^-10.
 _SCANS = 20
-_NAIVE_SCANS = 20_000  # at most, before the naive scan is declared harmless
 
 
-class _Builder:
-    """A thread building ``tuple(generator)`` over and over, the shape ``typing.get_type_hints`` has."""
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-        self.built = 0
-        self.scans = 0  # made beside it (_scan_beside_builder)
-        self.finished_one = threading.Event()
-        self.stop = False
-        self.thread = threading.Thread(target=self._run, name="tuple-builder", daemon=True)
-
-    def _run(self) -> None:
-        items = (_Marker, int, str, _Marker, float, bytes, _Marker, dict, list, set, _Marker, object, type)
-        try:
-            while not self.stop:
-                tuple(c for c in items)
-                self.built += 1
-                self.finished_one.set()
-        except BaseException as e:  # SystemError is the race (here or in Event.set's own tuples)
-            self.error = e
-        finally:
-            self.stop = True
-            self.finished_one.set()
-
-    def next_tuple(self) -> None:
-        """Wait until the builder finished another tuple (or failed)."""
-        self.finished_one.clear()
-        if not self.stop:
-            assert self.finished_one.wait(120), "the builder thread stopped making progress"
-
-
-@contextmanager
-def _builder() -> Iterator[_Builder]:
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # switch threads often: the race at its most likely
-    builder = _Builder()
-    builder.thread.start()
-    try:
-        yield builder
-    finally:
-        builder.stop = True
-        builder.thread.join(120)
-        sys.setswitchinterval(previous)
-        assert not builder.thread.is_alive()
-
-
-def _scan_beside_builder(scan: Callable[[], Any], times: int) -> _Builder:
-    """``scan()`` up to ``times`` times, each after the builder finished another tuple; stops at its first
-    failure. ``builder.scans``: the scans made."""
-    with _builder() as builder:
-        for _ in range(times):
-            builder.next_tuple()
-            if builder.error is not None:
-                break
-            scan()
-            builder.scans += 1
-    return builder
-
-
-def _naive_get_objects() -> None:
-    for obj in gc.get_objects():  # the list alive while the loop runs bytecode: the hazard
-        if type(obj) is _Marker:
-            pass
-
-
-def _naive_get_referrers() -> None:
-    for obj in gc.get_referrers(_Marker):
-        if isinstance(obj, tuple):
-            pass
+def _naive_control(name: str) -> dict[str, Any]:
+    """The naive scan ``name`` beside a builder, in a child process (Note [the naive control in a child process] in
+    ``tests/leaks/heap_race.py``): ``{"error": "SystemError" or None, "message", "scans", "population"}``."""
+    done = subprocess.run(
+        [sys.executable, str(Path(heap_race.__file__)), name], capture_output=True, text=True, timeout=600,
+    )  # timeout: a hang guard; each of its up to NAIVE_SCANS waits has its own 120 s event guard
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
 
 
 @pytest.mark.parametrize(
     ("naive", "ours"),
-    [(_naive_get_objects, lambda: instances_of(_Marker)), (_naive_get_referrers, lambda: referrers_of(_Marker))],
+    [("get_objects", lambda: instances_of(Marker)), ("get_referrers", lambda: referrers_of(Marker))],
     ids=["get_objects", "get_referrers"],
 )
 def test_a_scan_beside_a_thread_building_tuples_leaves_that_thread_unharmed(naive, ours, population):
-    keep = [_Marker() for _ in range(3)]
-    control = _scan_beside_builder(naive, _NAIVE_SCANS)
-    assert isinstance(control.error, SystemError), "the negative control: a naive scan breaks the builder"
-    assert "bad argument to internal function" in str(control.error)
-    times = max(_SCANS, 10 * control.scans)
-    builder = _scan_beside_builder(ours, times)
+    keep = [Marker() for _ in range(3)]
+    with running_builder() as bystander:  # this process's other threads: untouched by the control in its child
+        control = _naive_control(naive)
+    assert bystander.error is None and bystander.built > 0
+    assert control["error"] == "SystemError", f"the negative control: a naive scan breaks the builder ({control})"
+    assert "bad argument to internal function" in control["message"]
+    assert control["population"] == POPULATION
+    times = max(_SCANS, 10 * control["scans"])
+    builder = scan_beside_builder(ours, times)
     assert builder.error is None
     assert builder.scans == times and builder.built >= times
-    assert len(instances_of(_Marker)) == len(keep) == 3
+    assert len(instances_of(Marker)) == len(keep) == 3
 
 
 def test_the_tracker_report_and_its_holder_chains_beside_a_thread_building_tuples():
@@ -163,14 +102,14 @@ def test_the_tracker_report_and_its_holder_chains_beside_a_thread_building_tuple
         rep = tracker.report()
         assert len(rep.held_by) == 1
 
-    builder = _scan_beside_builder(report, 8)
+    builder = scan_beside_builder(report, 8)
     assert builder.error is None and builder.built >= 8
 
 
 def test_a_tuple_under_construction_is_never_handed_out():
     """Deterministic, one thread: the scan runs inside ``tuple(generator)`` while the tuple holds the
     marker; keeping what the scan returned past the tuple's next resize must not break it."""
-    marker = _Marker()
+    marker = Marker()
     kept: list[list[Any]] = []
 
     def items(scan: Callable[[Any], list[Any]]) -> Iterator[Any]:
@@ -186,14 +125,14 @@ def test_a_tuple_under_construction_is_never_handed_out():
 
 
 def test_referrers_keep_tuples_something_holds_and_instances_are_exact():
-    marker = _Marker()
+    marker = Marker()
     holder = {"pair": (marker, 1)}  # a tuple whose one holder is a dict: kept
     assert [r for r in referrers_of(marker) if type(r) is tuple] == [holder["pair"]]
-    before = len(instances_of(_Marker))
-    more = [_Marker(), _Marker()]
-    assert len(instances_of(_Marker)) == before + len(more)
+    before = len(instances_of(Marker))
+    more = [Marker(), Marker()]
+    assert len(instances_of(Marker)) == before + len(more)
     del more
-    assert len(instances_of(_Marker)) == before
+    assert len(instances_of(Marker)) == before
 
 
 @pytest.mark.parametrize("cls", [object, tuple, torch.autograd.graph.Node])
@@ -229,17 +168,17 @@ def test_a_chain_to_a_frozen_holder_says_gc_freeze_may_hide_it():
     made after it but held by an object frozen before it has a holder out of sight, and the chain's last line
     names that possibility."""
     w = torch.randn(4, requires_grad=True)
-    holder = _Marker()
+    holder = Marker()
     with track_activations() as tracker:
         holder.kept = (w * 2).exp().sum()
     (chain,) = tracker.report().held_by  # the negative control: the heap whole, the holder seen
-    assert "_Marker object via .kept" in chain and "gc.freeze()" not in chain
+    assert "Marker object via .kept" in chain and "gc.freeze()" not in chain
     gc.freeze()  # the holder (and its __dict__) out of sight
     try:
         with track_activations() as tracker:
             holder.kept = (w * 3).exp().sum()
         (chain,) = tracker.report().held_by
-        assert "_Marker" not in chain
+        assert "Marker" not in chain
         # the count as the report read it: frozen objects that die meanwhile leave the frozen set
         last = chain.splitlines()[-1]
         assert re.search(r"; or one of the \d+ objects gc\.freeze\(\) put out of the gc's sight\)$", last), last
@@ -275,7 +214,7 @@ def test_no_heap_scan_outside_the_safe_one(tmp_path):
     """The suite's background thread and a user's threads break on any scan that keeps its list while
     Python runs; so the project's code scans only through ``_heap`` (its negative controls aside)."""
     root = Path(__file__).resolve().parents[2]
-    allowed = {root / "src/ppbackward/leaks/_heap.py", Path(__file__).resolve()}
+    allowed = {root / "src/ppbackward/leaks/_heap.py", Path(heap_race.__file__).resolve(), Path(__file__).resolve()}
     files = [p for d in ("src", "tests", "scripts", "benchmarks") for p in sorted((root / d).rglob("*.py"))]
     assert len(files) > 100
     assert [hit for p in files if p not in allowed for hit in _bare_heap_scans(p)] == []

@@ -79,7 +79,9 @@ from tests.multiproc.multiproc_specs import LAUNCHES, launches_of
 # of this process scans the heap in a way that breaks this thread. A loop over ``gc.get_objects()`` or
 # ``gc.get_referrers()`` in the main thread once made this thread's ``tuple(...)`` calls fail with
 # ``SystemError`` (issue 39): the leak tools and the tests scan through ``ppbackward.leaks._heap`` (Note
-# [heap scans beside other threads]), and ``tests/docs`` refuses a bare heap scan anywhere else.
+# [heap scans beside other threads]), ``tests/leaks/test_heap.py`` refuses a bare heap scan anywhere else, and the
+# race's negative control, a bare scan on purpose, runs in a child process (Note [the naive control in a child
+# process] in ``tests/leaks/heap_race.py``: in this process it broke this thread twice in CI).
 
 
 class _Launches:
