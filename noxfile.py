@@ -1,4 +1,5 @@
-"""ppbackward's test sessions: ``nox --list`` names them, ``nox`` runs every default one (what ``.ci/run`` runs).
+"""ppbackward's test sessions: ``nox --list`` names them, ``nox --parallel 2 --allow-parallel`` runs every default
+one two at a time (what ``.ci/run`` runs; plain ``nox`` runs them one after another).
 
 Arguments after ``--`` go to pytest (``nox -s tests -- -m "not slow"``, ``nox -s torch-2.15 -- tests/core -x``).
 
@@ -36,7 +37,7 @@ if sys.version_info >= (3, 11):
 else:  # nox itself depends on tomli there
     import tomli as tomllib
 
-nox.needs_version = ">=2024.10.9"  # session(default=...)
+nox.needs_version = ">=2026.10.20"  # session(default=...); --parallel and --allow-parallel (.ci/run)
 nox.options.error_on_external_run = True
 
 ROOT = Path(__file__).resolve().parent

@@ -60,10 +60,11 @@ region run its input half (``ppbackward._compiled.splitting``); everything else 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pathlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.autograd.graph import GradientEdge, _engine_run_backward
@@ -329,6 +330,11 @@ def check_compiled(backend: str) -> None:
         print(f"{cfg.name} {backend} {name}: max abs difference to the compiled full backward {worst:.3g}")
 
 
+def _load_average() -> list[str]:
+    """The 1, 5 and 15-minute load averages, as ``/proc/loadavg`` writes them."""
+    return pathlib.Path("/proc/loadavg").read_text().split()[:3]
+
+
 def main_compiled(argv: list[str]) -> None:
     from ppbackward._tools.bench import split
     from ppbackward._tools.bench.compiled import check_split
@@ -339,7 +345,7 @@ def main_compiled(argv: list[str]) -> None:
     configs = parse_configs(argv[0]) if argv else parse_configs("4x16x4")
     repeats = int(argv[1]) if len(argv) > 1 else 30
     backend = argv[2] if len(argv) > 2 else "inductor"
-    load = pathlib.Path("/proc/loadavg").read_text().split()[:3]
+    load = _load_average()
     print(f"torch {torch.__version__}; backend {backend}; load average at start {load}", flush=True)
     for cfg in configs:
         stage = _compiled_stage(cfg, backend)
@@ -350,7 +356,7 @@ def main_compiled(argv: list[str]) -> None:
         text = split.format_split(SplitResult(device="cpu", configs=[c]))
         print(text.split("\nHost cost")[0].split("\nReplayed")[0].split("\n", 1)[1], flush=True)
         _print_replays(c)
-    print(f"load average at end {pathlib.Path('/proc/loadavg').read_text().split()[:3]}")
+    print(f"load average at end {_load_average()}")
 
 
 def _print_replays(c) -> None:
@@ -439,45 +445,52 @@ _HANDOFF_PIECES = {
     "ParamGroups.__init__": "param groups read and written like torch's",
     "ParamGroups._claim": "W claims param_groups (once, thread-safe)",
     "ParamGroups._check_unchanged": "version and shape checks at W",
+    "ParamGroups._check_versions": "version and shape checks at W",  # a later chunk's, called outside the above
     "ParamGroups._release": "param_groups released (no cycle)",
     "_weight_work": "W in chunks",
     "release_pinned": "held bytes (release, pins)",
 }
 
 
-def _wrapped_pieces(spent: dict[str, int]) -> Callable[[], None]:
-    """Wrap every piece with a clock adding its nanoseconds to ``spent[label]``; returns the undo."""
+@contextlib.contextmanager
+def _wrapped_pieces(spent: dict[str, int]) -> Iterator[None]:
+    """Within the block, every piece wrapped with a clock adding its nanoseconds to ``spent[label]``; a piece called
+    inside another counts for the outer one only (no time counted twice). Everything wrapped is restored on leaving,
+    on an error too (one raised while wrapping included)."""
     import time
 
     import ppbackward._handoff as handoff
     import ppbackward.backward as ours
 
     undo = []
+    depth = [0]
 
     def wrap(owner, name: str, label: str) -> None:
         f = getattr(owner, name)
 
         def timed(*a, **k):
+            depth[0] += 1
             t = time.perf_counter_ns()
             try:
                 return f(*a, **k)
             finally:
-                spent[label] = spent.get(label, 0) + time.perf_counter_ns() - t
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[label] = spent.get(label, 0) + time.perf_counter_ns() - t
 
         setattr(owner, name, timed)
         undo.append((owner, name, f))
 
-    for name, label in _PIECES.items():
-        wrap(ours, name, label)
-    for name, label in _HANDOFF_PIECES.items():
-        cls, _, meth = name.rpartition(".")
-        wrap(getattr(handoff, cls) if cls else handoff, meth, label)
-
-    def restore() -> None:
+    try:
+        for name, label in _PIECES.items():
+            wrap(ours, name, label)
+        for name, label in _HANDOFF_PIECES.items():
+            cls, _, meth = name.rpartition(".")
+            wrap(getattr(handoff, cls) if cls else handoff, meth, label)
+        yield
+    finally:
         for owner, name, f in reversed(undo):
             setattr(owner, name, f)
-
-    return restore
 
 
 def main_pieces(argv: list[str]) -> None:
@@ -493,16 +506,15 @@ def main_pieces(argv: list[str]) -> None:
     torch.set_num_threads(1)
     configs = parse_configs(argv[0]) if argv else parse_configs("4x16x4,16x64x16")
     repeats = int(argv[1]) if len(argv) > 1 else 30
-    load = pathlib.Path("/proc/loadavg").read_text().split()[:3]
+    load = _load_average()
     print(f"torch {torch.__version__}; grads accumulating; medians of {repeats} rounds; load average at start {load}")
     pairs = {k: RUNGS[k] for k in ("r2 +capture after hooks", "r3p +one plan per structure")}
     pairs["pp"] = (ours.stage_backward_input, ours.stage_backward_weight)
     for cfg in configs:
         stage = build(cfg)
         spent: dict[str, int] = {}
-        restore = _wrapped_pieces(spent)
         rounds: list[dict[str, float]] = []
-        try:
+        with _wrapped_pieces(spent):
             for r, order in enumerate(rotations(("full", *pairs), repeats + 3)):
                 got: dict[str, float] = {}
                 with gc_paused():
@@ -529,8 +541,6 @@ def main_pieces(argv: list[str]) -> None:
                             got["rest W"] = t2 - t1 - (sum(spent.values()) - in_b)
                 if r >= 3:  # the first rounds warm up (the plan stored, the allocator's pools)
                     rounds.append(got)
-        finally:
-            restore()
         med = {k: statistics.median(g[k] for g in rounds if k in g) / 1e3 for k in rounds[-1]}
         full = med["full"]
         print(f"\n{cfg.name} ({cfg.layers}x{cfg.d_model}x{cfg.seq}): full backward {full:.0f} us")
@@ -538,11 +548,11 @@ def main_pieces(argv: list[str]) -> None:
             bw = med[name + " B"] + med[name + " W"]
             print(f"  {name:32s} B {med[name + ' B']:7.0f}  W {med[name + ' W']:7.0f}  B+W {bw / full:.2f}x")
         pieces = sorted(((k[6:], v) for k, v in med.items() if k.startswith("piece ")), key=lambda kv: -kv[1])
-        rest = [("the rest of B (context managers, lines between calls)", med["rest B"]),
-                ("the rest of W (context managers, lines between calls)", med["rest W"])]
+        rest = [("the rest of B (context managers, lines between calls, B's temporaries freed)", med["rest B"]),
+                ("the rest of W (the same for W)", med["rest W"])]
         for label, v in [*pieces, *rest]:
-            print(f"  pp: {label:64s} {v:7.0f} us  {v / full:.3f}x")
-    print(f"load average at end {pathlib.Path('/proc/loadavg').read_text().split()[:3]}")
+            print(f"  pp: {label:80s} {v:7.0f} us  {v / full:.3f}x")
+    print(f"load average at end {_load_average()}")
 
 
 def main(argv: list[str]) -> None:
@@ -551,7 +561,9 @@ def main(argv: list[str]) -> None:
     unknown = flags - {"--check", "--compile", "--pieces"}
     if unknown:
         raise SystemExit(f"unknown option(s) {sorted(unknown)}; see the module docstring")
-    if flags == {"--pieces"}:
+    if "--pieces" in flags:
+        if flags != {"--pieces"}:
+            raise SystemExit("--pieces takes no other option (it times eager ppbackward; see the module docstring)")
         main_pieces(argv)
         return
     if flags == {"--check", "--compile"}:
@@ -569,13 +581,13 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     configs = parse_configs(argv[0]) if argv else parse_configs("4x16x4,16x64x16,4x128x16")
     repeats = int(argv[1]) if len(argv) > 1 else 30
-    load = pathlib.Path("/proc/loadavg").read_text().split()[:3]
+    load = _load_average()
     print(f"torch {torch.__version__}; load average at start {load}", flush=True)
     for cfg in configs:
         result = split.measure([cfg], repeats, None, extra=RUNGS)
         print(split.format_split(result).split("\nHost cost")[0].split("\n", 1)[1], flush=True)
         _print_replays(result.configs[0])
-    print(f"load average at end {pathlib.Path('/proc/loadavg').read_text().split()[:3]}")
+    print(f"load average at end {_load_average()}")
 
 
 if __name__ == "__main__":

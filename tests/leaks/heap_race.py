@@ -1,34 +1,22 @@
-"""A thread building tuples beside heap scans, for ``test_heap.py`` (Note [heap scans beside other threads] in
-``ppbackward.leaks._heap``); run as a script, the naive scan that must break it, in a process of its own.
+"""A thread building tuples beside heap scans, for ``tests/leaks/test_heap.py`` and its child script
+``tests/leaks/naive_scan.py`` (Note [heap scans beside other threads] in ``ppbackward.leaks._heap``).
 
-Standard library only: the script runs in a fresh interpreter, without ppbackward or torch.
-
-Note [the naive control in a child process]
-The negative control of the race is a naive scan that keeps ``gc.get_objects()``'s list alive while Python runs,
-at the smallest switch interval. It breaks *every* thread of its process that is inside ``tuple(generator)`` at
-that moment, not only the builder it is aimed at. In the suite's pytest process one such thread is the launches'
-background thread (Note [launches prefetched] in ``tests/multiproc/conftest.py``), which decodes the ranks' records
-twice a second (``typing.get_type_hints``, ``tuple(...)``): twice in CI (at 94e21d8 and 05f11d7) the control
-broke it, and the 48 tests reading that launch failed with ``SystemError: Objects/tupleobject.c:927: bad argument
-to internal function``. Reproduced by hand: a thread decoding ``Failure`` records beside the control failed within
-3 scans. So the control runs here, in a child whose only other thread is its builder; the scans of
-``ppbackward.leaks``, which are safe beside any thread, still run in the test's process.
+Standard library only (the child runs it without ppbackward or torch), and no heap scan: the naive scans that must
+break the builder live in ``naive_scan.py``, which only a child process runs (Note [the naive control in a child
+process] there).
 """
 
 from __future__ import annotations
 
-import gc
-import json
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-# Note [a race needs a long scan] (test_heap.py): the naive scans run over a population of this size, the heap
-# made before it frozen, so that a scan lasts long enough for the interpreter to switch threads inside it.
+# Note [a race needs a long scan] (test_heap.py): the scans run over a population of this size, the heap made before
+# it frozen, so that a scan lasts long enough for the interpreter to switch threads inside it.
 POPULATION = 50_000
-NAIVE_SCANS = 20_000  # at most, before the naive scan is declared harmless
 
 
 class Marker:
@@ -99,37 +87,3 @@ def scan_beside_builder(scan: Callable[[], Any], times: int) -> Builder:
             scan()
             builder.scans += 1
     return builder
-
-
-def _naive_get_objects() -> None:
-    for obj in gc.get_objects():  # the list alive while the loop runs bytecode: the hazard
-        if type(obj) is Marker:
-            pass
-
-
-def _naive_get_referrers() -> None:
-    for obj in gc.get_referrers(Marker):
-        if isinstance(obj, tuple):
-            pass
-
-
-NAIVE_SCANS_BY_NAME = {"get_objects": _naive_get_objects, "get_referrers": _naive_get_referrers}
-
-
-def _main(name: str) -> None:
-    """Run the naive scan ``name`` beside a builder in this process; print ``{"error", "message", "scans"}``."""
-    gc.collect()
-    gc.freeze()
-    population = [[i] for i in range(POPULATION)]
-    builder = scan_beside_builder(NAIVE_SCANS_BY_NAME[name], NAIVE_SCANS)
-    error = builder.error
-    print(json.dumps({
-        "error": None if error is None else type(error).__name__,
-        "message": "" if error is None else str(error),
-        "scans": builder.scans,
-        "population": len(population),
-    }))
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1])

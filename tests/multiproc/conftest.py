@@ -67,21 +67,21 @@ import pytest
 from ppbackward._tools.harness.launch import LaunchResult, launch
 from tests.multiproc.multiproc_specs import LAUNCHES, launches_of
 
-# Note [launches prefetched]: the launches the selected tests read start at collection time, one at a
-# time, in a background thread, in the order the tests will need them; a test waits for its launch's
-# result, and starts it itself (in its own thread) if the background thread has not reached it yet.
-# Most of the suite's other tests are single-threaded Python and torch's zero-bubble failures in the
-# ``upstream-*`` launches leave their ranks waiting out per-case timeouts: overlapping the two uses the
-# second core and the waits (about a minute off the suite on 2 idle cores). Running concurrently with
-# other work rests on three things: the launcher's hang clock measures progress, not wall-clock time,
-# and the workers' gloo timeouts scale with the start-up they measure (Note [hang clock] in
-# ``ppbackward._tools.harness.launch``, Note [timeouts scale with start-up] in the worker); and no test
-# of this process scans the heap in a way that breaks this thread. A loop over ``gc.get_objects()`` or
-# ``gc.get_referrers()`` in the main thread once made this thread's ``tuple(...)`` calls fail with
-# ``SystemError`` (issue 39): the leak tools and the tests scan through ``ppbackward.leaks._heap`` (Note
-# [heap scans beside other threads]), ``tests/leaks/test_heap.py`` refuses a bare heap scan anywhere else, and the
+# Note [launches prefetched]: the launches the selected tests read start at collection time, one at a time, in a
+# background thread, in the order the tests will need them; a test waits for its launch's result, and starts it itself
+# (in its own thread) if the background thread has not reached it yet. Most of the suite's other tests are
+# single-threaded Python and torch's zero-bubble failures in the ``upstream-*`` launches leave their ranks waiting out
+# per-case timeouts: overlapping the two uses the second core and the waits (about a minute off the suite's pytest
+# alone on 2 idle cores; under ``.ci/run`` another nox session shares them). Running concurrently with other work
+# rests on three things: the launcher's hang clock measures progress, not wall-clock time, and the workers' gloo
+# timeouts scale with the start-up they measure (Note [hang clock] in ``ppbackward._tools.harness.launch``, Note
+# [timeouts scale with start-up] in the worker); and no test of this process scans the heap in a way that breaks this
+# thread. A loop over ``gc.get_objects()`` or ``gc.get_referrers()`` in the main thread once made this thread's
+# ``tuple(...)`` calls fail with ``SystemError`` (issue 39): the leak tools and the tests scan through
+# ``ppbackward.leaks._heap`` (Note [heap scans beside other threads]), ``tests/leaks/test_heap.py`` refuses a bare
+# heap scan anywhere else (but its one-thread control, which keeps only the referrers of a private marker), and the
 # race's negative control, a bare scan on purpose, runs in a child process (Note [the naive control in a child
-# process] in ``tests/leaks/heap_race.py``: in this process it broke this thread twice in CI).
+# process] in ``tests/leaks/naive_scan.py``: in this process it broke this thread twice in CI).
 
 
 class _Launches:
