@@ -4,7 +4,8 @@ one two at a time (what ``.ci/run`` runs; plain ``nox`` runs them one after anot
 Arguments after ``--`` go to pytest (``nox -s tests -- -m "not slow"``, ``nox -s torch-2.15 -- tests/core -x``).
 
 * ``lint``, ``tests``, ``docs``, ``release``: a fresh venv of their own under ``.nox/`` with the pinned torch
-  (2.13.0, the CPU wheel on local disk), nothing else from the network than the install.
+  (2.13.0; a CPU wheel where the index has one: this project's machines take it from local disk), nothing else from
+  the network than the install.
 * ``torch-2.15``, ``torchtitan``, ``torch-2.5.1`` (and ``compat``): torch from the package registry, CUDA builds of
   several GB. Their packages live in a venv shared by every clone, ``~/.cache/ppbackward-nox/torch-VERSION``
   (``PPB_NOX_CACHE`` moves it), built on first use (a few minutes), then reused: each run only checks it with
@@ -13,9 +14,9 @@ Arguments after ``--`` go to pytest (``nox -s tests -- -m "not slow"``, ``nox -s
   holds this checkout, installed editable without dependencies: the checkout under test is what runs, and two
   clones never install into the shared venv at once (a lock file guards its build).
 
-pip on these machines is capped at torch 2.14.1 by a constraints file in pip's global configuration; the
-shared venvs ask for an exact release and lift that cap for their own pip commands only
-(``PIP_CONSTRAINT=/dev/null``).
+Where pip's global configuration pins torch with a constraints file (this project's machines cap it at 2.14.1), the
+shared venvs ask for an exact release and lift that pin for their own pip commands only (``PIP_CONSTRAINT=/dev/null``);
+elsewhere that changes nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ nox.needs_version = ">=2026.10.20"  # session(default=...); --parallel and --all
 nox.options.error_on_external_run = True
 
 ROOT = Path(__file__).resolve().parent
-PINNED_TORCH = "2.13.0"  # CI's torch: the CPU wheel on local disk
+PINNED_TORCH = "2.13.0"  # CI's torch (a CPU wheel on this project's machines)
 NEWEST_TORCH = "2.15.0"
 OLDEST_TORCH = "2.5.1"
 TORCHTITAN = "0.3.0"  # needs torch >= 2.14
