@@ -61,7 +61,7 @@ class Builder:
 
 
 @contextmanager
-def running_builder() -> Iterator[Builder]:
+def _running_builder() -> Iterator[Builder]:
     """A :class:`Builder` running for the block, threads switched as often as CPython allows."""
     previous = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # switch threads often: the race at its most likely
@@ -79,7 +79,7 @@ def running_builder() -> Iterator[Builder]:
 def scan_beside_builder(scan: Callable[[], Any], times: int) -> Builder:
     """``scan()`` up to ``times`` times, each after the builder finished another tuple (events, not time); stops at
     the builder's first failure. Returns the builder: ``error`` and ``scans`` say what happened."""
-    with running_builder() as builder:
+    with _running_builder() as builder:
         for _ in range(times):
             builder.next_tuple()
             if builder.error is not None:

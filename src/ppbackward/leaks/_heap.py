@@ -12,8 +12,8 @@ one while the generator runs Python code, in which the interpreter may switch th
 Objects/tupleobject.c: bad argument to internal function`` (CPython gh-59313, gh-101855; in
 ``PyTuple_SetItem`` too). So a scan whose list is alive while another thread runs makes *that* thread
 fail: its data loader, its logger, a test suite's background thread. Reproduced with the standard
-library alone on CPython 3.9, 3.10, 3.11, 3.12 and 3.13 (``python -m tests.leaks.naive_scan get_objects``); no released
-CPython we know of tracks tuples only once complete (3.14 and later not tried here). Two rules:
+library alone on CPython 3.9, 3.10, 3.11, 3.12 and 3.13 (``python -m tests.leaks.naive_scan get_objects``);
+no released CPython we know of tracks tuples only once complete (3.14 and later not tried here). Two rules:
 
 1. A scan is one C-level call. ``gc.get_objects`` / ``gc.get_referrers`` are called by ``itertools``
    inside the call that filters their list, and the list is dropped before that call returns. The
