@@ -3,9 +3,10 @@ one two at a time (what ``.ci/run`` runs; plain ``nox`` runs them one after anot
 
 Arguments after ``--`` go to pytest (``nox -s tests -- -m "not slow"``, ``nox -s torch-2.15 -- tests/core -x``).
 
-* ``lint``, ``tests``, ``docs``, ``release``: a fresh venv of their own under ``.nox/`` with the pinned torch
+* ``lint``, ``tests``, ``release`` (and ``docs``): a fresh venv of their own under ``.nox/`` with the pinned torch
   (2.13.0; a CPU wheel where the index has one: this project's machines take it from local disk), nothing else from
-  the network than the install.
+  the network than the install; ``release`` puts torch in the venv it installs the built wheel into, and runs
+  tests/docs there.
 * ``torch-2.15``, ``torchtitan``, ``torch-2.5.1`` (and ``compat``): torch from the package registry, CUDA builds of
   several GB. Their packages live in a venv shared by every clone, ``~/.cache/ppbackward-nox/torch-VERSION``
   (``PPB_NOX_CACHE`` moves it), built on first use (a few minutes), then reused: each run only checks it with
@@ -152,7 +153,7 @@ def _suite(session: nox.Session) -> None:
 
 @nox.session(tags=["torch"])
 def tests(session: nox.Session) -> None:
-    """The suite on the pinned torch 2.13.0 (CPU), but tests/docs and tests/torchtitan (their own sessions)."""
+    """The suite on the pinned torch 2.13.0 (CPU), but tests/docs (in release) and tests/torchtitan (its own)."""
     _suite(session)
 
 
@@ -162,16 +163,22 @@ def torch_2_13(session: nox.Session) -> None:
     _suite(session)
 
 
-@nox.session
+@nox.session(default=False)
 def docs(session: nox.Session) -> None:
-    """tests/docs on the pinned torch: README.md and docs/*.md links, every python block run, the figures."""
+    """tests/docs on the checkout, editable (the quick loop; CI runs them in release, on the built wheel).
+
+    README.md and docs/*.md links, every python block run, the figures, on the pinned torch."""
     _install_pinned(session, "test")
     _pytest(session, "tests/docs", *session.posargs)
 
 
 @nox.session
 def release(session: nox.Session) -> None:
-    """Build the wheel and sdist into dist/, twine check them, install the wheel in a fresh venv, --version."""
+    """Build and twine-check the wheel and sdist, install the wheel in a fresh venv, run tests/docs there.
+
+    The wheel goes into a venv of its own with torch and its test extra; ``ppbackward --version`` there must
+    name pyproject.toml's version; tests/docs then runs with that venv: the README's and docs' code against
+    what a user installs from the wheel (one venv with torch instead of two: CI's time is its CPU work)."""
     version = _project()["version"]
     dist = ROOT / "dist"
     for old in dist.glob("ppbackward-*"):
@@ -188,19 +195,21 @@ def release(session: nox.Session) -> None:
     venv = where / "wheel-venv"
     shutil.rmtree(venv, ignore_errors=True)
     session.run(sys.executable, "-m", "venv", str(venv), external=True)
-    session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"torch=={PINNED_TORCH}", str(wheel),
-                external=True)
+    session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"torch=={PINNED_TORCH}",
+                f"ppbackward[test] @ {wheel.as_uri()}", external=True)
     session.chdir(where)
     said = session.run(str(venv / "bin" / "ppbackward"), "--version", silent=True, external=True, stderr=None)
     assert isinstance(said, str)
     session.log(f"ppbackward --version: {said.strip()}")
     if not said.startswith(f"ppbackward {version} (torch {PINNED_TORCH}"):
         session.error(f"ppbackward --version said {said.strip()!r}, not version {version} on torch {PINNED_TORCH}")
+    session.chdir(ROOT)  # where tests/docs runs: the checkout's src/ is not on sys.path, only its tests/ and docs/
     where_from = session.run(str(venv / "bin" / "python"), "-c", "import ppbackward; print(ppbackward.__file__)",
                              silent=True, external=True, stderr=None)
     assert isinstance(where_from, str)
     if not Path(where_from.strip()).resolve().is_relative_to(venv.resolve()):
         session.error(f"the wheel's venv imports ppbackward from {where_from.strip()}, not from itself")
+    session.run(str(venv / "bin" / "python"), "-m", "pytest", "tests/docs", *session.posargs, external=True)
 
 
 @nox.session(name="torch-2.15", tags=["torch"])
