@@ -315,7 +315,17 @@ def _backward_input(
                 spent_list.append(n)
     spent = frozenset(spent_list)
     whole = [n for n in (*b_only, *eager.nodes) if isinstance(n, BackwardCFunction) and is_region(n)] if retain else []
-    run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions, whole)
+    try:
+        run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions, whole)
+    except RuntimeError as e:  # Note [a graph freed under a compiled region]
+        if _BACKWARD_TWICE not in str(e):
+            raise
+        raise StageBackwardError(
+            "stage_outputs_or_loss: the graph of these outputs was already backpropagated by an earlier "
+            "stage_backward_input or backward (a compiled region or custom autograd.Function node of it holds no "
+            "saved tensors any more); a microbatch's outputs go through backward once. B stopped there: nothing "
+            "was accumulated, and that microbatch's W is intact"
+        ) from e
     captured: dict = {}
     for node, w_edges, box in zip(deferred, deferred_edges, run.boxes):  # _checked_capture's common case inline
         if not box:  # (Note [no frame per node])
@@ -373,6 +383,17 @@ def _deferred(specs: list, eager_nodes: set, cheap_edges: dict) -> tuple[list[No
                 nodes.append(node)
                 edges.append(w_edges)
     return nodes, edges
+
+
+# Note [a graph freed under a compiled region]: B refuses a second backward through the same outputs before
+# anything runs where it can see the earlier one (outputs it detached, saved inputs it took out, hooked saved
+# tensors it released: Note [B claims its outputs]). A compiled region's (or a custom Function's) saved tensors
+# are out of that sight without one wrapper per tensor, which every B would pay; so a graph an earlier B or
+# backward freed at such a node is found when the engine reaches it, by autograd's own error, and B raises its
+# StageBackwardError from it (the engine's error chained). What ran before that node in this call is what
+# autograd's error leaves: tensor hooks above the node may have fired, and nothing was accumulated (B
+# accumulates nothing; its capture hooks, claims and regions' plans are undone on the way out).
+_BACKWARD_TWICE = "backward through the graph a second time"  # autograd's ERR_BACKWARD_TWICE, torch 2.5-2.15
 
 
 class _Captured(NamedTuple):

@@ -679,3 +679,36 @@ def test_b_and_w_under_autocast_after_a_forward_outside_it_equal_the_full_backwa
                 return
             stage_backward_weight(params, groups)
     _assert_equal([p.grad for p in params], [p.grad for p in blocks[0].parameters()])
+
+
+@pytest.mark.parametrize("earlier", ["b-view", "b-gradient-edge", "full-backward"])
+def test_a_second_backward_through_a_compiled_stage_is_refused_by_b_and_touches_no_grad(earlier):
+    """Hostile review: outputs B cannot detach (a view, a ``GradientEdge``) of a wholly compiled stage, backpropagated
+    a second time, or after a full backward, gave autograd's bare "backward through the graph a second time".
+    B's own error now, autograd's chained (Note [a graph freed under a compiled region]); no ``.grad`` touched,
+    and the earlier microbatch's W still exact."""
+    with pb.installed():
+        stage = _compiled_stage("stage")
+        (x0,) = _inputs(1)
+        want, _ = _full(stage, [x0])
+        params = list(stage.parameters())
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        out = stage(x)
+        root = torch.autograd.graph.get_gradient_edge(out) if earlier == "b-gradient-edge" else out.view(-1)
+        grad = torch.ones_like(out) if earlier == "b-gradient-edge" else torch.ones(out.numel())
+        groups = None
+        if earlier == "full-backward":
+            torch.autograd.backward(root, grad)
+        else:
+            _, groups = stage_backward_input([root], [grad], [x], params)
+        before = [None if p.grad is None else p.grad.clone() for p in params]
+        with pytest.raises(pb.StageBackwardError, match="already backpropagated by an earlier") as info:
+            stage_backward_input([root], [grad], [x], params)
+        assert isinstance(info.value, RuntimeError)
+        assert "backward through the graph a second time" in str(info.value.__cause__)
+        _assert_equal([p.grad for p in params], before)  # the refused B accumulated nothing
+        if groups is not None:
+            stage_backward_weight(params, groups)
+    _assert_equal([p.grad for p in params], want)
