@@ -50,7 +50,7 @@ TORCHTITAN = "0.3.0"  # needs torch >= 2.14
 # `PPB_TORCHTITAN_TORCH=2.14.1 nox -s torchtitan` trains torchtitan on another torch (docs/torchtitan.md)
 TITAN_TORCH = os.environ.get("PPB_TORCHTITAN_TORCH", NEWEST_TORCH)
 CACHE = Path(os.environ.get("PPB_NOX_CACHE", Path.home() / ".cache" / "ppbackward-nox"))
-# what the tests session leaves to the sessions of the same names
+# what the tests session leaves to others: tests/docs runs in release (on the wheel), tests/torchtitan in torchtitan
 OTHER_SESSIONS = ("--ignore=tests/docs", "--ignore=tests/torchtitan")
 PURELIB = "import sysconfig; print(sysconfig.get_path('purelib'))"
 # run in a session's venv with the torch release and the src folder it must use: says what runs, asserts it
@@ -203,7 +203,9 @@ def release(session: nox.Session) -> None:
     session.log(f"ppbackward --version: {said.strip()}")
     if not said.startswith(f"ppbackward {version} (torch {PINNED_TORCH}"):
         session.error(f"ppbackward --version said {said.strip()!r}, not version {version} on torch {PINNED_TORCH}")
-    session.chdir(ROOT)  # where tests/docs runs: the checkout's src/ is not on sys.path, only its tests/ and docs/
+    # where tests/docs runs: the repo root goes on sys.path (python -m, pytest's rootdir: tests/__init__.py), and it
+    # holds no ppbackward package (that is under src/), so the wheel's is imported, as this check shows
+    session.chdir(ROOT)
     where_from = session.run(str(venv / "bin" / "python"), "-c", "import ppbackward; print(ppbackward.__file__)",
                              silent=True, external=True, stderr=None)
     assert isinstance(where_from, str)

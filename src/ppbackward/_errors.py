@@ -18,7 +18,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-__all__ = ["BadAssertion", "BadIndex", "BadType", "BadValue", "StageBackwardError", "nan_output"]
+__all__ = [
+    "NOTHING_RUN", "BadAssertion", "BadIndex", "BadType", "BadValue", "StageBackwardError", "backpropagated_before",
+    "nan_output",
+]
 
 
 class StageBackwardError(RuntimeError):
@@ -56,3 +59,16 @@ def nan_output(node: Any, index: int) -> RuntimeError:
             stacklevel=3,
         )
     return RuntimeError(f"Function '{node.name()}' returned nan values in its {index}th output.")
+
+
+NOTHING_RUN = "Nothing was run: that microbatch's W is intact"
+
+
+def backpropagated_before(by: str, seen: str, outcome: str = NOTHING_RUN) -> StageBackwardError:
+    """B's refusal of outputs whose graph an earlier backward already ran (Note [B claims its outputs] in
+    ``ppbackward.backward``): ``by`` names the earlier call, ``seen`` what showed it (naming the node), ``outcome``
+    what this B ran and left."""
+    return StageBackwardError(
+        f"stage_outputs_or_loss: the graph of these outputs was already backpropagated by an earlier {by} ({seen}); "
+        f"a microbatch's outputs go through backward once. {outcome}"
+    )

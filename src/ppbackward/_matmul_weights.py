@@ -39,7 +39,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
-from ppbackward._errors import StageBackwardError, nan_output
+from ppbackward._errors import backpropagated_before, nan_output
 from ppbackward._param_groups import Contribution, NodeCall
 
 __all__ = ["take_saved_inputs", "weight_contributions"]  # private module
@@ -103,10 +103,8 @@ def _refuse_if_freed(node: Node, attr: str) -> None:
     """Raise naming an earlier B where ``node``'s saved input is gone (its graph was backpropagated without
     being kept: Note [B claims its outputs] in ``ppbackward.backward``); return where it is only changed."""
     if getattr(getattr(node, "_raw" + attr, None), "data", ()) is None:  # SavedTensor.data: None once freed
-        raise StageBackwardError(
-            "stage_outputs_or_loss: the graph of these outputs was already backpropagated by an earlier "
-            f"stage_backward_input or backward ({node.name()} holds no saved tensors any more); a microbatch's "
-            "outputs go through backward once. Nothing was run: that microbatch's W is intact"
+        raise backpropagated_before(
+            "stage_backward_input or backward", f"{node.name()} holds no saved tensors any more"
         )
 
 

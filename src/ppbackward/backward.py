@@ -38,7 +38,7 @@ from torch.overrides import has_torch_function
 from torch.utils.hooks import RemovableHandle
 
 from ppbackward._compiled import PendingWeightGrads, is_region, note_unsplit, splitting
-from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError
+from ppbackward._errors import BadIndex, BadType, BadValue, StageBackwardError, backpropagated_before
 from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._graph import (
     _ACCUMULATE_GRAD,
@@ -238,7 +238,9 @@ def stage_backward_input(
             output gradients raises one that is also an ``AssertionError``, as torch 2.15's B does).
         StageBackwardError: after B's engine call, when a hook of that call changed in place a gradient B
             had captured for W (Note [captured gradients are checked at W]); the input gradients are
-            not returned, nothing was accumulated and no hook is left registered.
+            not returned, nothing was accumulated and no hook is left registered. During it, when it reaches a
+            compiled region or custom Function whose saved tensors an earlier backward freed (Note [a graph
+            freed under a compiled region]): autograd's error chained, nothing accumulated.
     """
     _refuse_in_functorch_transform("stage_backward_input")
     if torch.is_inference_mode_enabled():
@@ -318,13 +320,14 @@ def _backward_input(
     try:
         run = _engine_call(flat, grad_inputs, deferred, eager, cheap, retain, regions, whole)
     except RuntimeError as e:  # Note [a graph freed under a compiled region]
-        if _BACKWARD_TWICE not in str(e):
+        node = _freed_at(e)
+        if node is None:
             raise
-        raise StageBackwardError(
-            "stage_outputs_or_loss: the graph of these outputs was already backpropagated by an earlier "
-            "stage_backward_input or backward (a compiled region or custom autograd.Function node of it holds no "
-            "saved tensors any more); a microbatch's outputs go through backward once. B stopped there: nothing "
-            "was accumulated, and that microbatch's W is intact"
+        raise backpropagated_before(
+            "stage_backward_input or backward",
+            f"{node.name()} holds no saved tensors any more",
+            f"autograd stopped B at {node.name()}: hooks and custom Function backwards above it may have run; "
+            "nothing was accumulated, and an earlier B's W is intact",
         ) from e
     captured: dict = {}
     for node, w_edges, box in zip(deferred, deferred_edges, run.boxes):  # _checked_capture's common case inline
@@ -387,13 +390,43 @@ def _deferred(specs: list, eager_nodes: set, cheap_edges: dict) -> tuple[list[No
 
 # Note [a graph freed under a compiled region]: B refuses a second backward through the same outputs before
 # anything runs where it can see the earlier one (outputs it detached, saved inputs it took out, hooked saved
-# tensors it released: Note [B claims its outputs]). A compiled region's (or a custom Function's) saved tensors
-# are out of that sight without one wrapper per tensor, which every B would pay; so a graph an earlier B or
-# backward freed at such a node is found when the engine reaches it, by autograd's own error, and B raises its
-# StageBackwardError from it (the engine's error chained). What ran before that node in this call is what
-# autograd's error leaves: tensor hooks above the node may have fired, and nothing was accumulated (B
-# accumulates nothing; its capture hooks, claims and regions' plans are undone on the way out).
+# tensors it released: Note [B claims its outputs]). A compiled region's saved tensors are out of that sight
+# (reading them costs one wrapper per tensor, which every B would pay), and so are those of a custom Function
+# or of any node B only passes through; a graph an earlier B or backward freed at such a node is found when the
+# engine reaches it. Autograd raises its "backward through the graph a second time" from inside that node's
+# ``BackwardCFunction.apply`` (``apply_boxed`` for a region on torch 2.13+: every custom Function's and
+# region's backward goes through one of them, torch 2.5-2.15);
+# B finds that frame in the traceback, checks the node's saved tensors are freed (as they are only when an
+# earlier call ran it: this call raised on entering it), and raises its StageBackwardError naming the node,
+# autograd's chained. Any other error, a hook's with the same words included, comes through as it was raised.
+# What ran before that node in this call ran (tensor and module hooks above it, custom Function backwards);
+# nothing was accumulated (B accumulates nothing), and its capture hooks, claims and the regions' plans are
+# undone on the way out. The matmul inputs B took out before its call (Note [weight matmuls from their saved
+# input]) stay out: that graph is spent.
 _BACKWARD_TWICE = "backward through the graph a second time"  # autograd's ERR_BACKWARD_TWICE, torch 2.5-2.15
+# the methods autograd enters a custom Function's or region's backward through (apply_boxed: regions, torch 2.13+)
+_APPLY = frozenset(getattr(BackwardCFunction, name).__code__ for name in ("apply", "apply_boxed")
+                   if hasattr(BackwardCFunction, name))
+
+
+def _freed_at(error: RuntimeError) -> Any:
+    """The custom Function or compiled region node autograd was entering when it raised ``error`` because an
+    earlier backward freed what the node saved, or ``None`` (Note [a graph freed under a compiled region])."""
+    if _BACKWARD_TWICE not in str(error):
+        return None
+    node = None
+    tb = error.__traceback__
+    while tb is not None:  # the innermost such frame is the node that raised
+        if tb.tb_frame.f_code in _APPLY:
+            node = tb.tb_frame.f_locals.get("self")
+        tb = tb.tb_next
+    if not isinstance(node, BackwardCFunction):
+        return None
+    try:
+        node._raw_saved_tensors  # noqa: B018 (read for the error it raises once freed)
+    except RuntimeError:
+        return node
+    return None
 
 
 class _Captured(NamedTuple):
@@ -527,11 +560,7 @@ def _eager_work(analysis: Any, b_only: list, inter: list, w_only: list) -> Eager
         return _NO_EAGER_WORK
     released = next((node for node, kind in kinds.items() if kind == "released"), None)
     if released is not None:  # Note [B claims its outputs]
-        raise StageBackwardError(
-            "stage_outputs_or_loss: the graph of these outputs was already backpropagated by an earlier "
-            f"stage_backward_input (it released or pinned what {released.name()} saved); a microbatch's "
-            "outputs go through backward once. Nothing was run: that microbatch's W is intact"
-        )
+        raise backpropagated_before("stage_backward_input", f"it released or pinned what {released.name()} saved")
     if any(kinds.get(node) == "held" for node in (*b_only, *inter)):
         return eager_work(analysis, None)
     recompute = [node for node in (*inter, *w_only) if kinds.get(node) == "recompute"]

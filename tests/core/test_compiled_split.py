@@ -704,9 +704,9 @@ def test_a_second_backward_through_a_compiled_stage_is_refused_by_b_and_touches_
         else:
             _, groups = stage_backward_input([root], [grad], [x], params)
         before = [None if p.grad is None else p.grad.clone() for p in params]
-        with pytest.raises(pb.StageBackwardError, match="already backpropagated by an earlier") as info:
+        with pytest.raises(pb.StageBackwardError, match=r"already backpropagated .*\(CompiledFunctionBackward") as info:
             stage_backward_input([root], [grad], [x], params)
-        assert isinstance(info.value, RuntimeError)
+        assert "autograd stopped B at CompiledFunctionBackward" in str(info.value)
         assert "backward through the graph a second time" in str(info.value.__cause__)
         _assert_equal([p.grad for p in params], before)  # the refused B accumulated nothing
         if groups is not None:

@@ -160,6 +160,50 @@ def test_a_refused_second_b_runs_nothing_and_leaves_the_first_microbatchs_w_inta
     _assert_exact(mod, [p.grad for p in ref.parameters()])
 
 
+
+class _Scale(torch.autograd.Function):
+    """``x * w`` as a custom Function: its saved tensors are out of B's sight before its engine call."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+@pytest.mark.parametrize("cause", ["second-b", "hook-with-autograd-s-words"])
+def test_a_second_b_through_a_custom_function_names_it_and_a_hook_s_own_error_comes_through(cause):
+    """Note [a graph freed under a compiled region]: a view output of a custom Function, backpropagated by B a
+    second time, gets B's error naming the node (autograd's chained); the first microbatch's W stays exact. The
+    negative control: a hook raising a ``RuntimeError`` with autograd's very words on a first B comes through
+    as it was raised, not as B's error."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = _Scale.apply(x, w).view(-1)
+    grad = torch.ones(12)
+    if cause == "second-b":
+        _, groups = pb.stage_backward_input((out,), (grad,), [x], [w])
+        with pytest.raises(pb.StageBackwardError, match=r"already backpropagated by an earlier .*\(_ScaleBackward"):
+            pb.stage_backward_input((out,), (grad,), [x], [w])
+        assert w.grad is None
+        pb.stage_backward_weight([w], groups)
+        torch.testing.assert_close(w.grad, x.detach().sum(0), rtol=0, atol=0)
+        return
+    words = "Trying to backward through the graph a second time (raised by a hook)"
+
+    def hook(_g: torch.Tensor) -> None:
+        raise RuntimeError(words)
+
+    out.register_hook(hook)
+    with pytest.raises(RuntimeError, match=r"\(raised by a hook\)") as info:
+        pb.stage_backward_input((out,), (grad,), [x], [w])
+    assert type(info.value) is RuntimeError and w.grad is None
+
 def test_b_called_again_from_a_hook_it_fires_is_refused():
     mod = _stage()
     x = torch.randn(2, 4, requires_grad=True)
