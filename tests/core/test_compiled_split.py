@@ -150,6 +150,15 @@ def _full(stage: nn.Module, xs: list[torch.Tensor]) -> tuple[list, list]:
     return [p.grad.clone() if p.grad is not None else None for p in params], input_grads
 
 
+
+def _reference_then_cleared(stage: nn.Module, x0: torch.Tensor) -> tuple[list, list]:
+    """The compiled full backward's parameter grads for ``x0``, and the parameters, their ``.grad`` cleared."""
+    want, _ = _full(stage, [x0])
+    params = list(stage.parameters())
+    for p in params:
+        p.grad = None
+    return want, params
+
 SPLIT: list[int] = []  # per microbatch of the last _split: how many compiled regions B split
 
 
@@ -577,10 +586,7 @@ def test_a_dtype_round_trip_between_forward_and_w_leaves_the_compiled_grads_exac
     with pb.installed():
         stage = _compiled_stage("child")
         (x0,) = _inputs(1)
-        want, _ = _full(stage, [x0])
-        params = list(stage.parameters())
-        for p in params:
-            p.grad = None
+        want, params = _reference_then_cleared(stage, x0)
         x = x0.clone().requires_grad_()
         out = stage(x).sum()
         stage.double()
@@ -690,10 +696,7 @@ def test_a_second_backward_through_a_compiled_stage_is_refused_by_b_and_touches_
     with pb.installed():
         stage = _compiled_stage("stage")
         (x0,) = _inputs(1)
-        want, _ = _full(stage, [x0])
-        params = list(stage.parameters())
-        for p in params:
-            p.grad = None
+        want, params = _reference_then_cleared(stage, x0)
         x = x0.clone().requires_grad_()
         out = stage(x)
         root = torch.autograd.graph.get_gradient_edge(out) if earlier == "b-gradient-edge" else out.view(-1)

@@ -18,6 +18,7 @@ from torch import nn
 
 import ppbackward as pb
 from ppbackward._saved import HOOKS_VISIBLE
+from tests.core.stages import Scale
 
 _WAIT = 60.0  # a safety net against a hang; never reached when the code works
 
@@ -161,34 +162,20 @@ def test_a_refused_second_b_runs_nothing_and_leaves_the_first_microbatchs_w_inta
 
 
 
-class _Scale(torch.autograd.Function):
-    """``x * w`` as a custom Function: its saved tensors are out of B's sight before its engine call."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, (g * x).sum(0)
-
-
 @pytest.mark.parametrize("cause", ["second-b", "hook-with-autograd-s-words"])
 def test_a_second_b_through_a_custom_function_names_it_and_a_hook_s_own_error_comes_through(cause):
-    """Note [a graph freed under a compiled region]: a view output of a custom Function, backpropagated by B a
-    second time, gets B's error naming the node (autograd's chained); the first microbatch's W stays exact. The
-    negative control: a hook raising a ``RuntimeError`` with autograd's very words on a first B comes through
+    """Note [a graph freed under a compiled region]: a view output of a custom Function (``Scale``), backpropagated
+    by B a second time, gets B's error naming the node (autograd's chained); the first microbatch's W stays exact.
+    The negative control: a hook raising a ``RuntimeError`` with autograd's very words on a first B comes through
     as it was raised, not as B's error."""
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(4))
     x = torch.randn(3, 4, requires_grad=True)
-    out = _Scale.apply(x, w).view(-1)
+    out = Scale.apply(x, w).view(-1)
     grad = torch.ones(12)
     if cause == "second-b":
         _, groups = pb.stage_backward_input((out,), (grad,), [x], [w])
-        with pytest.raises(pb.StageBackwardError, match=r"already backpropagated by an earlier .*\(_ScaleBackward"):
+        with pytest.raises(pb.StageBackwardError, match=r"already backpropagated by an earlier .*\(ScaleBackward"):
             pb.stage_backward_input((out,), (grad,), [x], [w])
         assert w.grad is None
         pb.stage_backward_weight([w], groups)
