@@ -338,16 +338,12 @@ def _checked_grads(
         if entry is None:
             out.append(None)
             continue
-        if not isinstance(entry, (list, tuple)):  # a caller's mistake of type
-            raise BadType(
-                f"{path}: expected a tuple of gradients for {node.name()} (or None), got {type(entry).__name__}"
-            )
         if is_region(node):  # only its Python type read: the node may be freed (torch 2.5-2.12)
             raise BadValue(
-                f"{path}: {type(node).__name__} is a torch.compile'd region, whose backward ran in "
-                "stage_backward_input (whole, or its input half, the weight half waiting for W); W cannot run it "
-                "again from written gradients (what its compiled backward reads is gone). Write None to keep what "
-                "B computed, or run a full backward (stage_backward) where the gradients must change"
+                f"{path}: only None can be written for {type(node).__name__}, a torch.compile'd region, whose "
+                "backward ran in stage_backward_input (whole, or its input half, the weight half waiting for W); W "
+                "cannot run it again from written gradients (what its compiled backward reads is gone). Write None "
+                "to keep what B computed, or run a full backward (stage_backward) where the gradients must change"
             )
         if node in spent:  # first: on torch 2.5-2.12 a spent node may be freed; only its Python type is safe
             raise BadValue(
@@ -357,6 +353,10 @@ def _checked_grads(
                 "graph, so its W can run the backward again), so W cannot compute from written gradients here. "
                 "Write None to keep what B computed, or run a full backward (stage_backward) where the "
                 "gradients must change"
+            )
+        if not isinstance(entry, (list, tuple)):  # a caller's mistake of type (after the nodes that take none)
+            raise BadType(
+                f"{path}: expected a tuple of gradients for {node.name()} (or None), got {type(entry).__name__}"
             )
         metas = node._input_metadata
         if len(entry) > len(metas):

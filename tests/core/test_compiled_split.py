@@ -476,8 +476,12 @@ def test_gradients_written_for_a_compiled_region_are_refused_when_written():
             p.grad = None
         _, groups = stage_backward_input([stage(x).sum()], None, [x], params)
         (node,) = groups[0]["intermediates"]
-        with pytest.raises(ValueError, match=r"\['grads'\]\[0\]: CompiledFunctionBackward is a torch.compile'd"):
+        refused = r"\['grads'\]\[0\]: only None can be written for CompiledFunctionBackward, a torch.compile'd"
+        with pytest.raises(ValueError, match=refused):
             groups[0]["grads"] = [tuple(torch.ones(m.shape) for m in node._input_metadata)]
+        # a tensor where a tuple is due gets the same answer, not a request for a tuple (newcomer walkthrough)
+        with pytest.raises(ValueError, match=refused):
+            groups[0]["grads"] = [torch.ones(node._input_metadata[0].shape)]
         stage_backward_weight(params, groups)  # what B computed, untouched by the refused write
         got = [p.grad.clone() for p in params]
         want, _ = _full(stage, [x0])
