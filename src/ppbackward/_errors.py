@@ -19,8 +19,7 @@ import warnings
 from typing import Any
 
 __all__ = [
-    "NOTHING_RUN", "BadAssertion", "BadIndex", "BadType", "BadValue", "StageBackwardError", "backpropagated_before",
-    "nan_output",
+    "BadAssertion", "BadIndex", "BadType", "BadValue", "StageBackwardError", "backpropagated_before", "nan_output"
 ]
 
 
@@ -61,10 +60,10 @@ def nan_output(node: Any, index: int) -> RuntimeError:
     return RuntimeError(f"Function '{node.name()}' returned nan values in its {index}th output.")
 
 
-NOTHING_RUN = "Nothing was run: that microbatch's W is intact"
+_NOTHING_RUN = "Nothing was run: that microbatch's W is intact"
 
 
-def backpropagated_before(by: str, seen: str, outcome: str = NOTHING_RUN) -> StageBackwardError:
+def backpropagated_before(by: str, seen: str, outcome: str = _NOTHING_RUN) -> StageBackwardError:
     """B's refusal of outputs whose graph an earlier backward already ran (Note [B claims its outputs] in
     ``ppbackward.backward``): ``by`` names the earlier call, ``seen`` what showed it (naming the node), ``outcome``
     what this B ran and left."""

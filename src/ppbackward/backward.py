@@ -388,21 +388,19 @@ def _deferred(specs: list, eager_nodes: set, cheap_edges: dict) -> tuple[list[No
     return nodes, edges
 
 
-# Note [a graph freed under a compiled region]: B refuses a second backward through the same outputs before
-# anything runs where it can see the earlier one (outputs it detached, saved inputs it took out, hooked saved
-# tensors it released: Note [B claims its outputs]). A compiled region's saved tensors are out of that sight
-# (reading them costs one wrapper per tensor, which every B would pay), and so are those of a custom Function
-# or of any node B only passes through; a graph an earlier B or backward freed at such a node is found when the
-# engine reaches it. Autograd raises its "backward through the graph a second time" from inside that node's
-# ``BackwardCFunction.apply`` (``apply_boxed`` for a region on torch 2.13+: every custom Function's and
-# region's backward goes through one of them, torch 2.5-2.15);
-# B finds that frame in the traceback, checks the node's saved tensors are freed (as they are only when an
-# earlier call ran it: this call raised on entering it), and raises its StageBackwardError naming the node,
-# autograd's chained. Any other error, a hook's with the same words included, comes through as it was raised.
-# What ran before that node in this call ran (tensor and module hooks above it, custom Function backwards);
-# nothing was accumulated (B accumulates nothing), and its capture hooks, claims and the regions' plans are
-# undone on the way out. The matmul inputs B took out before its call (Note [weight matmuls from their saved
-# input]) stay out: that graph is spent.
+# Note [a graph freed under a compiled region]: B refuses a second backward through the same outputs before anything
+# runs where it can see the earlier one (outputs it detached, saved inputs it took out, hooked saved tensors it
+# released: Note [B claims its outputs]). A compiled region's saved tensors are out of that sight (reading them costs
+# one wrapper per tensor, which every B would pay), and so are those of a custom Function or of any node B only passes
+# through; a graph an earlier B or backward freed at such a node is found when the engine reaches it. Autograd raises
+# its "backward through the graph a second time" from inside that node's ``BackwardCFunction.apply`` (``apply_boxed``
+# for a region on torch 2.13+; every custom Function's and region's backward goes through one of them, torch 2.5-2.15).
+# B finds that frame in the traceback, checks that the node's saved tensors are freed (as they are only when an earlier
+# call ran it: this call raised on entering it), and raises its StageBackwardError naming the node, autograd's chained.
+# Any other error, a hook's with the same words included, comes through as it was raised. What ran before that node in
+# this call ran (tensor and module hooks above it, custom Function backwards); nothing was accumulated (B accumulates
+# nothing), and its capture hooks, claims and the regions' plans are undone on the way out. The matmul inputs B took out
+# before its call (Note [weight matmuls from their saved input]) stay out: that graph is spent.
 _BACKWARD_TWICE = "backward through the graph a second time"  # autograd's ERR_BACKWARD_TWICE, torch 2.5-2.15
 # the methods autograd enters a custom Function's or region's backward through (apply_boxed: regions, torch 2.13+)
 _APPLY = frozenset(getattr(BackwardCFunction, name).__code__ for name in ("apply", "apply_boxed")
