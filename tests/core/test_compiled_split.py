@@ -150,7 +150,6 @@ def _full(stage: nn.Module, xs: list[torch.Tensor]) -> tuple[list, list]:
     return [p.grad.clone() if p.grad is not None else None for p in params], input_grads
 
 
-
 def _reference_then_cleared(stage: nn.Module, x0: torch.Tensor) -> tuple[list, list]:
     """The compiled full backward's parameter grads for ``x0``, and the parameters, their ``.grad`` cleared."""
     want, _ = _full(stage, [x0])
@@ -158,6 +157,7 @@ def _reference_then_cleared(stage: nn.Module, x0: torch.Tensor) -> tuple[list, l
     for p in params:
         p.grad = None
     return want, params
+
 
 SPLIT: list[int] = []  # per microbatch of the last _split: how many compiled regions B split
 

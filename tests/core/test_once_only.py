@@ -161,7 +161,6 @@ def test_a_refused_second_b_runs_nothing_and_leaves_the_first_microbatchs_w_inta
     _assert_exact(mod, [p.grad for p in ref.parameters()])
 
 
-
 @pytest.mark.parametrize("cause", ["second-b", "hook-with-autograd-s-words"])
 def test_a_second_b_through_a_custom_function_names_it_and_a_hook_s_own_error_comes_through(cause):
     """Note [a graph freed under a compiled region]: a view output of a custom Function (``Scale``), backpropagated
@@ -190,6 +189,7 @@ def test_a_second_b_through_a_custom_function_names_it_and_a_hook_s_own_error_co
     with pytest.raises(RuntimeError, match=r"\(raised by a hook\)") as info:
         pb.stage_backward_input((out,), (grad,), [x], [w])
     assert type(info.value) is RuntimeError and w.grad is None
+
 
 def test_b_called_again_from_a_hook_it_fires_is_refused():
     mod = _stage()
