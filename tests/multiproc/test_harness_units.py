@@ -470,7 +470,6 @@ def test_first_line_of_an_exception_is_cut_with_an_ellipsis() -> None:
     assert cut.endswith("...") and len(cut) == len("RuntimeError: ") + worker._MESSAGE_CHARS
 
 
-
 def test_one_rank_skips_multi_stage_schedules_only_where_torch_cannot_hand_over_locally() -> None:
     release = torch_release()[:2]
     for case in schedules.matrix(1):

@@ -225,7 +225,6 @@ def count_all(configs: tuple[Config, ...] = COUNT_CONFIGS) -> list[CallCounts]:
     return [count_calls(cfg) for cfg in configs] + [count_slow_path(configs[0], p) for p in SLOW_PATHS]
 
 
-
 def format_calls(rows: list[CallCounts]) -> list[str]:
     """The ``--split`` lines: Python calls per microbatch and per autograd node, full backward, B and W."""
     if not rows:

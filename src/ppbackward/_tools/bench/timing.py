@@ -49,7 +49,6 @@ KEYS = ("plain", "upstream_b", "upstream_w", "upstream_bw", "ppbackward_b", "ppb
 REGIMES = ("first", "accumulating")
 
 
-
 def fit_repeats(repeats: int, budget_s: float | None, per_repeat_s: float) -> int:
     """N, the repeats to time: ``repeats``, lowered so that N repeats of ``per_repeat_s`` seconds take
     about ``budget_s`` seconds, but never below 3 (nor above ``repeats``); ``repeats`` itself when there
@@ -57,7 +56,6 @@ def fit_repeats(repeats: int, budget_s: float | None, per_repeat_s: float) -> in
     if budget_s is None or per_repeat_s <= 0:
         return repeats
     return max(min(repeats, 3), min(repeats, int(budget_s / per_repeat_s)))
-
 
 
 def device_clock(device: torch.device) -> Callable[[], float]:
