@@ -146,6 +146,18 @@ def test_the_variants_take_the_branches_they_are_for(expected_targets):
     }
 
 
+def test_first_microbatch_grad_copies_are_set_aside_only_in_pairs():
+    """The first regime's kernel target sets aside the copies into an empty ``.grad`` (one
+    ``new_empty_strided`` and one ``copy_`` per gradient B computed: docs/performance.md, "Device work") and
+    nothing else; where the two counts differ, every differing kernel counts (the negative control)."""
+    aside = _report._without_grad_copies
+    assert aside({"copy_": 32, "new_empty_strided": 32}) == {}
+    assert aside({"copy_": 2, "mm": 1, "new_empty_strided": 2}) == {"mm": 1}
+    assert aside({"copy_": 3, "new_empty_strided": 2}) == {"copy_": 3, "new_empty_strided": 2}
+    assert aside({"copy_": -1, "new_empty_strided": -1}) == {"copy_": -1, "new_empty_strided": -1}
+    assert aside({"mm": 2}) == {"mm": 2}
+
+
 def _write() -> None:
     """Rewrite the expected files from the current code (an intended change of the output only)."""
     targets = _targets()
