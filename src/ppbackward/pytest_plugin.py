@@ -14,6 +14,7 @@ report when a tensor or an autograd node leaked. A test that already failed keep
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Generator
 from typing import Any
 
@@ -54,7 +55,10 @@ def _checker_for(item: pytest.Item) -> Any:
         )
     from ppbackward.leaks import check_tensor_leaks
 
-    checker = check_tensor_leaks(strict=False, **kwargs)
+    try:
+        checker = check_tensor_leaks(strict=False, **kwargs)
+    except (TypeError, ValueError) as e:  # a marker argument of the wrong type or value
+        pytest.fail(f"@pytest.mark.{_MARKER}: {e}", pytrace=False)
     item.stash[_CHECKER] = checker
     return checker
 
@@ -71,6 +75,18 @@ def tensor_leak_check(request: pytest.FixtureRequest) -> Any:
     return _checker_for(request.node).report
 
 
+# Note [an earlier failure is not this test's garbage]: pytest keeps the last failing test's exception in
+# ``sys.last_type``/``last_value``/``last_traceback`` (and ``sys.last_exc``, Python 3.12+), for post-mortem
+# debugging, and deletes them at the start of the next test's call, inside this wrapper's block: the
+# traceback's cycles (its frames, pytest's ``ExceptionInfo`` and traceback entries) became garbage of the
+# checked test, which failed for an earlier test's failure. So they are deleted here, before the checker arms
+# and collects; pytest then finds nothing to delete.
+def _forget_the_last_failure() -> None:
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
     """Run the test call inside the checker, and turn a leak into a test failure."""
@@ -78,6 +94,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
     if checker is None:
         yield
         return
+    _forget_the_last_failure()
     report = checker.__enter__()
     outcome = None
     try:

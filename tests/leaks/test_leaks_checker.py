@@ -430,9 +430,109 @@ def test_bad_arguments_and_reuse_are_refused():
         check_tensor_leaks(max_depth=0)
     with pytest.raises(TypeError, match="warmup must be a callable"):
         check_tensor_leaks(warmup=3)
+    for bad, message in [
+        (dict(max_chains="3"), "max_chains must be an int, got str '3'"),
+        (dict(max_chains=2.5), "max_chains must be an int, got float 2.5"),
+        (dict(max_depth="x"), "max_depth must be an int, got str 'x'"),
+        (dict(output_dir=3), "output_dir must be a str, an os.PathLike or None, got int"),
+    ]:
+        with pytest.raises(TypeError) as raised:
+            check_tensor_leaks(**bad)
+        assert str(raised.value) == f"check_tensor_leaks: {message}"
     checker = check_tensor_leaks()
     with checker, pytest.raises(RuntimeError, match="already active"):
         checker.__enter__()
+
+
+def test_an_output_dir_that_is_a_file_is_refused_when_made(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError, match=r"output_dir '.*afile' exists and is not a folder"):
+        check_tensor_leaks(output_dir=afile)
+
+
+def test_graph_files_that_cannot_be_written_leave_the_report_and_the_body_s_exception(tmp_path):
+    """A folder that cannot be made when the block exits (under a file): the report keeps its chains and says
+    why the graph files are missing, a strict block still raises the leak, and a body's exception still wins."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(TensorLeakError) as raised, check_tensor_leaks(output_dir=afile / "graphs"):
+        _make_cycle()
+    report = raised.value.report
+    assert report.num_tensors == 1 and len(report.chains) == 1
+    assert report.dot_paths == [] and report.output_dir is None
+    assert report.graph_error is not None and report.graph_error.startswith(f"{afile / 'graphs'}: ")
+    assert report.format().splitlines()[-1] == f"graph files not written: {report.graph_error}"
+    with pytest.raises(KeyError, match="boom"), check_tensor_leaks(output_dir=afile / "graphs"):
+        _make_cycle()
+        raise KeyError("boom")
+
+
+def test_checkers_armed_at_overlapping_times_restore_the_flags_found_before_the_first():
+    """Two threads' checkers, the first to enter leaving first; and one thread's checkers exited out of order:
+    the caller's debug flags come back (Note [armed checkers share the debug flags]); each sees its leak."""
+    old = gc.get_debug()
+    gc.set_debug(gc.DEBUG_UNCOLLECTABLE)
+    try:
+        first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+        reports: dict[str, LeakReport] = {}
+
+        def first() -> None:
+            with check_tensor_leaks(strict=False, max_chains=0) as reports["first"]:
+                first_in.set()
+                second_in.wait()
+                _make_cycle()
+            first_out.set()
+
+        def second() -> None:
+            first_in.wait()
+            with check_tensor_leaks(strict=False, max_chains=0) as reports["second"]:
+                second_in.set()
+                first_out.wait()
+                _make_cycle()
+
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
+        # the second, still armed when the first frees what it caught, reports that too (Note [checker clears
+        # gc.garbage], as nested checkers do)
+        assert reports["first"].num_tensors == 1 and reports["second"].num_tensors == 2
+        outer, inner = check_tensor_leaks(strict=False), check_tensor_leaks(strict=False)
+        outer.__enter__()
+        inner.__enter__()
+        outer.__exit__(None, None, None)
+        assert gc.get_debug() & gc.DEBUG_SAVEALL  # the inner one is still armed
+        inner.__exit__(None, None, None)
+        assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
+        _make_cycle()
+        gc.collect()
+        assert gc.garbage == []
+    finally:
+        gc.set_debug(old)
+
+
+def test_a_mock_with_a_tensor_s_spec_is_no_tensor_leak():
+    """``MagicMock(spec=torch.Tensor)`` answers ``isinstance`` for Tensor and sits in the mock library's own
+    parent/child cycle; the checker counts objects by their type. The negative control: a real tensor beside
+    it is counted."""
+    from unittest import mock
+
+    with check_tensor_leaks(strict=False, max_chains=0) as report:
+        m = mock.MagicMock(spec=torch.Tensor)
+        _children = (m.dtype, m.device)  # child mocks, which refer back to their parent
+        del _children
+        del m
+    assert report.num_garbage > 0 and report.ok
+    with check_tensor_leaks(strict=False, max_chains=0) as report:
+        m = mock.MagicMock(spec=torch.Tensor)
+        _children = (m.dtype, m.device)
+        del _children
+        m.real = torch.ones(2)
+        del m
+    assert report.num_tensors == 1 and report.num_nodes == 0
 
 
 def test_report_before_exit_says_so():

@@ -99,6 +99,52 @@ def test_a_failing_test_s_own_locals_are_not_reported(pytester):
     assert "leaked into reference cycles" not in result.stdout.str()
 
 
+_AFTER_A_FAILURE = """
+import pytest
+import torch
+
+def _leak():
+    box = {"t": torch.ones(4)}
+    box["self"] = box
+
+def test_a_fails_on_a_tensor():
+    assert torch.ones(2).sum() == 3
+
+@pytest.mark.no_tensor_leaks
+def test_b_clean():
+    torch.ones(2).sum()
+
+@pytest.mark.no_tensor_leaks
+def test_c_leaky():
+    _leak()
+
+@pytest.mark.no_tensor_leaks(max_chains="3")
+def test_d_marked_with_a_bad_value():
+    pass
+"""
+
+
+def test_a_clean_test_after_a_failing_one_passes_and_a_leaky_one_still_fails(pytester):
+    """pytest keeps the last failure's traceback until the next test's call starts: not that test's garbage
+    (Note [an earlier failure is not this test's garbage]). The negative control: a leaky test after a failure
+    still fails with the report. A marker argument of the wrong type fails the test naming it."""
+    pytester.makepyfile(test_order=_AFTER_A_FAILURE)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=1, failed=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_c_leaky _*",
+            "test_order.py::test_c_leaky leaked into reference cycles (checked by ppbackward's*",
+            "*_ test_d_marked_with_a_bad_value _*",
+            "@pytest.mark.no_tensor_leaks: check_tensor_leaks: max_chains must be an int, got str '3'",
+            "FAILED test_order.py::test_a_fails_on_a_tensor - *",
+            "FAILED test_order.py::test_c_leaky - *",
+            "FAILED test_order.py::test_d_marked_with_a_bad_value - *",
+        ]
+    )
+    assert "test_b_clean" not in result.stdout.str()
+
+
 def test_entry_point_loads_in_a_fresh_interpreter(pytester):
     result = _run(pytester, "-k", "marked_leaky or marked_clean", subprocess=True)
     result.assert_outcomes(passed=1, failed=1, deselected=6)

@@ -15,6 +15,7 @@ import contextlib
 import gc
 import os
 import tempfile
+import threading
 import types
 import weakref
 from typing import Any, Callable
@@ -45,7 +46,43 @@ _PROXY_TYPES = (weakref.ProxyType, weakref.CallableProxyType)
 
 # Note [checker restores gc state]
 # The previous debug flags and enabled/disabled state are restored in a ``finally`` on every exit
-# path, including a body that raised and a failure inside the analysis itself.
+# path, including a body that raised and a failure inside the analysis itself. The debug flags are one
+# process-wide setting that every armed checker needs ``gc.DEBUG_SAVEALL`` in, so the checkers share it
+# (Note [armed checkers share the debug flags]).
+
+# Note [armed checkers share the debug flags]
+# Checkers can be armed at overlapping times in two threads, or exited out of the order they were entered
+# (``__enter__``/``__exit__`` called by hand). Each restoring the flags it found on entry then left
+# ``DEBUG_SAVEALL`` on for good where the second to enter found the first one's flags and left last: every
+# later cycle of the process kept in ``gc.garbage``. So a count of armed checkers, under a lock, decides: the
+# first to arm records the flags it found and sets ``DEBUG_SAVEALL``; the others keep it set; the last to
+# disarm puts back the flags the first found. Nested checkers in one thread restore exactly as before.
+_FLAGS_LOCK = threading.Lock()
+_armed_checkers = 0
+_flags_before = 0
+
+
+def _arm_debug_flags() -> None:
+    """Count one more armed checker and set ``gc.DEBUG_SAVEALL`` (Note [armed checkers share the debug flags])."""
+    global _armed_checkers, _flags_before
+    with _FLAGS_LOCK:
+        flags = gc.get_debug()
+        if _armed_checkers == 0:
+            _flags_before = flags
+        _armed_checkers += 1
+        gc.set_debug(flags | gc.DEBUG_SAVEALL)
+
+
+def _disarm_debug_flags() -> None:
+    """Count one armed checker less; the last one puts back the flags the first found (Note [armed checkers
+    share the debug flags])."""
+    global _armed_checkers
+    with _FLAGS_LOCK:
+        _armed_checkers -= 1
+        if _armed_checkers == 0:
+            gc.set_debug(_flags_before)
+        else:
+            gc.set_debug(gc.get_debug() | gc.DEBUG_SAVEALL)  # the block may have cleared it (_SaveAll's Note)
 
 
 # Note [checker survives the block's gc flags]
@@ -101,21 +138,32 @@ class _TensorLeakCheck:
         max_depth: int,
         output_dir: str | os.PathLike[str] | None,
     ) -> None:
+        for name, value in (("max_chains", max_chains), ("max_depth", max_depth)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"check_tensor_leaks: {name} must be an int, got {type(value).__name__} {value!r}")
         if max_chains < 0:
             raise ValueError(f"check_tensor_leaks: max_chains must be >= 0, got {max_chains}")
         if max_depth < 1:
             raise ValueError(f"check_tensor_leaks: max_depth must be >= 1, got {max_depth}")
         if warmup is not None and not callable(warmup):
             raise TypeError(f"check_tensor_leaks: warmup must be a callable or None, got {type(warmup).__name__}")
+        if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):
+            raise TypeError(
+                f"check_tensor_leaks: output_dir must be a str, an os.PathLike or None, got {type(output_dir).__name__}"
+            )
+        folder = None if output_dir is None else os.fspath(output_dir)
+        if not isinstance(folder, (str, type(None))):  # a PathLike of bytes
+            raise TypeError(f"check_tensor_leaks: output_dir must name a folder as a str, got {folder!r}")
+        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
+            raise ValueError(f"check_tensor_leaks: output_dir {folder!r} exists and is not a folder")
         self.report = LeakReport()
         self._strict = strict
         self._warmup = warmup
         self._max_chains = max_chains
         self._max_depth = max_depth
-        self._output_dir = None if output_dir is None else os.fspath(output_dir)
+        self._output_dir = folder
         self._armed = False
         self._start = 0
-        self._prev_debug = 0
         self._prev_enabled = True
         self._save_all = _SaveAll()
         # the automatic collector's pause while armed (Note [one collection decides])
@@ -127,21 +175,17 @@ class _TensorLeakCheck:
         self.report = LeakReport()  # a checker entered again reports on the new block only
         if self._warmup is not None:
             self._warmup()  # before arming: one-time lazy imports and caches are not leaks
-        self._prev_debug = gc.get_debug()
         self._prev_enabled = collector_enabled()  # not gc.isenabled(): a B on another thread may pause it
         paused = automatic_gc_paused(always=True)
         paused.__enter__()  # Note [one collection decides]
         try:
             full_collect()  # Note [a collection that surely ran] in _gc_phase.py
             self._start = len(gc.garbage)
-            gc.set_debug(self._prev_debug | gc.DEBUG_SAVEALL)
-            gc.callbacks.append(self._save_all)  # Note [checker survives the block's gc flags]
         except BaseException:  # not armed: nothing of it left behind
-            if self._save_all in gc.callbacks:
-                gc.callbacks.remove(self._save_all)
-            gc.set_debug(self._prev_debug)
             paused.__exit__(None, None, None)
             raise
+        _arm_debug_flags()  # Note [armed checkers share the debug flags]
+        gc.callbacks.append(self._save_all)  # Note [checker survives the block's gc flags]
         self._paused = paused
         self._armed = True
         return self.report
@@ -171,12 +215,18 @@ class _TensorLeakCheck:
             # Note [checker restores gc state]
             if self._save_all in gc.callbacks:
                 gc.callbacks.remove(self._save_all)
-            gc.set_debug(self._prev_debug)
+            _disarm_debug_flags()  # Note [armed checkers share the debug flags]
             restore_collector(self._prev_enabled)  # an outer checker's pause, if any, holds on
         caught_any = bool(caught)
         try:
             if no_collection is None:
                 self._fill(caught)
+        except Exception as failure:
+            if exc is None:
+                raise
+            if hasattr(exc, "add_note"):  # Python >= 3.11; never mask the body's own exception
+                exc.add_note(f"check_tensor_leaks: no report: {type(failure).__name__}: {failure}")
+            return None
         finally:
             caught.clear()
             del caught
@@ -205,8 +255,10 @@ class _TensorLeakCheck:
         report = self.report
         # a weakref proxy answers isinstance() for its referent, and raises once that is gone
         objects = [o for o in caught if type(o) not in _PROXY_TYPES]
-        tensors = [o for o in objects if isinstance(o, torch.Tensor)]
-        nodes = [o for o in objects if isinstance(o, torch.autograd.graph.Node)]
+        # by type, not isinstance: a mock with a tensor's spec answers isinstance() for Tensor (its own
+        # parent/child cycle is no tensor leak)
+        tensors = [o for o in objects if issubclass(type(o), torch.Tensor)]
+        nodes = [o for o in objects if issubclass(type(o), torch.autograd.graph.Node)]
         del objects
         report.num_garbage = len(caught)
         types_count: dict[str, int] = {}
@@ -225,17 +277,28 @@ class _TensorLeakCheck:
         if not leaked:
             return
         index = referrer_index(caught)
-        folder = self._output_dir or tempfile.mkdtemp(prefix="ppbackward-leaks-")
-        os.makedirs(folder, exist_ok=True)
+        folder: str | None = None
+        try:
+            folder = self._output_dir or tempfile.mkdtemp(prefix="ppbackward-leaks-")
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:  # the chains are the report; the graph files are its pictures
+            report.graph_error = f"{folder or 'a temporary folder'}: {e}"
+            folder = None
         report.output_dir = folder
         for i, obj in enumerate(leaked, 1):
             chain, back_to = find_chain(obj, index, self._max_depth)
             report.chains.append(format_chain(chain, back_to))
-            dot_path = os.path.join(folder, f"leak-{i}.dot")
-            png = write_graph(chain, dot_path)
-            report.dot_paths.append(dot_path)
-            if png is not None:
-                report.png_paths.append(png)
+            if folder is not None:
+                dot_path = os.path.join(folder, f"leak-{i}.dot")
+                try:
+                    png = write_graph(chain, dot_path)
+                except OSError as e:
+                    report.graph_error = f"{dot_path}: {e}"
+                    folder = None
+                else:
+                    report.dot_paths.append(dot_path)
+                    if png is not None:
+                        report.png_paths.append(png)
             del chain
         index.clear()
 
@@ -274,15 +337,18 @@ def check_tensor_leaks(
             then nodes) get a chain and a graph file.
         max_depth: longest back-reference chain searched, in references.
         output_dir: folder for the graph files; default: a fresh ``tempfile.mkdtemp()`` folder,
-            created only when something leaked. Never the working directory.
+            created only when something leaked. Never the working directory. Where it cannot be made
+            or written, the report keeps its chains and says why in ``graph_error``.
 
     Returns:
         A context manager whose ``__enter__`` returns the :class:`LeakReport`, filled on exit.
 
     Raises:
         TensorLeakError: on exit, when ``strict`` and anything leaked (``error.report`` has the report).
-        ValueError: for ``max_chains < 0`` or ``max_depth < 1``.
-        TypeError: when ``warmup`` is neither ``None`` nor callable.
+        ValueError: for ``max_chains < 0`` or ``max_depth < 1``, or an ``output_dir`` that exists and is
+            not a folder.
+        TypeError: when ``max_chains`` or ``max_depth`` is not an int, ``warmup`` is neither ``None`` nor
+            callable, or ``output_dir`` is neither ``None``, a ``str`` nor an ``os.PathLike``.
         RuntimeError: the checker entered while it is active; or, on entry or exit, no full collection
             could start (called from a finaliser of this thread's own collection, or another thread's
             collection never ended for 60 s: Note [a collection that surely ran] in ``_gc_phase``). On

@@ -40,6 +40,8 @@ class LeakReport:
         png_paths: PNG renderings of the ``.dot`` files, only when graphviz's ``dot`` is installed.
         output_dir: the folder holding the graph files (a fresh temporary folder by default), or
             ``None`` when nothing was written.
+        graph_error: why graph files are missing (the folder could not be made or a file not written:
+            ``"PATH: error"``), or ``None``; the chains are complete either way.
         done: ``True`` once the block has exited and the report is filled.
         body_raised: ``True`` when the block exited with an exception (the report is still filled,
             but no :class:`TensorLeakError` is raised over the original exception).
@@ -55,6 +57,7 @@ class LeakReport:
     dot_paths: list[str] = field(default_factory=list)
     png_paths: list[str] = field(default_factory=list)
     output_dir: str | None = None
+    graph_error: str | None = None
     done: bool = False
     body_raised: bool = False
 
@@ -87,6 +90,8 @@ class LeakReport:
             lines.append("graph files (.dot): " + ", ".join(self.dot_paths))
         if self.png_paths:
             lines.append("graph pictures (.png): " + ", ".join(self.png_paths))
+        if self.graph_error is not None:
+            lines.append(f"graph files not written: {self.graph_error}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,6 +108,7 @@ class LeakReport:
             "dot_paths": list(self.dot_paths),
             "png_paths": list(self.png_paths),
             "output_dir": self.output_dir,
+            "graph_error": self.graph_error,
             "done": self.done,
             "body_raised": self.body_raised,
         }
