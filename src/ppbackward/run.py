@@ -10,8 +10,10 @@
 :func:`main` calls :func:`ppbackward.install` and then runs the target with :mod:`runpy` the way the
 interpreter itself would: ``sys.argv`` is ``[SCRIPT, ARGS...]`` (``[full path of MODULE's file,
 ARGS...]`` for ``-m``), ``sys.path[0]`` is the script's folder (the current directory for ``-m``), the
-target's ``SystemExit`` code is the exit code, and an exception is printed with the target's traceback
-(this module's and runpy's frames left out) and exit code 1. Everything after SCRIPT or MODULE is
+target's ``SystemExit`` code is the exit code, and an exception goes to ``sys.excepthook`` (the target's
+own, where it set one) with the target's traceback (this module's and runpy's frames left out) and exit
+code 1; a module or ``__main__`` that runpy cannot find is the interpreter's one line and exit code 1, and a
+leading ``--`` ends the launcher's options as it ends the interpreter's. Everything after SCRIPT or MODULE is
 passed through untouched, options that look like ``ppbackward.run``'s own included. ``--merge-bw``
 (before SCRIPT or ``-m``; the launcher's one option) installs with ``merge_bw=True``: each B of a
 zero-bubble schedule directly followed by its own W runs as one full backward (Note [merged B and W] in
@@ -45,12 +47,12 @@ import logging
 import os
 import runpy
 import sys
-import traceback
+import types
 from collections.abc import Iterator
 
 __all__ = ["main"]
 
-USAGE = "usage: python -m ppbackward.run [--merge-bw] (SCRIPT | -m MODULE) [ARGS...]"
+USAGE = "usage: python -m ppbackward.run [--merge-bw] ([--] SCRIPT | -m MODULE) [ARGS...]"
 HELP = (
     f"{USAGE}\n\n"
     "Install ppbackward (ppbackward.install()), then run SCRIPT, or MODULE with -m, as __main__ with ARGS, as\n"
@@ -70,6 +72,10 @@ def _parse(argv: list[str]) -> tuple[str, str, list[str]] | str:
     first = argv[0]
     if first in ("-h", "--help"):
         return ""
+    if first == "--":  # the end of options, as the interpreter takes it: what follows is SCRIPT
+        if len(argv) < 2:
+            return "-- needs a script after it"
+        return "script", argv[1], argv[2:]
     if first == "-m":
         if len(argv) < 2:
             return "-m needs a module name"
@@ -121,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         The exit code: the target's (``0`` when it returns normally, its ``SystemExit`` code otherwise),
         ``2`` for a usage error, ``3`` when ppbackward refuses the installed torch (nothing ran then).
 
-    An exception raised by the target is printed (its traceback from the target's first frame) and gives
-    ``1``; ``KeyboardInterrupt`` and other ``BaseException``\\ s besides ``SystemExit`` propagate.
+    An exception raised by the target goes to ``sys.excepthook`` (its traceback from the target's first
+    frame) and gives ``1``; ``KeyboardInterrupt`` and other ``BaseException``\\ s besides ``SystemExit`` propagate.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     merge_bw = bool(argv) and argv[0] == "--merge-bw"
@@ -146,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return _exit_code(exc)
     except Exception as exc:  # the interpreter's report: the target's frames, exit code 1
-        _print_target_traceback(exc)
+        tb = _target_traceback(exc)
+        if tb is None and isinstance(exc, ImportError):  # runpy found nothing to run: the interpreter's line
+            print(f"{sys.executable}: {exc}", file=sys.stderr)
+            return 1
+        # the target's own hook, if it set one; the default one prints the exception's own traceback
+        sys.excepthook(type(exc), exc.with_traceback(tb or exc.__traceback__), tb or exc.__traceback__)
         return 1
     return 0
 
@@ -165,13 +176,14 @@ def _run(kind: str, target: str, args: list[str]) -> None:
     runpy.run_path(target, run_name="__main__")
 
 
-def _print_target_traceback(exc: BaseException) -> None:
-    """Print ``exc`` as the interpreter would for the target: without this module's and runpy's frames."""
+def _target_traceback(exc: BaseException) -> types.TracebackType | None:
+    """``exc``'s traceback from the target's first frame (this module's and runpy's left out), or ``None`` where
+    it has none: runpy raised it before any of the target ran (no such module, no ``__main__``)."""
     tb = exc.__traceback__
     while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
                               or tb.tb_frame.f_code.co_filename == "<frozen runpy>"):
         tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
+    return tb
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -50,6 +50,9 @@ PROBE = textwrap.dedent(
     code = os.environ.get("PROBE_EXIT")
     if code == "raise":
         raise ValueError("probe failed on purpose")
+    if code == "hooked":
+        sys.excepthook = lambda kind, value, tb: print(f"HOOKED {kind.__name__}: {value}", file=sys.stderr)
+        raise ValueError("probe failed on purpose")
     if code:
         sys.exit(int(code))
     """
@@ -158,6 +161,39 @@ def test_exception_prints_the_targets_traceback(probe, tmp_path):
     assert "ppbackward/run.py" not in result.stderr and "runpy" not in result.stderr
 
 
+def test_the_targets_own_excepthook_reports_its_exception(probe, tmp_path):
+    result = _python("-m", "ppbackward.run", str(probe), cwd=tmp_path, env={"PROBE_EXIT": "hooked"})
+    plain = _python(str(probe), cwd=tmp_path, env={"PROBE_EXIT": "hooked"})
+    assert result.returncode == plain.returncode == 1
+    hooked = "HOOKED ValueError: probe failed on purpose"
+    assert result.stderr.splitlines()[-1] == plain.stderr.splitlines()[-1] == hooked
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("target", [["-m", "no_such_module"], ["-m", "scripts"], ["scripts"]],
+                         ids=["no-module", "package-without-main", "folder-without-main"])
+def test_a_target_runpy_cannot_find_is_the_interpreters_one_line(probe, tmp_path, target):
+    (probe.parent / "__init__.py").write_text("")
+    result = _python("-m", "ppbackward.run", *target, cwd=tmp_path)
+    plain = _python(*target, cwd=tmp_path)
+    assert result.returncode == plain.returncode == 1
+    line = result.stderr.splitlines()[-1]
+    assert "Traceback" not in result.stderr, result.stderr
+    if target == ["scripts"]:  # the interpreter names the folder by its absolute path, runpy as given
+        assert line == f"{sys.executable}: can't find '__main__' module in 'scripts'", result.stderr
+        assert plain.stderr.strip() == f"{sys.executable}: can't find '__main__' module in {str(probe.parent)!r}"
+    else:
+        assert line == plain.stderr.strip(), result.stderr
+
+
+def test_a_leading_double_dash_ends_the_launchers_options_as_the_interpreters(probe, tmp_path):
+    result = _python("-m", "ppbackward.run", "--", str(probe), "--", "-m", cwd=tmp_path)
+    plain = _python("--", str(probe), "--", "-m", cwd=tmp_path)
+    assert result.returncode == plain.returncode == 0, result.stderr
+    assert _report(result)["argv"] == _report(plain)["argv"] == [str(probe), "--", "-m"]
+    assert _report(result)["installed"]
+
+
 def test_unsupported_torch_is_refused_before_the_target_starts(probe, tmp_path):
     # the installed torch reporting a release ppbackward does not know (the check reads torch.__version__)
     code = ("import sys, runpy, torch; torch.__version__ = '2.99.0'; "
@@ -205,7 +241,7 @@ def test_untested_newer_torch_opt_in_reaches_install(probe, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [([], "no target given"), (["-m"], "-m needs a module name"), (["--nope", "x.py"], "unknown option '--nope'"),
-     (["missing.py"], "can't open file 'missing.py': no such file")],
+     (["missing.py"], "can't open file 'missing.py': no such file"), (["--"], "-- needs a script after it")],
 )
 def test_bad_usage_is_a_clear_error(tmp_path, args, message):
     result = _python("-m", "ppbackward.run", *args, cwd=tmp_path)
