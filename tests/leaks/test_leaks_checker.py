@@ -410,6 +410,25 @@ def test_views_and_shared_storages_count_once():
     assert (report.num_tensors, report.num_storages, report.tensor_bytes) == (2, 1, 32)
 
 
+def test_a_sparse_tensor_counts_its_indices_and_values_and_a_meta_tensor_no_memory():
+    indices, values = torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0])  # 32 + 8 bytes
+    sparse = torch.sparse_coo_tensor(indices, values, (2, 2), check_invariants=True)
+    meta = torch.empty(1000, device="meta")
+
+    def leak(t: torch.Tensor) -> None:
+        box: dict = {"t": t}
+        box["self"] = box
+
+    with check_tensor_leaks(strict=False, max_chains=0) as report:
+        leak(sparse)
+        del sparse
+    assert (report.num_tensors, report.num_storages, report.tensor_bytes) == (1, 2, 40)
+    with check_tensor_leaks(strict=False, max_chains=0) as report:
+        leak(meta)
+        del meta
+    assert (report.num_tensors, report.num_storages, report.tensor_bytes) == (1, 0, 0)
+
+
 def test_output_dir_and_max_chains(tmp_path):
     def two_leaks() -> None:
         _make_cycle()

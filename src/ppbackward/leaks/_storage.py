@@ -48,9 +48,19 @@ def tensor_storages(t: torch.Tensor) -> list[Any]:
 
     Traceable wrapper subclasses (DTensor, ...) are opened through ``__tensor_flatten__`` so their
     inner tensors are counted rather than the empty wrapper (the names it lists that are not tensors,
-    such as DTensor's ``device_mesh``, hold no storage). Tensors without a storage (sparse,
-    nested) yield nothing.
+    such as DTensor's ``device_mesh``, hold no storage). Sparse tensors are counted through the dense
+    tensors they are made of (indices and values); a meta tensor holds no memory. Other tensors without a
+    storage (nested, mkldnn) yield nothing.
     """
+    try:
+        layout, meta = t.layout, t.is_meta
+    except RuntimeError:  # a tensor the gc cleared (grad_fn_or_none)
+        return []
+    if meta:
+        return []
+    parts = _SPARSE_PARTS.get(layout)
+    if parts is not None:
+        return [s for part in parts for s in tensor_storages(getattr(t, part)())]
     if _is_wrapper_subclass(t):
         try:  # a wrapper the gc cleared (grad_fn_or_none) has lost its inner tensors
             names, _ = t.__tensor_flatten__()
@@ -66,6 +76,16 @@ def tensor_storages(t: torch.Tensor) -> list[Any]:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError, TypeError):
         return []
+
+
+# the dense tensors a sparse tensor of each layout is made of (the methods that give them)
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
 
 
 def storage_key(storage: Any) -> int:
