@@ -94,7 +94,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
     if checker is None:
         yield
         return
-    _forget_the_last_failure()
+    _forget_the_last_failure()  # Note [an earlier failure is not this test's garbage]
     report = checker.__enter__()
     outcome = None
     try:

@@ -156,10 +156,25 @@ def main(argv: list[str] | None = None) -> int:
         if tb is None and isinstance(exc, ImportError):  # runpy found nothing to run: the interpreter's line
             print(f"{sys.executable}: {exc}", file=sys.stderr)
             return 1
-        # the target's own hook, if it set one; the default one prints the exception's own traceback
-        sys.excepthook(type(exc), exc.with_traceback(tb or exc.__traceback__), tb or exc.__traceback__)
+        _report(exc, tb)
         return 1
     return 0
+
+
+def _report(exc: Exception, tb: types.TracebackType | None) -> None:
+    """Report the target's ``exc`` as the interpreter does: through ``sys.excepthook`` (the target's own, if it
+    set one) with the target's frames only (none for a ``SyntaxError`` in the target's file, whose location
+    the message gives); a hook that raises is reported, then ``exc`` by the default hook."""
+    exc = exc.with_traceback(tb)  # the default hook prints the exception's own traceback
+    try:
+        sys.excepthook(type(exc), exc, tb)
+    except Exception as hook_error:
+        hook_error.__suppress_context__ = True  # the hook's own error, from the hook's frames, as python prints it
+        hook_tb = hook_error.__traceback__.tb_next if hook_error.__traceback__ is not None else None
+        print("Error in sys.excepthook:", file=sys.stderr)
+        sys.__excepthook__(type(hook_error), hook_error.with_traceback(hook_tb), hook_tb)
+        print("\nOriginal exception was:", file=sys.stderr)
+        sys.__excepthook__(type(exc), exc, tb)
 
 
 def _run(kind: str, target: str, args: list[str]) -> None:

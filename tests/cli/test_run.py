@@ -170,6 +170,21 @@ def test_the_targets_own_excepthook_reports_its_exception(probe, tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "source",
+    ["x = (\n",
+     "import sys\ndef hook(*args):\n    raise KeyError('hook')\nsys.excepthook = hook\nraise ValueError('v')\n"],
+    ids=["syntax-error", "a-hook-that-raises"],
+)
+def test_a_syntax_error_and_a_raising_excepthook_are_reported_as_python_reports_them(tmp_path, source):
+    script = tmp_path / "target.py"
+    script.write_text(source)
+    result = _python("-m", "ppbackward.run", str(script), cwd=tmp_path)
+    plain = _python(str(script), cwd=tmp_path)
+    assert result.returncode == plain.returncode == 1
+    assert result.stderr.splitlines()[1:] == plain.stderr.splitlines(), result.stderr  # after the install line
+
+
 @pytest.mark.parametrize("target", [["-m", "no_such_module"], ["-m", "scripts"], ["scripts"]],
                          ids=["no-module", "package-without-main", "folder-without-main"])
 def test_a_target_runpy_cannot_find_is_the_interpreters_one_line(probe, tmp_path, target):

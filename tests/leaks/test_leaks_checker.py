@@ -485,6 +485,14 @@ def test_graph_files_that_cannot_be_written_leave_the_report_and_the_body_s_exce
     with pytest.raises(KeyError, match="boom"), check_tensor_leaks(output_dir=afile / "graphs"):
         _make_cycle()
         raise KeyError("boom")
+    graphs = tmp_path / "graphs"  # the folder is made, the file cannot be written: a folder holds its name
+    (graphs / "leak-1.dot").mkdir(parents=True)
+    with check_tensor_leaks(strict=False, output_dir=graphs) as report:
+        _make_cycle()
+    assert report.num_tensors == 1 and len(report.chains) == 1
+    assert report.dot_paths == [] and report.output_dir is None
+    assert report.graph_error is not None and report.graph_error.startswith(f"{graphs / 'leak-1.dot'}: ")
+    assert os.listdir(graphs) == ["leak-1.dot"]
 
 
 def test_checkers_armed_at_overlapping_times_restore_the_flags_found_before_the_first():
@@ -495,36 +503,62 @@ def test_checkers_armed_at_overlapping_times_restore_the_flags_found_before_the_
     try:
         first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
         reports: dict[str, LeakReport] = {}
+        errors: list[BaseException] = []
+
+        def waited(event: threading.Event) -> None:
+            assert event.wait(timeout=120), "the other thread never got there"
 
         def first() -> None:
-            with check_tensor_leaks(strict=False, max_chains=0) as reports["first"]:
+            try:
+                with check_tensor_leaks(strict=False, max_chains=0) as reports["first"]:
+                    first_in.set()
+                    waited(second_in)
+                    _make_cycle()
+            except BaseException as e:
+                errors.append(e)
+            finally:
                 first_in.set()
-                second_in.wait()
-                _make_cycle()
-            first_out.set()
+                first_out.set()
 
         def second() -> None:
-            first_in.wait()
-            with check_tensor_leaks(strict=False, max_chains=0) as reports["second"]:
+            try:
+                waited(first_in)
+                with check_tensor_leaks(strict=False, max_chains=0) as reports["second"]:
+                    second_in.set()
+                    waited(first_out)
+                    _make_cycle()
+            except BaseException as e:
+                errors.append(e)
+            finally:
                 second_in.set()
-                first_out.wait()
-                _make_cycle()
 
         threads = [threading.Thread(target=first), threading.Thread(target=second)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads) and errors == [], errors
         assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
         # the second, still armed when the first frees what it caught, reports that too (Note [checker clears
         # gc.garbage], as nested checkers do)
         assert reports["first"].num_tensors == 1 and reports["second"].num_tensors == 2
         outer, inner = check_tensor_leaks(strict=False), check_tensor_leaks(strict=False)
         outer.__enter__()
-        inner.__enter__()
-        outer.__exit__(None, None, None)
-        assert gc.get_debug() & gc.DEBUG_SAVEALL  # the inner one is still armed
-        inner.__exit__(None, None, None)
+        try:
+            inner.__enter__()
+            try:
+                outer.__exit__(None, None, None)
+                assert gc.get_debug() & gc.DEBUG_SAVEALL  # the inner one is still armed
+            finally:
+                inner.__exit__(None, None, None)
+        finally:
+            if outer._armed:
+                outer.__exit__(None, None, None)
+        assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
+        with pytest.raises(RuntimeError, match="this checker is not active"):
+            inner.__exit__(None, None, None)  # a second exit would take another checker's share
+        with check_tensor_leaks(strict=False):
+            pass
         assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
         _make_cycle()
         gc.collect()

@@ -56,7 +56,9 @@ _PROXY_TYPES = (weakref.ProxyType, weakref.CallableProxyType)
 # ``DEBUG_SAVEALL`` on for good where the second to enter found the first one's flags and left last: every
 # later cycle of the process kept in ``gc.garbage``. So a count of armed checkers, under a lock, decides: the
 # first to arm records the flags it found and sets ``DEBUG_SAVEALL``; the others keep it set; the last to
-# disarm puts back the flags the first found. Nested checkers in one thread restore exactly as before.
+# disarm puts back the flags the first found. So a nested checker's exit leaves ``DEBUG_SAVEALL`` on, with
+# whatever else its block set, until the outermost one exits; and a checker exits once (a second ``__exit__``
+# is refused: it would take another checker's share).
 _FLAGS_LOCK = threading.Lock()
 _armed_checkers = 0
 _flags_before = 0
@@ -90,8 +92,8 @@ def _disarm_debug_flags() -> None:
 # them): without ``gc.DEBUG_SAVEALL`` a collection frees the leaked cycles instead of saving them, and the
 # checker would report ``ok`` for a leak. So while armed, a ``gc.callbacks`` entry puts ``DEBUG_SAVEALL``
 # back at the start of every collection (automatic or explicit; the collector reads the flags after its
-# callbacks) and restores the block's own flags when the collection stops. On exit the caller's flags
-# from before the block are restored (Note [checker restores gc state]).
+# callbacks) and restores the block's own flags when the collection stops. When the last armed checker
+# exits, the caller's flags from before the first one are restored (Note [checker restores gc state]).
 
 
 # Note [one collection decides]
@@ -178,14 +180,20 @@ class _TensorLeakCheck:
         self._prev_enabled = collector_enabled()  # not gc.isenabled(): a B on another thread may pause it
         paused = automatic_gc_paused(always=True)
         paused.__enter__()  # Note [one collection decides]
+        armed = False
         try:
             full_collect()  # Note [a collection that surely ran] in _gc_phase.py
             self._start = len(gc.garbage)
+            _arm_debug_flags()  # Note [armed checkers share the debug flags]
+            armed = True
+            gc.callbacks.append(self._save_all)  # Note [checker survives the block's gc flags]
         except BaseException:  # not armed: nothing of it left behind
+            if self._save_all in gc.callbacks:
+                gc.callbacks.remove(self._save_all)
+            if armed:
+                _disarm_debug_flags()
             paused.__exit__(None, None, None)
             raise
-        _arm_debug_flags()  # Note [armed checkers share the debug flags]
-        gc.callbacks.append(self._save_all)  # Note [checker survives the block's gc flags]
         self._paused = paused
         self._armed = True
         return self.report
@@ -196,6 +204,8 @@ class _TensorLeakCheck:
         exc: BaseException | None,
         tb: types.TracebackType | None,
     ) -> None:
+        if not self._armed:  # a second exit would take another checker's share of the flags
+            raise RuntimeError("check_tensor_leaks: this checker is not active (never entered, or exited already)")
         self._armed = False
         caught: list[Any] = []
         no_collection: RuntimeError | None = None
@@ -295,12 +305,20 @@ class _TensorLeakCheck:
                 except OSError as e:
                     report.graph_error = f"{dot_path}: {e}"
                     folder = None
+                    with contextlib.suppress(OSError):  # a file half written is no graph
+                        if os.path.isfile(dot_path):
+                            os.remove(dot_path)
                 else:
                     report.dot_paths.append(dot_path)
                     if png is not None:
                         report.png_paths.append(png)
             del chain
         index.clear()
+        if not report.dot_paths and report.output_dir is not None:  # none written: say so, leave no empty folder
+            if self._output_dir is None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(report.output_dir)
+            report.output_dir = None
 
 
 def check_tensor_leaks(
@@ -349,11 +367,11 @@ def check_tensor_leaks(
             not a folder.
         TypeError: when ``max_chains`` or ``max_depth`` is not an int, ``warmup`` is neither ``None`` nor
             callable, or ``output_dir`` is neither ``None``, a ``str`` nor an ``os.PathLike``.
-        RuntimeError: the checker entered while it is active; or, on entry or exit, no full collection
-            could start (called from a finaliser of this thread's own collection, or another thread's
-            collection never ended for 60 s: Note [a collection that surely ran] in ``_gc_phase``). On
-            exit the report then stays not ``done``, the gc state is restored all the same, and a body
-            that raised keeps its own exception (with a note).
+        RuntimeError: the checker entered while it is active, or exited when it is not; or, on entry or
+            exit, no full collection could start (called from a finaliser of this thread's own collection,
+            or another thread's collection never ended for 60 s: Note [a collection that surely ran] in
+            ``_gc_phase``). On exit the report then stays not ``done``, the gc state is restored all the
+            same, and a body that raised keeps its own exception (with a note).
 
     Example::
 

@@ -49,8 +49,8 @@ def tensor_storages(t: torch.Tensor) -> list[Any]:
     Traceable wrapper subclasses (DTensor, ...) are opened through ``__tensor_flatten__`` so their
     inner tensors are counted rather than the empty wrapper (the names it lists that are not tensors,
     such as DTensor's ``device_mesh``, hold no storage). Sparse tensors are counted through the dense
-    tensors they are made of (indices and values); a meta tensor holds no memory. Other tensors without a
-    storage (nested, mkldnn) yield nothing.
+    tensors they are made of (indices and values); a meta tensor holds no memory. A tensor without a
+    storage of its own that is neither (mkldnn) yields nothing.
     """
     try:
         layout, meta = t.layout, t.is_meta
