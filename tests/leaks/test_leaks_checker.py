@@ -508,31 +508,27 @@ def test_checkers_armed_at_overlapping_times_restore_the_flags_found_before_the_
         def waited(event: threading.Event) -> None:
             assert event.wait(timeout=120), "the other thread never got there"
 
-        def first() -> None:
+        def checked(name: str, before: threading.Event | None, entered: threading.Event, inside: threading.Event,
+                    done: threading.Event | None) -> None:
+            """A checker armed after ``before``, holding its block open until ``inside``; ``done`` once out."""
             try:
-                with check_tensor_leaks(strict=False, max_chains=0) as reports["first"]:
-                    first_in.set()
-                    waited(second_in)
+                if before is not None:
+                    waited(before)
+                with check_tensor_leaks(strict=False, max_chains=0) as reports[name]:
+                    entered.set()
+                    waited(inside)
                     _make_cycle()
             except BaseException as e:
                 errors.append(e)
             finally:
-                first_in.set()
-                first_out.set()
+                entered.set()
+                if done is not None:
+                    done.set()
 
-        def second() -> None:
-            try:
-                waited(first_in)
-                with check_tensor_leaks(strict=False, max_chains=0) as reports["second"]:
-                    second_in.set()
-                    waited(first_out)
-                    _make_cycle()
-            except BaseException as e:
-                errors.append(e)
-            finally:
-                second_in.set()
-
-        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        threads = [  # the first enters first and leaves first
+            threading.Thread(target=checked, args=("first", None, first_in, second_in, first_out)),
+            threading.Thread(target=checked, args=("second", first_in, second_in, first_out, None)),
+        ]
         for t in threads:
             t.start()
         for t in threads:
