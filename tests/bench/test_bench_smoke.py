@@ -143,6 +143,14 @@ def test_bad_configs_are_a_usage_error(bad):
         (["--schedule-timeout", "0"], "--schedule-timeout 0: must be a positive number of seconds"),
         (["--json", "/nonexistent/b.json"], "--json /nonexistent/b.json: its folder /nonexistent does not exist"),
         (["--repeats", "0"], "--repeats and --schedule-repeats must be >= 1"),
+        # hostile review: each exited 1 after a run, or was ignored
+        (["--device", "cuda", "--configs", "1x8x2"], "--device cuda: only with --split or --compile"),
+        (["--compile", "--compile-backend", "nope"], "--compile-backend 'nope': not a torch.compile backend"),
+        (["--profile-config", "junk"], "--profile-config: 'junk' is not LAYERSxDMODELxSEQ"),
+        pytest.param(["--split", "--device", "cuda"], "--device cuda: no CUDA device available",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")),
+        pytest.param(["--json", "/sys/b.json"], "--json /sys/b.json: ",  # not writable, even for root
+                     marks=pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="no sysfs")),
     ],
 )
 def test_bad_options_are_refused_before_anything_is_measured(capsys, args, message):

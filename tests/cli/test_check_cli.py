@@ -55,6 +55,7 @@ def _check_main(capsys, *args: str) -> tuple[int, str, str]:
         (["--dp", "2"], "--dp applies to --model; the ddp and fsdp scenarios run dp 2"),
         (["--scenario", "lora", "--model", "mlp"], "give --scenario or --model, not both"),
         (["--scenario", "lora,nope"], "unknown scenario(s) nope; known: transformer, lora, ddp, fsdp, ac"),
+        (["--scenario", ""], "--scenario '': no scenario named (leave it out for the default four)"),
         (["--device", "cuda"], "--device cuda: torch.cuda.is_available() is False"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
         (["--steps", "0"], "--steps 0: need at least 1 step"),
@@ -71,6 +72,10 @@ def _check_main(capsys, *args: str) -> tuple[int, str, str]:
         (["--json", "/nonexistent/o.json"], "--json /nonexistent/o.json: its folder /nonexistent does not exist"),
         (["--json", "/"], "--json /: is a directory"),
         (["--logs", "/dev/null"], "--logs /dev/null: exists and is not a directory"),
+        # hostile review: these failed after the whole run
+        pytest.param(["--json", "/sys/c.json"], "--json /sys/c.json: ",  # not writable, even for root
+                     marks=pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="no sysfs")),
+        (["--json", "same.json", "--markdown", "same.json"], "--markdown same.json: the same file as --json"),
         # issue 23: a name with spaces around it is still checked (and stripped, see below)
         (["--schedules", "ScheduleGPipe, ScheduleNope"], "unknown schedule(s) ScheduleNope; known: "),
         # issue 37: a scenario of some schedules only, none of them asked for
@@ -530,3 +535,40 @@ def test_check_compiled_zb_shows_torch_refusing_and_ppbackward_splitting_every_r
         regions = cell["regions"]
         assert regions["b_calls"] > 0 and regions["regions"] == 2 * regions["b_calls"], (case, regions)
     assert {f["kind"] for c in results["upstream"].values() for f in c["findings"]} == {"compile-refused"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a backstop: every wait below is bounded
+def test_sigterm_stops_check_and_every_process_of_its_launch(tmp_path):
+    """Hostile review: SIGTERM (``timeout``, a cancelled CI job) ended ``ppbackward check`` at once and left
+    torchrun and its ranks running, reparented to init (Note [a terminated launcher stops its launch])."""
+    import signal
+    import time
+
+    from ppbackward._tools.torchrun import alive
+
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ppbackward", "check", "--model", "mlp", "--schedules", "ScheduleGPipe",
+         "--steps", "1000", "--worker-arg=--hang-rank=1", "--timeout", "300", "--logs", str(logs)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    pids = logs / "mlp" / "upstream"
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(pids.glob("rank*.pid"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # every rank has started (the event is its pid file)
+        assert proc.poll() is None and len(list(pids.glob("rank*.pid"))) == 2, "the ranks never started"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    assert f"ppbackward check: stopped; the logs so far: {logs}" in err
+    ranks = [int(p.read_text()) for p in pids.glob("rank*.pid")]
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)  # SIGKILLed; only the reaping by init can still be pending
+    assert not any(alive(pid) for pid in ranks), "ranks left running after SIGTERM"

@@ -681,3 +681,46 @@ def test_titan_chunked_loss_equals_the_unchunked_cross_entropy() -> None:
 def test_a_model_name_is_not_shadowed_by_a_group() -> None:
     for name in models.MODELS:
         assert models.model_names(name) == [name]
+
+
+def test_errors_a_worker_printed_before_its_own_log_are_shown(tmp_path: Path) -> None:
+    """A bad worker argument fails before a rank has a log: the error is in torchrun's log only, above the
+    summary its tail shows (hostile review). The elastic summary's own lines are not errors of the ranks."""
+    from ppbackward._tools.harness.launch import _errors_before_rank_logs
+
+    log = tmp_path / "torchrun.log"
+    log.write_text(
+        "usage: python -m worker [-h] --out OUT\n"
+        "python -m worker: error: unrecognized arguments: junk\n"
+        "python -m worker: error: unrecognized arguments: junk\n"
+        "Traceback (most recent call last):\n"
+        '  File "/x/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper\n'
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "  error_file: <N/A>\n"
+        "ModuleNotFoundError: No module named 'nope'\n"
+    )
+    assert _errors_before_rank_logs(log).splitlines() == [
+        "python -m worker: error: unrecognized arguments: junk",
+        "ModuleNotFoundError: No module named 'nope'",
+    ]
+    assert _errors_before_rank_logs(tmp_path / "missing.log") == ""
+
+
+def test_sigterm_raises_system_exit_only_while_a_launch_is_supervised() -> None:
+    """Note [a terminated launcher stops its launch]: SIGTERM's default action killed the launcher with no
+    clean-up, leaving torchrun and its ranks running (hostile review). Inside ``terminate_raises`` it is
+    ``SystemExit(143)``, which the supervisor's clean-up sees; outside, the handler is the default again."""
+    import os
+    import signal
+    import threading
+
+    from ppbackward._tools.torchrun import terminate_raises
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    arrived = threading.Event()
+    with pytest.raises(SystemExit) as raised, terminate_raises():
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert not arrived.wait(timeout=60), "the handler raises before this wait ends"
+    assert raised.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL

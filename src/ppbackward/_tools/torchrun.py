@@ -17,19 +17,30 @@ worker's process group, found from ``rank<r>.pid`` and checked to run the launch
 torchrun's group and (3) ``SIGKILL``\\ s it after a grace period (:func:`stop`, for the harness's
 launches and the schedule benchmark's alike). A worker that had not yet written its pid file is stopped
 by torchrun itself, which passes the ``SIGTERM`` on to its workers.
+
+Note [a terminated launcher stops its launch]: ``SIGTERM``'s default action (and ``SIGHUP``'s) ends this
+process at once, with no exception and no clean-up, so torchrun and its workers, each in a session of its own,
+ran on to their end, reparented to init (``timeout``, a CI job cancelled). While a launch is supervised
+(:func:`terminate_raises`), those two signals raise ``SystemExit(128 + signal)`` instead, where their handler
+is the default one and only in the main thread (Python runs handlers there): the supervisor's clean-up then
+stops every process of the launch as on ``Ctrl-C`` and the process exits with the code the signal gives. The
+handlers found are put back afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["alive", "dump_stacks", "start", "stop", "tail", "torchrun_command"]
+__all__ = ["alive", "dump_stacks", "start", "stop", "tail", "terminate_raises", "torchrun_command"]
 
 _GRACE_S = 5.0  # between SIGTERM and SIGKILL of torchrun
 _DUMP_GRACE_S = 30.0  # most a worker gets to write its stack dump (Note [killing a hung launch])
@@ -137,6 +148,28 @@ def _kill_workers(out_dir: Path, module: str) -> None:
                 os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _exit_on(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def terminate_raises() -> Iterator[None]:
+    """``SIGTERM`` and ``SIGHUP`` raise ``SystemExit(128 + signal)`` in the block where their handler is the
+    default one, in the main thread only (Note [a terminated launcher stops its launch])."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    found = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            found[sig] = signal.signal(sig, _exit_on)
+    try:
+        yield
+    finally:
+        for sig, handler in found.items():
+            signal.signal(sig, handler)
 
 
 def stop(proc: subprocess.Popen[Any], out_dir: Path, module: str) -> None:

@@ -186,6 +186,20 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         parser.error("--one-rank-step: only with --split")
     if args.device.split(":")[0] not in ("cpu", "cuda"):
         parser.error(f"--device {args.device!r}: cpu or cuda (cuda:N)")
+    if args.device != "cpu" and not (args.split or args.compile):
+        parser.error(f"--device {args.device}: only with --split or --compile (the other measurements run on the CPU)")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: no CUDA device available")
+    if args.compile:
+        from torch._dynamo import list_backends
+
+        known = list_backends(exclude_tags=())
+        if args.compile_backend not in known:
+            parser.error(f"--compile-backend {args.compile_backend!r}: not a torch.compile backend of this torch "
+                         f"(e.g. inductor, aot_eager, eager)")
     if args.json:
         problem = output_file_problem(args.json)
         if problem:
@@ -218,9 +232,12 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
             configs = []
         else:
             configs = [_models.Config(4, 64, 16)] if args.quick else _models.parse_configs(asked)
-        profile_config = _models.parse_configs(args.profile_config)[0]
     except ValueError as e:
         parser.error(str(e))
+    try:
+        profile_config = _models.parse_configs(args.profile_config)[0]
+    except ValueError as e:
+        parser.error(str(e).replace("--configs", "--profile-config", 1))
     return _Request(configs, profile_config, repeats, None if args.quick else args.budget, step_only)
 
 
@@ -404,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(problem)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        except OSError as e:  # writable when checked (Note: output_file_problem); not any more
+            print(f"ppbackward bench: error: --json {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 1 if (problem or failed) else 0

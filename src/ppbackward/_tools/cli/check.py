@@ -180,6 +180,8 @@ def _scenarios(args: argparse.Namespace) -> list[Any]:
                 raise CheckError(f"{flag} applies to --model; a scenario fixes its own ranks and wrappers")
         if args.dp != 1:
             raise CheckError("--dp applies to --model; the ddp and fsdp scenarios run dp 2")
+        if args.scenario is not None and not args.scenario.strip():
+            raise CheckError("--scenario '': no scenario named (leave it out for the default four)")
         try:
             return select(args.scenario or "default")
         except ValueError as e:
@@ -286,6 +288,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
         problem = path and output_file_problem(path)
         if problem:
             raise CheckError(f"{flag} {path}: {problem}")
+    if args.json and args.markdown and os.path.abspath(args.json) == os.path.abspath(args.markdown):
+        raise CheckError(f"--markdown {args.markdown}: the same file as --json (one would overwrite the other)")
     if args.logs:
         logs = Path(args.logs)
         if logs.exists() and not logs.is_dir():
@@ -633,7 +637,14 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="ppbackward-check-"))
-    runs = _launch_all(args, scenarios, only, logs, t0)
+    try:
+        runs = _launch_all(args, scenarios, only, logs, t0)
+    except KeyboardInterrupt:  # the launch stopped, every process of it killed (Note [killing a hung launch])
+        print(f"\nppbackward check: interrupted; the logs so far: {logs}", file=sys.stderr)
+        raise SystemExit(130) from None
+    except SystemExit as e:  # SIGTERM, SIGHUP (Note [a terminated launcher stops its launch])
+        print(f"\nppbackward check: stopped; the logs so far: {logs}", file=sys.stderr)
+        raise SystemExit(e.code) from None
     print(f"\nmeasuring the memory held between B and W, both backwards, in this process "
           f"(elapsed {time.perf_counter() - t0:.1f} s)", flush=True)
     memory = _memory()
@@ -658,10 +669,14 @@ def run(args: argparse.Namespace) -> int:
     if not keep:
         shutil.rmtree(logs, ignore_errors=True)  # a passing run leaves nothing behind; --logs keeps them
     print(verdict)
-    if args.json:
-        _write_json(args.json, args, runs, memory, passed, verdict, logs if keep else None)
-    if args.markdown:
-        Path(args.markdown).write_text(_markdown(args, runs, only, tally, verdict, passed, _memory_lines(memory)))
+    try:
+        if args.json:
+            _write_json(args.json, args, runs, memory, passed, verdict, logs if keep else None)
+        if args.markdown:
+            Path(args.markdown).write_text(_markdown(args, runs, only, tally, verdict, passed, _memory_lines(memory)))
+    except OSError as e:  # writable when checked before the launches (_check_outputs); not any more
+        print(f"ppbackward check: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0 if passed else 1
 
 

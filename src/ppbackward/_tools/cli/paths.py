@@ -13,10 +13,11 @@ __all__ = ["output_dir_problem", "output_file_problem"]
 
 
 def output_file_problem(path: str) -> str | None:
-    """Why ``path`` cannot be written as an output file (``None`` when it can), without creating it.
+    """Why ``path`` cannot be written as an output file (``None`` when it can); nothing it creates stays.
 
-    Shared by ``check --json`` and ``bench --json``; a missing folder, a directory in the way, or no
-    write permission are the problems found.
+    Shared by ``check --json``/``--markdown`` and ``bench --json``; a missing folder, a directory in the way,
+    no write permission, or a file the system refuses to open for writing (``/proc``, ``/sys``, a read-only
+    mount: tried, and removed again where it did not exist) are the problems found.
     """
     target = Path(path)
     if target.is_dir():
@@ -30,6 +31,14 @@ def output_file_problem(path: str) -> str | None:
         return "exists and is not writable"
     if not target.exists() and not os.access(parent, os.W_OK | os.X_OK):
         return f"its folder {parent} is not writable"
+    existed = target.exists()
+    try:
+        with open(target, "a", encoding="utf-8"):  # appends nothing, truncates nothing
+            pass
+    except OSError as e:
+        return f"cannot be written ({e.strerror or e})"
+    if not existed:
+        target.unlink(missing_ok=True)
     return None
 
 

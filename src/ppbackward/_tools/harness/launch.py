@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ppbackward._tools.harness.records import CaseRecord, EventReader, RankVerdict, read_verdict
-from ppbackward._tools.torchrun import alive, dump_stacks, start, stop, tail, torchrun_command
+from ppbackward._tools.torchrun import alive, dump_stacks, start, stop, tail, terminate_raises, torchrun_command
 
 __all__ = ["LaunchResult", "alive", "launch"]
 
@@ -55,6 +56,28 @@ def _src_root() -> str:
 
 def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.splitlines())
+
+
+_ERROR_LINES = 10
+# argparse's "prog: error: ..." and the last line of a Python traceback ("ModuleNotFoundError: No module ...")
+_ERROR_LINE = re.compile(r": error: |^[A-Za-z_][\w.]*(Error|Exception): ")
+
+
+def _errors_before_rank_logs(torchrun_log: Path) -> str:
+    """The error lines of ``torchrun_log`` (at most ``_ERROR_LINES``, each once, torch.distributed.elastic's own
+    left out): what a worker printed before it had a log of its own (a bad worker argument, an import error),
+    which torchrun's tail, its summary, no longer shows."""
+    try:
+        text = torchrun_log.read_text(errors="replace")
+    except OSError:
+        return ""
+    found: list[str] = []
+    for line in text.splitlines():
+        if _ERROR_LINE.search(line) and "elastic" not in line and "ChildFailedError" not in line and line not in found:
+            found.append(line)
+        if len(found) == _ERROR_LINES:
+            break
+    return "\n".join(found)
 
 
 @dataclasses.dataclass
@@ -165,6 +188,11 @@ class LaunchResult:
         lines.append(f"  output: {self.out_dir}")
         lines.append("  torchrun log tail:")
         lines.append(_indent(tail(self.out_dir / "torchrun.log", 15)))
+        if not all(self.log_path(rank).exists() for rank in range(self.world_size)):
+            said = _errors_before_rank_logs(self.out_dir / "torchrun.log")
+            if said:
+                lines.append("  errors in torchrun's log (what ranks printed before they had logs of their own):")
+                lines.append(_indent(said))
         for rank in range(self.world_size):
             lines.append(f"  rank {rank} log tail ({self.log_path(rank)}):")
             lines.append(_indent(self.log_tail(rank)))
@@ -373,14 +401,16 @@ def _supervise(
     proc: subprocess.Popen[bytes], out: Path, module: str, wait: Callable[[], str | None]
 ) -> str | None:
     """``wait()`` for the launch; on a hang (its kind returned) or an interruption, every worker's stack
-    dumped and every process of the launch killed (Note [killing a hung launch] in ``_tools.torchrun``)."""
+    dumped and every process of the launch killed (Note [killing a hung launch] in ``_tools.torchrun``); a
+    ``SIGTERM`` or ``SIGHUP`` is an interruption (Note [a terminated launcher stops its launch] there)."""
     try:
-        hang = wait()
+        with terminate_raises():
+            hang = wait()
         if hang is not None:
             dump_stacks(out, module)
             stop(proc, out, module)
         return hang
-    except BaseException:  # KeyboardInterrupt, pytest-timeout: never leave processes behind
+    except BaseException:  # KeyboardInterrupt, SIGTERM, pytest-timeout: never leave processes behind
         dump_stacks(out, module, grace=2.0)
         stop(proc, out, module)
         raise
