@@ -572,3 +572,25 @@ def test_sigterm_stops_check_and_every_process_of_its_launch(tmp_path):
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)  # SIGKILLed; only the reaping by init can still be pending
     assert not any(alive(pid) for pid in ranks), "ranks left running after SIGTERM"
+
+
+def test_an_output_path_is_probed_only_where_opening_it_acts_on_nothing_else(tmp_path):
+    """``--json``/``--markdown`` are opened for appending before the run (a path the system refuses fails then,
+    not after it) and removed where they did not exist; a FIFO or a device is not opened (a FIFO's open would
+    wait for a reader)."""
+    import threading
+
+    from ppbackward._tools.cli.paths import output_file_problem
+
+    assert output_file_problem(str(tmp_path / "new.json")) is None and not (tmp_path / "new.json").exists()
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    assert output_file_problem(str(kept)) is None and kept.read_text() == "{}"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    answers: list[str | None] = []
+    probe = threading.Thread(target=lambda: answers.append(output_file_problem(str(fifo))), daemon=True)
+    probe.start()
+    probe.join(timeout=60)
+    assert answers == [None], "the probe waited on the FIFO"
+    assert output_file_problem(os.devnull) is None

@@ -31,6 +31,8 @@ def output_file_problem(path: str) -> str | None:
         return "exists and is not writable"
     if not target.exists() and not os.access(parent, os.W_OK | os.X_OK):
         return f"its folder {parent} is not writable"
+    if target.exists() and not target.is_file():  # a device or a FIFO (/dev/stdout): opening it may wait or act
+        return None
     existed = target.exists()
     try:
         with open(target, "a", encoding="utf-8"):  # appends nothing, truncates nothing
