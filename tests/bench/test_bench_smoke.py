@@ -147,7 +147,7 @@ def test_bad_configs_are_a_usage_error(bad):
         (["--device", "cuda", "--configs", "1x8x2"], "--device cuda: only with --split or --compile"),
         (["--compile", "--compile-backend", "nope"], "--compile-backend 'nope': not a torch.compile backend"),
         (["--profile-config", "junk"], "--profile-config: 'junk' is not LAYERSxDMODELxSEQ"),
-        pytest.param(["--split", "--device", "cuda"], "--device cuda: no CUDA device available",
+        pytest.param(["--split", "--device", "cuda"], "--device cuda: no such CUDA device available",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")),
         pytest.param(["--json", "/sys/b.json"], "--json /sys/b.json: ",  # not writable, even for root
                      marks=pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="no sysfs")),
@@ -170,6 +170,13 @@ def test_a_bad_option_imports_no_measurement_module():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split("\n")[:2] == ["2", "[]"], proc.stdout + proc.stderr
+    code = (  # the options only torch can judge come last: a bad path answers without torch._dynamo
+        "import sys\nfrom ppbackward._tools.cli.bench import main\n"
+        "try:\n    main(['--compile', '--json', '/nonexistent/x.json'])\nexcept SystemExit as e:\n    print(e.code)\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split("\n")[:2] == ["2", "False"], proc.stdout + proc.stderr
 
 
 def _running(pattern: str) -> list[str]:

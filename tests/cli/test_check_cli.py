@@ -9,6 +9,7 @@ starts once every rank has started, so nothing here depends on how fast the mach
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -554,24 +555,30 @@ def test_sigterm_stops_check_and_every_process_of_its_launch(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     pids = logs / "mlp" / "upstream"
+    ranks: list[int] = []
+    launcher: list[int] = []
     try:
         deadline = time.monotonic() + 300
         while len(list(pids.glob("rank*.pid"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)  # every rank has started (the event is its pid file)
         assert proc.poll() is None and len(list(pids.glob("rank*.pid"))) == 2, "the ranks never started"
+        ranks += [int(p.read_text()) for p in pids.glob("rank*.pid")]
+        with open(f"/proc/{ranks[0]}/stat") as stat:  # the ranks' parent: torchrun
+            launcher.append(int(stat.read().rsplit(")", 1)[1].split()[1]))
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in ranks + launcher) and time.monotonic() < deadline:
+            time.sleep(0.1)  # SIGKILLed; only the reaping by init can still be pending
+        left = [pid for pid in ranks + launcher if alive(pid)]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        for pid in [proc.pid, *ranks, *launcher]:  # whatever a failure here left running
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpgid(pid), signal.SIGKILL) if alive(pid) else None
+        proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM, out + err
     assert f"ppbackward check: stopped; the logs so far: {logs}" in err
-    ranks = [int(p.read_text()) for p in pids.glob("rank*.pid")]
-    deadline = time.monotonic() + 30
-    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)  # SIGKILLed; only the reaping by init can still be pending
-    assert not any(alive(pid) for pid in ranks), "ranks left running after SIGTERM"
+    assert left == [], "torchrun or ranks left running after SIGTERM"
 
 
 def test_an_output_path_is_probed_only_where_opening_it_acts_on_nothing_else(tmp_path):
@@ -594,3 +601,7 @@ def test_an_output_path_is_probed_only_where_opening_it_acts_on_nothing_else(tmp
     probe.join(timeout=60)
     assert answers == [None], "the probe waited on the FIFO"
     assert output_file_problem(os.devnull) is None
+    dangling = tmp_path / "link.json"  # to a file that does not exist yet: probed there, the link kept
+    dangling.symlink_to(tmp_path / "target.json")
+    assert output_file_problem(str(dangling)) is None
+    assert dangling.is_symlink() and not (tmp_path / "target.json").exists()

@@ -706,21 +706,60 @@ def test_errors_a_worker_printed_before_its_own_log_are_shown(tmp_path: Path) ->
     assert _errors_before_rank_logs(tmp_path / "missing.log") == ""
 
 
+_TERMINATE_PROBE = """
+import os, signal, sys, threading
+from ppbackward._tools.torchrun import terminate_raises
+
+def code_of(block):
+    try:
+        block()
+    except SystemExit as e:
+        return e.code
+    return None
+
+def term_twice():
+    with terminate_raises():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Event().wait(60)
+        except SystemExit:
+            os.kill(os.getpid(), signal.SIGTERM)  # during the clean-up: ignored, it must not cut it short
+            os.kill(os.getpid(), signal.SIGHUP)
+            raise
+
+def nested():
+    with terminate_raises(), terminate_raises():
+        os.kill(os.getpid(), signal.SIGHUP)
+        threading.Event().wait(60)
+
+print(code_of(term_twice), code_of(nested), signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+      signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)
+mine = lambda signum, frame: print("caller's handler", signum)
+signal.signal(signal.SIGTERM, mine)
+with terminate_raises():
+    os.kill(os.getpid(), signal.SIGTERM)
+print(signal.getsignal(signal.SIGTERM) is mine)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+seen = []
+def off_main():
+    with terminate_raises():
+        seen.append(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+worker = threading.Thread(target=off_main)
+worker.start()
+worker.join()
+print(seen)
+"""
+
+
 def test_sigterm_raises_system_exit_only_while_a_launch_is_supervised() -> None:
     """Note [a terminated launcher stops its launch]: SIGTERM's default action killed the launcher with no
-    clean-up, leaving torchrun and its ranks running (hostile review). Inside ``terminate_raises`` it is
-    ``SystemExit(143)``, which the supervisor's clean-up sees; outside, the handler is the default again."""
-    import os
-    import signal
-    import threading
+    clean-up, leaving torchrun and its ranks running (hostile review). Inside ``terminate_raises`` SIGTERM and
+    SIGHUP raise ``SystemExit(128 + signal)`` once (a second signal during the clean-up is ignored), nested use
+    keeps the outer handler, a caller's own handler is left alone, a thread other than the main one changes
+    nothing, and the default comes back after. In a child process: a regression kills it, not pytest."""
+    import subprocess
+    import sys
 
-    from ppbackward._tools.torchrun import terminate_raises
-
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    arrived = threading.Event()
-    with pytest.raises(SystemExit) as raised, terminate_raises():
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert not arrived.wait(timeout=60), "the handler raises before this wait ends"
-    assert raised.value.code == 128 + signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    proc = subprocess.run([sys.executable, "-c", _TERMINATE_PROBE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["143 129 True True", "caller's handler 15", "True", "[True]"], proc.stdout

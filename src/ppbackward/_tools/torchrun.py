@@ -21,10 +21,12 @@ by torchrun itself, which passes the ``SIGTERM`` on to its workers.
 Note [a terminated launcher stops its launch]: ``SIGTERM``'s default action (and ``SIGHUP``'s) ends this
 process at once, with no exception and no clean-up, so torchrun and its workers, each in a session of its own,
 ran on to their end, reparented to init (``timeout``, a CI job cancelled). While a launch is supervised
-(:func:`terminate_raises`), those two signals raise ``SystemExit(128 + signal)`` instead, where their handler
-is the default one and only in the main thread (Python runs handlers there): the supervisor's clean-up then
-stops every process of the launch as on ``Ctrl-C`` and the process exits with the code the signal gives. The
-handlers found are put back afterwards.
+(:func:`terminate_raises`, from before torchrun starts until it is stopped or has ended), those two signals
+raise ``SystemExit(128 + signal)`` instead, where their handler is the default one and only in the main thread
+(Python runs handlers there): the supervisor's clean-up then stops every process of the launch as on ``Ctrl-C``
+and the process exits with the code the signal gives. The first such signal sets both to be ignored, so that a
+second one (a CI runner's ``SIGTERM`` after its ``SIGINT``) cannot cut that clean-up short; the handlers found
+are put back when the block ends.
 """
 
 from __future__ import annotations
@@ -151,6 +153,9 @@ def _kill_workers(out_dir: Path, module: str) -> None:
 
 
 def _exit_on(signum: int, _frame: Any) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # once: a second signal must not cut the clean-up short
+        if signal.getsignal(sig) is _exit_on:
+            signal.signal(sig, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

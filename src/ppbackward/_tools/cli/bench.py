@@ -186,20 +186,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         parser.error("--one-rank-step: only with --split")
     if args.device.split(":")[0] not in ("cpu", "cuda"):
         parser.error(f"--device {args.device!r}: cpu or cuda (cuda:N)")
-    if args.device != "cpu" and not (args.split or args.compile):
+    if args.device.split(":")[0] != "cpu" and not (args.split or args.compile):
         parser.error(f"--device {args.device}: only with --split or --compile (the other measurements run on the CPU)")
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: no CUDA device available")
-    if args.compile:
-        from torch._dynamo import list_backends
-
-        known = list_backends(exclude_tags=())
-        if args.compile_backend not in known:
-            parser.error(f"--compile-backend {args.compile_backend!r}: not a torch.compile backend of this torch "
-                         f"(e.g. inductor, aot_eager, eager)")
     if args.json:
         problem = output_file_problem(args.json)
         if problem:
@@ -238,7 +226,25 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         profile_config = _models.parse_configs(args.profile_config)[0]
     except ValueError as e:
         parser.error(str(e).replace("--configs", "--profile-config", 1))
+    _check_torch_options(parser, args)  # last: it imports torch (and, with --compile, torch._dynamo)
     return _Request(configs, profile_config, repeats, None if args.quick else args.budget, step_only)
+
+
+def _check_torch_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The options only torch can judge (after the cheap ones: a bad path or configuration answers without
+    importing torch): a CUDA ``--device`` this machine has, a ``--compile-backend`` torch.compile knows."""
+    if args.device.startswith("cuda"):
+        import torch
+
+        index = int(args.device.split(":")[1]) if ":" in args.device else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            parser.error(f"--device {args.device}: no such CUDA device available")
+    if args.compile:
+        from torch._dynamo import list_backends
+
+        if args.compile_backend not in list_backends(exclude_tags=()):
+            parser.error(f"--compile-backend {args.compile_backend!r}: not a torch.compile backend of this torch "
+                         f"(e.g. inductor, aot_eager, eager)")
 
 
 def _git_commit() -> str | None:

@@ -51,7 +51,8 @@ RANKS_PER_CPU = 4  # CPU ranks per core at most: each rank is a process running 
 _EXIT_CODES = """exit codes:
   0  ppbackward passed every cell and the memory check (torch's own failures are reported, not fatal)
   1  ppbackward failed a cell, the memory check, or its launch
-  2  a bad request or a machine that cannot run it (nothing was launched)"""
+  2  a bad request or a machine that cannot run it (nothing was launched)
+  130, 143  interrupted (Ctrl-C) or terminated (SIGTERM) during a launch: its processes stopped first"""
 
 
 class CheckError(Exception):
@@ -282,13 +283,13 @@ def _check_machine(args: argparse.Namespace, most: int) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """``--json PATH`` can be written and ``--logs DIR`` made, before anything runs (nothing is created for
-    ``--json``; ``--logs`` is created, as the run would)."""
+    """``--json``/``--markdown`` can be written (two files) and ``--logs DIR`` made, before anything runs
+    (nothing stays created for the first two; ``--logs`` is created, as the run would)."""
     for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
         problem = path and output_file_problem(path)
         if problem:
             raise CheckError(f"{flag} {path}: {problem}")
-    if args.json and args.markdown and os.path.abspath(args.json) == os.path.abspath(args.markdown):
+    if args.json and args.markdown and os.path.realpath(args.json) == os.path.realpath(args.markdown):
         raise CheckError(f"--markdown {args.markdown}: the same file as --json (one would overwrite the other)")
     if args.logs:
         logs = Path(args.logs)
@@ -675,7 +676,8 @@ def run(args: argparse.Namespace) -> int:
         if args.markdown:
             Path(args.markdown).write_text(_markdown(args, runs, only, tally, verdict, passed, _memory_lines(memory)))
     except OSError as e:  # writable when checked before the launches (_check_outputs); not any more
-        print(f"ppbackward check: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        print(f"ppbackward check: error: writing {e.filename or 'the --json/--markdown file'}: {e.strerror or e}",
+              file=sys.stderr)
         return 1
     return 0 if passed else 1
 

@@ -19,7 +19,7 @@ def output_file_problem(path: str) -> str | None:
     no write permission, or a file the system refuses to open for writing (``/proc``, ``/sys``, a read-only
     mount: tried, and removed again where it did not exist) are the problems found.
     """
-    target = Path(path)
+    target = Path(os.path.realpath(path))  # a symbolic link's target: probed, and removed if made, not the link
     if target.is_dir():
         return "is a directory"
     parent = target.parent if str(target.parent) else Path(".")

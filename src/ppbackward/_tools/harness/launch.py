@@ -60,7 +60,7 @@ def _indent(text: str, prefix: str = "    ") -> str:
 
 _ERROR_LINES = 10
 # argparse's "prog: error: ..." and the last line of a Python traceback ("ModuleNotFoundError: No module ...")
-_ERROR_LINE = re.compile(r": error: |^[A-Za-z_][\w.]*(Error|Exception): ")
+_ERROR_LINE = re.compile(r": error: |^[A-Za-z_][\w.]*(Error|Exception): |: No module named ")
 
 
 def _errors_before_rank_logs(torchrun_log: Path) -> str:
@@ -191,7 +191,7 @@ class LaunchResult:
         if not all(self.log_path(rank).exists() for rank in range(self.world_size)):
             said = _errors_before_rank_logs(self.out_dir / "torchrun.log")
             if said:
-                lines.append("  errors in torchrun's log (what ranks printed before they had logs of their own):")
+                lines.append("  error lines in torchrun's log (where a rank printed before it had a log of its own):")
                 lines.append(_indent(said))
         for rank in range(self.world_size):
             lines.append(f"  rank {rank} log tail ({self.log_path(rank)}):")
@@ -402,10 +402,10 @@ def _supervise(
 ) -> str | None:
     """``wait()`` for the launch; on a hang (its kind returned) or an interruption, every worker's stack
     dumped and every process of the launch killed (Note [killing a hung launch] in ``_tools.torchrun``); a
-    ``SIGTERM`` or ``SIGHUP`` is an interruption (Note [a terminated launcher stops its launch] there)."""
+    ``SIGTERM`` or ``SIGHUP`` is an interruption where the caller holds :func:`terminate_raises` (Note [a
+    terminated launcher stops its launch] there)."""
     try:
-        with terminate_raises():
-            hang = wait()
+        hang = wait()
         if hang is not None:
             dump_stacks(out, module)
             stop(proc, out, module)
@@ -467,8 +467,9 @@ def launch(
         on_case(case_id, per_rank)  # type: ignore[misc]
 
     reporter = _CaseReporter(out, nproc, None if on_case is None else seen, on_wait)
-    proc = start(command, out / "torchrun.log", full_env)
-    hang = _supervise(proc, out, module, lambda: _wait(proc, nproc, timeout, startup, reporter))
+    with terminate_raises():  # Note [a terminated launcher stops its launch]
+        proc = start(command, out / "torchrun.log", full_env)
+        hang = _supervise(proc, out, module, lambda: _wait(proc, nproc, timeout, startup, reporter))
     return LaunchResult(
         command=command, out_dir=out, world_size=nproc, returncode=proc.returncode, timeout=timeout,
         seconds=time.monotonic() - t0, verdicts={r: read_verdict(out / f"rank{r}.json") for r in range(nproc)},
