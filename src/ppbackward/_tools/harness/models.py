@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -915,6 +916,20 @@ class Config(NamedTuple):
     def label(self) -> str:
         return f"L{self.layers} d{self.d_model} s{self.seq}"
 
+    @property
+    def parameter_bytes(self) -> int:
+        """float32 bytes of the stage's parameters, about: ``layers`` x 12 d² (attention 4 d², feed-forward of
+        4 d: 8 d²)."""
+        return self.layers * 12 * self.d_model**2 * 4
+
+
+def _memory_bytes() -> int:
+    """This machine's physical memory in bytes (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return 0
+
 
 def all_configs() -> list[Config]:
     """The issue's grid, small to large (``--configs all``)."""
@@ -926,7 +941,8 @@ def parse_configs(text: str) -> list[Config]:
 
     Raises:
         ValueError: an item is not three positive integers joined by ``x``, or ``d_model`` is not a
-            multiple of ``nhead`` (4); or the list is empty.
+            multiple of ``nhead`` (4), or its parameters alone would not fit in this machine's memory; or the
+            list is empty.
     """
     if text.strip() == "all":
         return all_configs()
@@ -938,6 +954,12 @@ def parse_configs(text: str) -> list[Config]:
         cfg = Config(*map(int, parts))
         if cfg.d_model % cfg.nhead:
             raise ValueError(f"--configs: {item!r}: d_model must be a multiple of {cfg.nhead}")
+        need, have = cfg.parameter_bytes, _memory_bytes()
+        if have and need > have:
+            raise ValueError(
+                f"--configs: {item!r}: its parameters alone take {need / 2**30:.3g} GiB, more than this machine's "
+                f"{have / 2**30:.3g} GiB of memory"
+            )
         out.append(cfg)
     if not out:
         raise ValueError("--configs: no configuration given")
