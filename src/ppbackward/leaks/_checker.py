@@ -294,17 +294,15 @@ class _TensorLeakCheck:
         except OSError as e:  # the chains are the report; the graph files are its pictures
             report.graph_error = f"{folder or 'a temporary folder'}: {e}"
             folder = None
-        report.output_dir = folder
         for i, obj in enumerate(leaked, 1):
             chain, back_to = find_chain(obj, index, self._max_depth)
             report.chains.append(format_chain(chain, back_to))
-            if folder is not None:
+            if folder is not None and report.graph_error is None:  # none after a file that could not be written
                 dot_path = os.path.join(folder, f"leak-{i}.dot")
                 try:
                     png = write_graph(chain, dot_path)
                 except OSError as e:
                     report.graph_error = f"{dot_path}: {e}"
-                    folder = None
                     with contextlib.suppress(OSError):  # a file half written is no graph
                         if os.path.isfile(dot_path):
                             os.remove(dot_path)
@@ -314,11 +312,10 @@ class _TensorLeakCheck:
                         report.png_paths.append(png)
             del chain
         index.clear()
-        if not report.dot_paths and report.output_dir is not None:  # none written: say so, leave no empty folder
-            if self._output_dir is None:
-                with contextlib.suppress(OSError):
-                    os.rmdir(report.output_dir)
-            report.output_dir = None
+        if folder is not None and not report.dot_paths and self._output_dir is None:  # leave no empty folder
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        report.output_dir = folder if report.dot_paths else None
 
 
 def check_tensor_leaks(
