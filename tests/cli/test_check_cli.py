@@ -573,8 +573,9 @@ def test_sigterm_stops_check_and_every_process_of_its_launch(tmp_path):
         left = [pid for pid in ranks + launcher if alive(pid)]
     finally:
         for pid in [proc.pid, *ranks, *launcher]:  # whatever a failure here left running
-            with contextlib.suppress(OSError):
-                os.killpg(os.getpgid(pid), signal.SIGKILL) if alive(pid) else None
+            if alive(pid):
+                with contextlib.suppress(OSError):
+                    os.killpg(os.getpgid(pid), signal.SIGKILL)
         proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM, out + err
     assert f"ppbackward check: stopped; the logs so far: {logs}" in err

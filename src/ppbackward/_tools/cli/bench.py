@@ -184,9 +184,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         parser.error(f"--schedule-d-model {args.schedule_d_model}: must be a positive multiple of 4 (nhead)")
     if args.one_rank_step and not args.split:
         parser.error("--one-rank-step: only with --split")
-    if args.device.split(":")[0] not in ("cpu", "cuda"):
+    kind = args.device.split(":")[0]
+    if kind not in ("cpu", "cuda"):
         parser.error(f"--device {args.device!r}: cpu or cuda (cuda:N)")
-    if args.device.split(":")[0] != "cpu" and not (args.split or args.compile):
+    if kind != "cpu" and not (args.split or args.compile):
         parser.error(f"--device {args.device}: only with --split or --compile (the other measurements run on the CPU)")
     if args.json:
         problem = output_file_problem(args.json)
@@ -430,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
-        except OSError as e:  # writable when checked (Note: output_file_problem); not any more
+        except OSError as e:  # writable when checked (output_file_problem, in _validate); not any more
             print(f"ppbackward bench: error: --json {args.json}: {e.strerror or e}", file=sys.stderr)
             return 1
     return 1 if (problem or failed) else 0
