@@ -147,6 +147,7 @@ def test_bad_configs_are_a_usage_error(bad):
         (["--device", "cuda", "--configs", "1x8x2"], "--device cuda: only with --split or --compile"),
         (["--compile", "--compile-backend", "nope"], "--compile-backend 'nope': not a torch.compile backend"),
         (["--profile-config", "junk"], "--profile-config: 'junk' is not LAYERSxDMODELxSEQ"),
+        (["--split", "--device", "cuda:x"], "--device 'cuda:x': cpu or cuda (cuda:N)"),
         (["--configs", "100000x100000x100000"], "--configs: '100000x100000x100000': its parameters alone take"),
         pytest.param(["--split", "--device", "cuda"], "--device cuda: no such CUDA device available",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")),

@@ -184,8 +184,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Req
         parser.error(f"--schedule-d-model {args.schedule_d_model}: must be a positive multiple of 4 (nhead)")
     if args.one_rank_step and not args.split:
         parser.error("--one-rank-step: only with --split")
-    kind = args.device.split(":")[0]
-    if kind not in ("cpu", "cuda"):
+    kind, _, index = args.device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
         parser.error(f"--device {args.device!r}: cpu or cuda (cuda:N)")
     if kind != "cpu" and not (args.split or args.compile):
         parser.error(f"--device {args.device}: only with --split or --compile (the other measurements run on the CPU)")
@@ -237,7 +237,7 @@ def _check_torch_options(parser: argparse.ArgumentParser, args: argparse.Namespa
     if args.device.startswith("cuda"):
         import torch
 
-        index = int(args.device.split(":")[1]) if ":" in args.device else 0
+        index = int(args.device.partition(":")[2] or 0)  # digits: checked in _validate
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
             parser.error(f"--device {args.device}: no such CUDA device available")
     if args.compile:
