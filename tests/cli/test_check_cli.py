@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -606,3 +607,32 @@ def test_an_output_path_is_probed_only_where_opening_it_acts_on_nothing_else(tmp
     dangling.symlink_to(tmp_path / "target.json")
     assert output_file_problem(str(dangling)) is None
     assert dangling.is_symlink() and not (tmp_path / "target.json").exists()
+
+
+def test_an_output_file_is_written_whole_or_left_as_it_was(tmp_path):
+    """``--json``/``--markdown`` (check and bench) go through ``write_output``: a write that fails part-way
+    leaves the file as it was and no temporary beside it (the reviewer's partial file, stop 52); the mode of a
+    file that existed is kept, a new file gets the umask's, a symbolic link stays a link to the file written,
+    and a device is written in place."""
+    from ppbackward._tools.cli.paths import write_output
+
+    kept = tmp_path / "kept.json"
+    kept.write_text('{"old": 1}')
+    kept.chmod(0o640)
+    with pytest.raises(UnicodeEncodeError):  # after the file was opened: the old code left it empty
+        write_output(str(kept), "x" * 100_000 + "\udc80")
+    assert kept.read_text() == '{"old": 1}' and sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
+    write_output(str(kept), '{"new": 2}')
+    assert kept.read_text() == '{"new": 2}' and stat.S_IMODE(kept.stat().st_mode) == 0o640
+    umask = os.umask(0o027)
+    try:
+        write_output(str(tmp_path / "new.json"), "{}")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o640
+    link = tmp_path / "link.json"
+    link.symlink_to(kept)
+    write_output(str(link), "via the link")
+    assert link.is_symlink() and kept.read_text() == "via the link"
+    write_output(os.devnull, "discarded")
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)

@@ -201,12 +201,10 @@ def format_run(run: CompileRun, rep: Any) -> str:
     return "\n".join(parts)
 
 
-def run(args: Any, meta: dict[str, Any]) -> int:
-    """``ppbackward bench --compile``: :func:`measure`, with ``--schedule`` the real step; print and write
-    JSON (``args.json``: ``CompileRun.to_report``). Returns 0, or 1 when the real step failed, grads differ
-    or a region ran whole in B (:func:`split_problems`)."""
-    import json
-
+def run(args: Any, meta: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """``ppbackward bench --compile``: :func:`measure`, with ``--schedule`` the real step; print. Returns the
+    exit code (0, or 1 when the real step failed, grads differ or a region ran whole in B:
+    :func:`split_problems`) and the JSON report (``CompileRun.to_report``), which ``bench`` writes to ``--json``."""
     from ppbackward._tools.bench import report as _report
     from ppbackward._tools.harness import models as _models
     from ppbackward._tools.harness import schedule_bench as _schedule
@@ -240,7 +238,4 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     report.targets = targets(report)
     report.meta["loadavg_end"] = loadavg()
     print(format_run(report, _report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report.to_report(), f, indent=1)
-    return 1 if failed or split_problems(report) else 0
+    return (1 if failed or split_problems(report) else 0), report.to_report()

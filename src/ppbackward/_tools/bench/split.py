@@ -392,12 +392,10 @@ def _per_node_lines(result: SplitResult) -> list[str]:
     return lines
 
 
-def run(args: Any, meta: dict[str, Any]) -> int:
+def run(args: Any, meta: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """``ppbackward bench --split``: measure, replay, optionally the real torchrun step and the one-rank
-    step (``one_rank``); print and write JSON (``args.json``: ``records.SplitRun.to_report``). Returns 0,
-    or 1 when a schedule run failed or its grads differ."""
-    import json
-
+    step (``one_rank``); print. Returns the exit code (0, or 1 when a schedule run failed or its grads differ)
+    and the JSON report (``records.SplitRun.to_report``), which ``bench`` writes to ``--json``."""
     from ppbackward._tools.bench import report as _report
     from ppbackward._tools.harness import models as _models
 
@@ -436,10 +434,7 @@ def run(args: Any, meta: dict[str, Any]) -> int:
     report.targets = targets(report.split, report.schedule)
     report.meta["loadavg_end"] = loadavg()
     print(format_run(report, _report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report.to_report(), f, indent=1)
-    return 1 if failed else 0
+    return (1 if failed else 0), report.to_report()
 
 
 def _real_step(args: Any, report: SplitRun) -> bool:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any, NamedTuple
 
-from ppbackward._tools.cli.paths import output_dir_problem, output_file_problem
+from ppbackward._tools.cli.paths import output_dir_problem, output_file_problem, write_output
 
 __all__ = ["main"]
 
@@ -401,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         0 when every measurement ran (targets may be missed: that is reported, not an error);
-        1 when an implementation's gradients differ from plain autograd or the schedule run failed.
+        1 when an implementation's gradients differ from plain autograd, the schedule run failed or
+        ``--json`` could not be written.
         A bad option exits with code 2 (``SystemExit``, as argparse does) before anything is measured.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -412,11 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.split:
         from ppbackward._tools.bench import split as _split
 
-        return _split.run(args, _meta(argv))
+        return _written(args, *_split.run(args, _meta(argv)))
     if args.compile:
         from ppbackward._tools.bench import compiled as _compiled_bench
 
-        return _compiled_bench.run(args, _meta(argv))
+        return _written(args, *_compiled_bench.run(args, _meta(argv)))
 
     from ppbackward._tools.bench import report as _report
     from ppbackward._tools.bench.timing import one_torch_thread
@@ -427,11 +428,16 @@ def main(argv: list[str] | None = None) -> int:
     problem = _report.summary_line(report)
     if problem:
         print(problem)
+    return _written(args, 1 if (problem or failed) else 0, report)
+
+
+def _written(args: argparse.Namespace, code: int, report: dict[str, Any]) -> int:
+    """``code``, once ``report`` is written to ``--json`` if given (whole or not at all: ``write_output``);
+    1 with one line on stderr when that write fails."""
     if args.json:
         try:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+            write_output(args.json, json.dumps(report, indent=1))
         except OSError as e:  # writable when checked (output_file_problem, in _validate); not any more
             print(f"ppbackward bench: error: --json {args.json}: {e.strerror or e}", file=sys.stderr)
             return 1
-    return 1 if (problem or failed) else 0
+    return code

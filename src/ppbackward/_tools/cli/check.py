@@ -32,7 +32,7 @@ import torch
 
 from ppbackward._compat import torch_release
 from ppbackward._tools.cli import cells
-from ppbackward._tools.cli.paths import output_file_problem
+from ppbackward._tools.cli.paths import output_file_problem, write_output
 from ppbackward._tools.harness.records import CaseRecord
 
 __all__ = ["main"]
@@ -625,7 +625,7 @@ def _write_json(path: str, args: argparse.Namespace, runs: list[_ScenarioRun], m
         "verdict": verdict,
         "logs": None if logs is None else str(logs),
     }
-    Path(path).write_text(json.dumps(payload, indent=1))
+    write_output(path, json.dumps(payload, indent=1))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -674,7 +674,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             _write_json(args.json, args, runs, memory, passed, verdict, logs if keep else None)
         if args.markdown:
-            Path(args.markdown).write_text(_markdown(args, runs, only, tally, verdict, passed, _memory_lines(memory)))
+            write_output(args.markdown, _markdown(args, runs, only, tally, verdict, passed, _memory_lines(memory)))
     except OSError as e:  # writable when checked before the launches (_check_outputs); not any more
         print(f"ppbackward check: error: writing {e.filename or 'the --json/--markdown file'}: {e.strerror or e}",
               file=sys.stderr)

@@ -6,10 +6,13 @@ Standard library only, so that a bad path is refused before torch's heavier modu
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
+import tempfile
 from pathlib import Path
 
-__all__ = ["output_dir_problem", "output_file_problem"]
+__all__ = ["output_dir_problem", "output_file_problem", "write_output"]
 
 
 def output_file_problem(path: str) -> str | None:
@@ -42,6 +45,48 @@ def output_file_problem(path: str) -> str | None:
     if not existed:
         target.unlink(missing_ok=True)
     return None
+
+
+def write_output(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) as the file ``path`` (a symbolic link's target), whole or not at all.
+
+    A regular file or a new one is written beside its target and renamed over it (the mode of a file that
+    existed is kept; a new one gets the umask's), so a write that fails part-way (a full disk) leaves the
+    file as it was; a FIFO or device (``/dev/stdout``) is written directly, and so is a file whose folder
+    refuses a new entry (its own permission allowed the check, :func:`output_file_problem`).
+
+    Raises:
+        OSError: the write failed; nothing new is left in the folder.
+    """
+    target = os.path.realpath(path)
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        umask = os.umask(0)  # read by setting it: there is no other way
+        os.umask(umask)
+        mode = stat.S_IFREG | (0o666 & ~umask)
+    if not stat.S_ISREG(mode):  # a FIFO or a device: no rename over it
+        _write_in_place(target, text)
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", dir=os.path.dirname(target))
+    except PermissionError:
+        _write_in_place(target, text)
+        return
+    try:
+        with open(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.chmod(tmp, stat.S_IMODE(mode))
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_in_place(target: str, text: str) -> None:
+    with open(target, "w", encoding="utf-8") as out:
+        out.write(text)
 
 
 def output_dir_problem(path: str) -> str | None:
