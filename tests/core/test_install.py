@@ -184,7 +184,7 @@ class RecordingStage(PipelineStage):
         return result
 
 
-def _run(schedule_cls, n_stages=2):
+def _run(schedule_cls, n_stages=2, before_step=lambda: None):
     torch.manual_seed(0)
     mods = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(n_stages)]
     ref = copy.deepcopy(nn.Sequential(*mods))
@@ -199,6 +199,7 @@ def _run(schedule_cls, n_stages=2):
     sched = schedule_cls(stages if n_stages > 1 else stages[0], **kwargs)
     x, target = torch.randn(4, 4), torch.randn(4, 4)
     losses = []
+    before_step()
     sched.step(x, target=target, losses=losses)
     loss_fn(ref(x[:2]), target[:2]).backward()
     loss_fn(ref(x[2:]), target[2:]).backward()
@@ -217,6 +218,17 @@ def test_real_zero_bubble_schedule_calls_ppbackward_after_install(process_group)
     # Every parameter's post-accumulate hook fires once per microbatch (stage 0 runs a full
     # backward at W time, the other stage B then W).
     assert fired == n_params * n_microbatches
+
+
+@same_rank_hand_off
+def test_install_after_the_schedule_is_built_takes_effect_at_its_next_step(process_group):
+    """The stage looks the backward functions up in torch's modules when it runs them, so a schedule built
+    before ``install()`` runs ppbackward's from its next step (docs say: before the schedule runs)."""
+    try:
+        seen, fired = _run(ScheduleInterleavedZeroBubble, before_step=pb.install)
+    finally:
+        pb.uninstall()
+    assert ("input", "ParamGroups") in seen and fired == 4 * 2
 
 
 @same_rank_hand_off
