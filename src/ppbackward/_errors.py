@@ -60,7 +60,7 @@ def nan_output(node: Any, index: int) -> RuntimeError:
     return RuntimeError(f"Function '{node.name()}' returned nan values in its {index}th output.")
 
 
-_NOTHING_RUN = "Nothing was run: that microbatch's W is intact"
+_NOTHING_RUN = "Nothing was run: an earlier B's W is intact"
 
 
 def backpropagated_before(by: str, seen: str, outcome: str = _NOTHING_RUN) -> StageBackwardError:
@@ -68,6 +68,7 @@ def backpropagated_before(by: str, seen: str, outcome: str = _NOTHING_RUN) -> St
     ``ppbackward.backward``): ``by`` names the earlier call, ``seen`` what showed it (naming the node), ``outcome``
     what this B ran and left."""
     return StageBackwardError(
-        f"stage_outputs_or_loss: the graph of these outputs was already backpropagated by an earlier {by} ({seen}); "
-        f"a microbatch's outputs go through backward once. {outcome}"
+        f"stage_outputs_or_loss: the graph of these outputs was already backpropagated by an earlier {by} ({seen}), "
+        "or by a B that failed part-way (an exception from a hook: what it ran is freed, so run that microbatch's "
+        f"forward again); a microbatch's outputs go through backward once. {outcome}"
     )

@@ -322,6 +322,8 @@ def _backward_input(
     except RuntimeError as e:  # Note [a graph freed under a compiled region]
         node = _freed_at(e)
         if node is None:
+            if _LEAF_QUERY in str(e):  # Note [a hook asks about a leaf in B]
+                raise StageBackwardError(_LEAF_QUERY_REFUSED) from e
             raise
         raise backpropagated_before(
             "stage_backward_input or backward",
@@ -405,6 +407,27 @@ _BACKWARD_TWICE = "backward through the graph a second time"  # autograd's ERR_B
 # the methods autograd enters a custom Function's or region's backward through (apply_boxed: regions, torch 2.13+)
 _APPLY = frozenset(getattr(BackwardCFunction, name).__code__ for name in ("apply", "apply_boxed")
                    if hasattr(BackwardCFunction, name))
+
+
+# Note [a hook asks about a leaf in B]: B computes the input gradients as ``torch.autograd.grad`` does (its
+# engine call accumulates nothing), where ``torch._C._will_engine_execute_node`` refuses a leaf's
+# ``AccumulateGrad``. ``register_multi_grad_hook`` in its default mode "all" asks that of every tensor it covers
+# when its first gradient arrives; over a stage input, or a parameter together with an activation, that is in
+# B's engine call, and torch's own B fails there too. The query raises inside a hook, after part of the graph ran
+# (which hook is unknown before: an activation's hooks are not reachable from its node), so B names the cause
+# and how to avoid it instead of passing autograd's words on. Over parameters only, the hook fires in W, which
+# accumulates through each AccumulateGrad (Note [parameters with tensor hooks accumulate in one call] in
+# ppbackward._handoff).
+_LEAF_QUERY = "A leaf node was passed to _will_engine_execute_node"
+_LEAF_QUERY_REFUSED = (
+    "stage_backward_input: a hook fired in B's engine call asked whether a leaf's AccumulateGrad will run "
+    "(torch._C._will_engine_execute_node: what torch.autograd.graph.register_multi_grad_hook does in its default "
+    "mode 'all' over a stage input, or over a parameter and an activation); B computes input gradients as "
+    "torch.autograd.grad does, where torch cannot answer that for a leaf (torch's own B fails the same way). "
+    "Register that hook with mode='any' or over non-leaf tensors only, or give this stage a full backward "
+    "(stage_backward: a schedule without zero bubble). Autograd stopped B part-way: hooks above that point may have "
+    "run; nothing was accumulated, and this microbatch's graph is spent"
+)
 
 
 def _freed_at(error: RuntimeError) -> Any:

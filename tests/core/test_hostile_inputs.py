@@ -483,3 +483,54 @@ def test_deleting_a_param_group_key_is_refused_saying_what_to_do():
     _assert_equal({n: p.grad for n, p in module.named_parameters()}, {n: None for n, _ in module.named_parameters()})
     pb.stage_backward_weight(list(module.parameters()), groups)
     _assert_equal({n: p.grad for n, p in module.named_parameters()}, _full(_stage()))
+
+
+
+
+def _multi_hooked(covered: str) -> tuple[nn.Module, list[torch.Tensor], torch.Tensor, list]:
+    torch.manual_seed(0)
+    first = nn.Linear(8, 8)
+    module = nn.Sequential(first, nn.Tanh(), nn.Linear(8, 8))
+    x1, x2 = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    h = first(x1 * x2)
+    fired: list = []
+    tensors: dict[str, list[torch.Tensor]] = {
+        "stage inputs": [x1, x2], "an input and a parameter": [x1, first.weight],
+        "a parameter and an activation": [first.weight, h],
+    }
+    register_multi_grad_hook(tensors[covered], lambda grads: fired.append([g is not None for g in grads]))
+    return module, [x1, x2], module[2](module[1](h)) + x2, fired
+
+
+@pytest.mark.parametrize("covered", ["stage inputs", "an input and a parameter"])
+def test_a_multi_grad_hook_asking_about_a_leaf_in_b_is_named(covered):
+    """Note [a hook asks about a leaf in B]: ``register_multi_grad_hook`` (mode "all") over a stage input asks in
+    B's engine call whether a leaf will run, which torch refuses there (torch's own B fails with autograd's
+    words); B names the hook and the ways around it, with autograd's error chained, and accumulates nothing.
+    A full backward fires the hook once (hostile review)."""
+    module, inputs, out, fired = _multi_hooked(covered)
+    with pytest.raises(pb.StageBackwardError, match=r"register_multi_grad_hook .*mode='any'") as info:
+        pb.stage_backward_input([out], [torch.ones_like(out)], inputs, list(module.parameters()))
+    assert "A leaf node was passed to _will_engine_execute_node" in str(info.value.__cause__)
+    assert all(p.grad is None for p in module.parameters()) and fired == []
+    module, inputs, out, fired = _multi_hooked(covered)
+    with pytest.raises(RuntimeError, match="Failed to run stage backward input") as raw:
+        upstream.stage_backward_input([out], [torch.ones_like(out)], inputs, module.parameters())
+    assert "A leaf node was passed to _will_engine_execute_node" in str(raw.value.__cause__)
+    module, inputs, out, fired = _multi_hooked(covered)
+    pb.stage_backward([out], [torch.ones_like(out)], inputs)
+    assert fired == [[True, True]]
+
+
+def test_a_multi_grad_hook_over_b_and_w_fires_once_in_each():
+    """The split is two engine calls: a hook grouping gradients by engine call over an activation (its gradient
+    made in B) and a parameter (in W) fires in B with the activation's and in W with the parameter's, where a
+    full backward fires once with both (docs/api.md, the differences)."""
+    module, inputs, out, fired = _multi_hooked("a parameter and an activation")
+    _, groups = pb.stage_backward_input([out], [torch.ones_like(out)], inputs, list(module.parameters()))
+    assert fired == [[False, True]]
+    pb.stage_backward_weight(list(module.parameters()), groups)
+    assert fired == [[False, True], [True, False]]
+    module, inputs, out, fired = _multi_hooked("a parameter and an activation")
+    pb.stage_backward([out], [torch.ones_like(out)], inputs)
+    assert fired == [[True, True]]

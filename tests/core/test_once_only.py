@@ -262,3 +262,28 @@ def test_outputs_are_released_after_b_so_the_next_microbatch_is_not_refused():
     from ppbackward import backward
 
     assert backward._IN_B == {}
+
+
+def test_b_again_after_a_b_that_failed_part_way_says_so():
+    """A hook raising in B ends B part-way, and what B's engine call ran is freed (B keeps no graph); B again on
+    those outputs is refused naming both causes, without the claim that a W of this microbatch exists. torch's
+    B kept the graph (``retain_graph=True``): its retry runs (docs/api.md, the differences; hostile review)."""
+    torch.manual_seed(0)
+    mod = _stage()
+    x = torch.randn(5, 4, requires_grad=True)
+    h = mod[0](x)
+    calls: list[int] = []
+
+    def hook(_g: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("transient")
+
+    h.register_hook(hook)
+    out = mod[2](mod[1](h))
+    with pytest.raises(KeyError, match="transient"):
+        pb.stage_backward_input((out,), (torch.ones_like(out),), [x], mod.parameters())
+    with pytest.raises(pb.StageBackwardError, match=r"or by a B that failed part-way .*run that microbatch's forward "
+                       r"again.*Nothing was run: an earlier B's W is intact"):
+        pb.stage_backward_input((out,), (torch.ones_like(out),), [x], mod.parameters())
+    assert all(p.grad is None for p in mod.parameters()) and len(calls) == 1
