@@ -427,6 +427,13 @@ def test_grads_none_say_so_instead_of_a_zero_difference_marked_fail():
     assert _check_cells.format_cell("max|dg|", values, False) == "5.0e-01 FAIL"  # a measured difference shows
     replicas = _case("fail", [_step(0, 8, 8, replicas_diverged=True)], [Failure("replicas", "ddp-replicas", "r", 0)])
     assert _check_cells.format_cell("max|dg|", _check_cells.cell_values({0: replicas}), False) == "replicas FAIL"
+    # torchtitan's shape (check --scenario titan): the norm's grad None beside rounding-sized differences that
+    # pass said "1.2e-07 FAIL" (newcomer, 2026-12-04); a grad outside the tolerance still shows its number
+    norm = _numerics("norm.weight.grad is None in the pipeline but set in the reference", "fsdp-loss-reshard")
+    titan = _case("fail", [_step(0, 8, 8, grads_none=1, max_abs_grad_err=1.2e-07)], [norm])
+    assert _check_cells.format_cell("max|dg|", _check_cells.cell_values({0: titan}), False) == "grad None FAIL"
+    both = _case("fail", [_step(0, 8, 8, grads_none=1, grads_outside=1, max_abs_grad_err=0.38)], [norm, _numerics("w")])
+    assert _check_cells.format_cell("max|dg|", _check_cells.cell_values({0: both}), False) == "3.8e-01 FAIL"
 
 
 def test_the_progress_line_says_what_the_row_will():

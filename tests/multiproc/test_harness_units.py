@@ -170,8 +170,9 @@ def test_compare_flags_a_perturbed_grad_a_missing_grad_and_a_wrong_loss() -> Non
     assert failures == [] and info.params_compared == 2 and info.max_abs_grad_err == 0.0
     off = dict(exact)
     off["stage0.weight"] = exact["stage0.weight"] + 1e-3
-    _, failures = probes.compare(named, _ref_for(off), None, step=1)
+    info, failures = probes.compare(named, _ref_for(off), None, step=1)
     (failure,) = failures
+    assert info.grads_outside == 1
     assert failure.text.startswith("step 1: numerics: stage0.weight.grad: 9 of 9 elements outside tolerance")
     assert (failure.check, failure.kind) == ("numerics", "grads-wrong")
     within = dict(exact)
@@ -180,7 +181,7 @@ def test_compare_flags_a_perturbed_grad_a_missing_grad_and_a_wrong_loss() -> Non
     missing = dict(exact, **{"stage0.bias": None})
     info, failures = probes.compare(named, _ref_for(missing), None)
     assert failures[0].message == "stage0.bias.grad is set in the pipeline but None in the reference"
-    assert (info.grads_unexpected, info.grads_none, failures[0].kind) == (1, 0, "grads-wrong")
+    assert (info.grads_unexpected, info.grads_none, info.grads_outside, failures[0].kind) == (1, 0, 0, "grads-wrong")
     info, failures = probes.compare(named, _ref_for(exact, [torch.tensor(1.0)]), [1.001])
     assert failures[0].message == "loss of microbatch 0 = 1.001, reference 1.0" and info.losses_wrong == 1
 

@@ -164,11 +164,14 @@ def _findings(records: dict[int, CaseRecord]) -> tuple[RankFinding, ...]:
 
 
 def _grads_why(records: dict[int, CaseRecord]) -> str | None:
-    """Why ``max|dg|`` fails where no difference was measured: ``grad None`` (a grad the reference has is
-    None in the pipeline), ``grad set`` (the reverse), ``loss``, ``losses`` (their count) or ``replicas``,
-    from the numerics records of the ranks with a numerics or replicas failure; ``None`` for none."""
+    """Why ``max|dg|`` fails where its number does not: ``grad None`` (a grad the reference has is None in the
+    pipeline), ``grad set`` (the reverse), ``loss``, ``losses`` (their count) or ``replicas``, from the numerics
+    records of the ranks with a numerics or replicas failure; ``None`` where none, or where a grad compared was
+    outside the tolerance (the number is then the failure shown)."""
     steps = [s.numerics for r in records.values() if any(f.check in ("numerics", "replicas") for f in r.failures)
              for s in r.steps if s.numerics is not None]
+    if any(n.grads_outside for n in steps):
+        return None
     for why, found in (("grad None", any(n.grads_none for n in steps)),
                        ("grad set", any(n.grads_unexpected for n in steps)),
                        ("loss", any(n.losses_wrong for n in steps)),
@@ -329,9 +332,10 @@ def cell_ok(cell: Cell) -> dict[str, bool]:
 
 def format_cell(column: str, cell: Cell, ok: bool) -> str:
     """One cell's text (str): the value and ``ok``/``FAIL`` (``step`` is not judged). A failing ``max|dg|``
-    with nothing measured says why instead of a misleading ``0.0e+00`` (``grads_why``, :func:`_grads_why`)."""
+    whose number is within the tolerance says why instead (``grads_why``, :func:`_grads_why`): ``grad None
+    FAIL``, not a passing ``1.2e-07`` or ``0.0e+00`` marked FAIL."""
     m = _measured(cell)
-    if column == "max|dg|" and not ok and m.max_abs_grad_err == 0 and m.grads_why:
+    if column == "max|dg|" and not ok and m.grads_why:
         return f"{m.grads_why} FAIL"
     if column == "finding":
         return "-" if cell.status == "pass" or not cell.findings else cell.findings[0].finding.kind.label

@@ -440,7 +440,7 @@ def compare(
         KeyError: a grad's name the reference does not have.
     """
     failures: list[Failure] = []
-    counts = {"compared": 0, "none": 0, "unexpected": 0}
+    counts = {"compared": 0, "none": 0, "unexpected": 0, "outside": 0}
     max_abs, worst = 0.0, ""
 
     def fail(message: str, grad_none: bool = False) -> None:
@@ -457,6 +457,7 @@ def compare(
                  f"{'None' if want is None else 'set'} in the reference", grad_none=got is None)
             continue
         if got.shape != want.shape:
+            counts["outside"] += 1
             fail(f"{name}.grad shape {list(got.shape)} != reference {list(want.shape)}")
             continue
         got = got.detach().cpu()
@@ -466,6 +467,7 @@ def compare(
             max_abs, worst = err, name
         bad = int(tolerance.outside(got, want).sum())
         if bad:
+            counts["outside"] += 1
             fail(f"{name}.grad: {bad} of {diff.numel()} elements outside tolerance (max |grad - ref| = {err:.3e})")
     loss_err, losses_wrong, miscounted, messages = _loss_failures(losses, ref, tolerance)
     for message in messages:
@@ -473,7 +475,8 @@ def compare(
     record = NumericsRecord(
         params_compared=counts["compared"], max_abs_grad_err=max_abs, worst_param=worst,
         losses_compared=0 if losses is None else len(losses), max_abs_loss_err=loss_err,
-        grads_none=counts["none"], grads_unexpected=counts["unexpected"], losses_wrong=losses_wrong,
+        grads_none=counts["none"], grads_unexpected=counts["unexpected"], grads_outside=counts["outside"],
+        losses_wrong=losses_wrong,
         losses_miscounted=miscounted,
     )
     return record, failures
