@@ -78,8 +78,8 @@ def _add_schedule_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schedule", action="store_true",
         help="also time the schedule step under torchrun (2 ranks, gloo): Interleaved1F1B, InterleavedZeroBubble "
-        "and ZBVZeroBubble with torch's backward, ppbackward's and merged (install(merge_bw=True)), with peak "
-        "memory per rank (without --split) or where each rank's time goes (with --split)",
+        "and ZBVZeroBubble with torch's backward, ppbackward's and merged (install(merge_bw=True)), with where "
+        "each rank's time goes and, without --split, the peak memory of the rank that used most",
     )
     p.add_argument(
         "--schedule-repeats", type=int, default=8,
