@@ -102,8 +102,10 @@ KINDS: tuple[Kind, ...] = (
     ),
     Kind(
         "fsdp-swap", "FSDP2 reshard: grads lost",
-        "FSDP2 (reshard_after_forward) swaps its sharded and unsharded parameter objects around forward and "
-        "backward: torch's split looks the weights up by object, misses them, and loses their grads",
+        "FSDP2 (reshard_after_forward=True) puts a module's sharded parameters back after each forward: torch's "
+        "B looks the stage's weights up by object, finds none of them in the graph after a forward, builds no "
+        "param group, and W drops that microbatch's weight grads (the last stage's None, the middle stages' "
+        "partial sums)",
     ),
     Kind(
         "fsdp-loss-reshard", "loss reshards FSDP2: norm grad None",
