@@ -60,7 +60,7 @@ def nan_output(node: Any, index: int) -> RuntimeError:
     return RuntimeError(f"Function '{node.name()}' returned nan values in its {index}th output.")
 
 
-_NOTHING_RUN = "Nothing was run: an earlier B's W is intact"
+_NOTHING_RUN = "Nothing was run: if an earlier B returned, its W is intact"
 
 
 def backpropagated_before(by: str, seen: str, outcome: str = _NOTHING_RUN) -> StageBackwardError:

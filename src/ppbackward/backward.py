@@ -233,8 +233,9 @@ def stage_backward_input(
         [param groups read like torch's]) to pass to :func:`stage_backward_weight` exactly once.
 
     Raises:
-        ValueError, TypeError: malformed ``output_grads``, ``weights`` not an iterable of tensors, or a stage
-            input that is also among ``weights``; nothing has been run then (a ``GradientEdge`` output without
+        ValueError, TypeError: malformed ``output_grads``, ``weights`` not an iterable of tensors, a stage
+            input that is also among ``weights``, or one under ``register_multi_grad_hook``'s mode "all" (Note [a
+            hook asks about a leaf in B]); nothing has been run then (a ``GradientEdge`` output without
             output gradients raises one that is also an ``AssertionError``, as torch 2.15's B does).
         StageBackwardError: after B's engine call, when a hook of that call changed in place a gradient B
             had captured for W (Note [captured gradients are checked at W]); the input gradients are
@@ -259,6 +260,8 @@ def stage_backward_input(
     wanted = _grad_inputs(input_values)
     weight_set = WeightSet(frozenset(map(id, weight_list)), len(weight_list), _any_dtensor(weight_list))
     for i, t in wanted:  # B stops at a stage input (its gradient is returned): as a weight, W would give it none
+        if t.grad_fn is None and t._backward_hooks and _asks_about_leaves(t._backward_hooks.values()):
+            raise BadValue(_LEAF_QUERY_REFUSED.format(where=f"input_values[{i}]", after="Nothing was run"))
         if id(t) in weight_set.ids:
             k = next(k for k, w in enumerate(weight_list) if w is t)
             raise BadValue(
@@ -323,7 +326,8 @@ def _backward_input(
         node = _freed_at(e)
         if node is None:
             if _LEAF_QUERY in str(e):  # Note [a hook asks about a leaf in B]
-                raise StageBackwardError(_LEAF_QUERY_REFUSED) from e
+                where = "stage_backward_input"
+                raise StageBackwardError(_LEAF_QUERY_REFUSED.format(where=where, after=_AFTER_QUERY)) from e
             raise
         raise backpropagated_before(
             "stage_backward_input or backward",
@@ -410,24 +414,39 @@ _APPLY = frozenset(getattr(BackwardCFunction, name).__code__ for name in ("apply
 
 
 # Note [a hook asks about a leaf in B]: B computes the input gradients as ``torch.autograd.grad`` does (its
-# engine call accumulates nothing), where ``torch._C._will_engine_execute_node`` refuses a leaf's
-# ``AccumulateGrad``. ``register_multi_grad_hook`` in its default mode "all" asks that of every tensor it covers
-# when its first gradient arrives; over a stage input, or a parameter together with an activation, that is in
-# B's engine call, and torch's own B fails there too. The query raises inside a hook, after part of the graph ran
-# (which hook is unknown before: an activation's hooks are not reachable from its node), so B names the cause
-# and how to avoid it instead of passing autograd's words on. Over parameters only, the hook fires in W, which
-# accumulates through each AccumulateGrad (Note [parameters with tensor hooks accumulate in one call] in
-# ppbackward._handoff).
+# engine call accumulates nothing), where ``torch._C._will_engine_execute_node`` refuses the ``AccumulateGrad``
+# of a leaf whose gradient the call returns: a stage input. ``register_multi_grad_hook`` in its default mode
+# "all" asks that of every tensor it covers when its first gradient arrives, so over a stage input it fails
+# inside B's engine call, part-way (torch's own B fails there too). Its hook sits on the input tensor itself,
+# so B refuses it before running anything, the graph intact; where such a query comes from elsewhere (a hook of
+# the user's own), B names it when autograd raises it. Over parameters and activations only, the hook fires in
+# B and in W (two engine calls), and never asks about a leaf B returns.
 _LEAF_QUERY = "A leaf node was passed to _will_engine_execute_node"
 _LEAF_QUERY_REFUSED = (
-    "stage_backward_input: a hook fired in B's engine call asked whether a leaf's AccumulateGrad will run "
-    "(torch._C._will_engine_execute_node: what torch.autograd.graph.register_multi_grad_hook does in its default "
-    "mode 'all' over a stage input, or over a parameter and an activation); B computes input gradients as "
-    "torch.autograd.grad does, where torch cannot answer that for a leaf (torch's own B fails the same way). "
-    "Register that hook with mode='any' or over non-leaf tensors only, or give this stage a full backward "
-    "(stage_backward: a schedule without zero bubble). Autograd stopped B part-way: hooks above that point may have "
-    "run; nothing was accumulated, and this microbatch's graph is spent"
+    "{where}: a hook asks whether a stage input's AccumulateGrad will run (torch._C._will_engine_execute_node: "
+    "what torch.autograd.graph.register_multi_grad_hook does in its default mode 'all' over a stage input); B "
+    "computes input gradients as torch.autograd.grad does, where torch cannot answer that for a stage input "
+    "(torch's own B fails the same way). Register that hook with mode='any' or leave the stage inputs out of it, "
+    "or give this stage a full backward (stage_backward: a schedule without zero bubble). {after}"
 )
+_AFTER_QUERY = ("Autograd stopped B part-way: hooks above that point may have run; nothing was accumulated, and "
+                "this microbatch's graph is spent")
+
+
+def _nested_code(code: Any, name: str) -> Any:
+    """The code object of the function ``name`` defined in ``code`` (``None`` where there is none)."""
+    return next((c for c in code.co_consts if isinstance(c, type(code)) and c.co_name == name), None)
+
+
+# register_multi_grad_hook's mode-"all" hook (torch 2.5-2.15: ``get_inner_hook``'s ``inner_hook``); None where a
+# torch defines it otherwise, and then only autograd's error names it (Note [a hook asks about a leaf in B])
+_INNER = _nested_code(torch.autograd.graph.register_multi_grad_hook.__code__, "get_inner_hook")
+_MULTI_GRAD_ALL = None if _INNER is None else _nested_code(_INNER, "inner_hook")
+
+
+def _asks_about_leaves(hooks: Iterable[Any]) -> bool:
+    """Whether one of a stage input's tensor hooks is ``register_multi_grad_hook``'s mode-"all" hook."""
+    return _MULTI_GRAD_ALL is not None and any(getattr(h, "__code__", None) is _MULTI_GRAD_ALL for h in hooks)
 
 
 def _freed_at(error: RuntimeError) -> Any:

@@ -520,3 +520,23 @@ def test_schedule_bench_collects_every_rank_s_variants_into_one_result():
     missing.cases[2].bench = None
     with pytest.raises(ValueError, match=r"^InterleavedZeroBubble/upstream: 1 rank\(s\) without the variant's"):
         schedule_bench.collect([verdict(0, 10.0, None), missing], config, repeats=3)
+
+
+def test_a_json_that_cannot_be_written_at_the_end_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
+    """Every bench mode (the default, ``--split``, ``--compile``) hands its report to ``_written``: a write that
+    fails when the run ends is one line naming ``--json``, exit 1 (``--split``/``--compile`` had a traceback)."""
+    import argparse
+
+    from ppbackward._tools.cli import bench as bench_cli
+
+    def full_disk(path: str, text: str) -> None:
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(bench_cli, "write_output", full_disk)
+    path = str(tmp_path / "r.json")
+    assert bench_cli._written(argparse.Namespace(json=path), 0, {"a": 1}) == 1
+    assert capsys.readouterr().err == f"ppbackward bench: error: --json {path}: No space left on device\n"
+    assert bench_cli._written(argparse.Namespace(json=None), 0, {}) == 0
+    monkeypatch.undo()
+    assert bench_cli._written(argparse.Namespace(json=path), 1, {"a": 1}) == 1
+    assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1}

@@ -434,6 +434,8 @@ def test_grads_none_say_so_instead_of_a_zero_difference_marked_fail():
     assert _check_cells.format_cell("max|dg|", _check_cells.cell_values({0: titan}), False) == "grad None FAIL"
     both = _case("fail", [_step(0, 8, 8, grads_none=1, grads_outside=1, max_abs_grad_err=0.38)], [norm, _numerics("w")])
     assert _check_cells.format_cell("max|dg|", _check_cells.cell_values({0: both}), False) == "3.8e-01 FAIL"
+    shape = _case("fail", [_step(0, 8, 8, grads_misshaped=1)], [_numerics("w.grad shape [2] != reference [3]")])
+    assert _check_cells.format_cell("max|dg|", _check_cells.cell_values({0: shape}), False) == "grad shape FAIL"
 
 
 def test_the_progress_line_says_what_the_row_will():
@@ -618,9 +620,9 @@ def test_an_output_path_is_probed_only_where_opening_it_acts_on_nothing_else(tmp
 
 def test_an_output_file_is_written_whole_or_left_as_it_was(tmp_path):
     """``--json``/``--markdown`` (check and bench) go through ``write_output``: a write that fails part-way
-    leaves the file as it was and no temporary beside it (the reviewer's partial file, stop 52); the mode of a
-    file that existed is kept, a new file gets the umask's, a symbolic link stays a link to the file written,
-    and a device is written in place."""
+    leaves an existing file as it was and no temporary beside it, and a new file not at all (a reviewer's
+    partial file); the mode of a file that existed is kept, a new file gets the umask's, a symbolic link stays
+    a link to the file written, a file with another hard link is written in place (the link kept)."""
     from ppbackward._tools.cli.paths import write_output
 
     kept = tmp_path / "kept.json"
@@ -629,6 +631,9 @@ def test_an_output_file_is_written_whole_or_left_as_it_was(tmp_path):
     with pytest.raises(UnicodeEncodeError):  # after the file was opened: the old code left it empty
         write_output(str(kept), "x" * 100_000 + "\udc80")
     assert kept.read_text() == '{"old": 1}' and sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
+    with pytest.raises(UnicodeEncodeError):
+        write_output(str(tmp_path / "new.json"), "\udc80")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
     write_output(str(kept), '{"new": 2}')
     assert kept.read_text() == '{"new": 2}' and stat.S_IMODE(kept.stat().st_mode) == 0o640
     umask = os.umask(0o027)
@@ -641,5 +646,38 @@ def test_an_output_file_is_written_whole_or_left_as_it_was(tmp_path):
     link.symlink_to(kept)
     write_output(str(link), "via the link")
     assert link.is_symlink() and kept.read_text() == "via the link"
-    write_output(os.devnull, "discarded")
-    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+    twin = tmp_path / "twin.json"
+    os.link(kept, twin)
+    write_output(str(kept), "both names")
+    assert twin.read_text() == "both names" and os.path.samefile(kept, twin)
+
+
+def test_an_output_to_standard_output_or_a_fifo_is_written_through_it(tmp_path):
+    """``--json /dev/stdout > run.log`` (a reviewer's): the shell's file was renamed over, losing the tables
+    printed before the JSON and after it; standard output, under any name, now gets the text through
+    ``sys.stdout``, in order. A FIFO is written in place (a reader thread drains it)."""
+    import threading
+
+    script = tmp_path / "write.py"
+    script.write_text(
+        "import sys\nfrom ppbackward._tools.cli.paths import output_file_problem, write_output\n"
+        "print('before', flush=True)\nassert output_file_problem(sys.argv[1]) is None\n"
+        "write_output(sys.argv[1], '{\"json\": 1}\\n')\nprint('after')\n"
+    )
+    log = tmp_path / "run.log"
+    for name in ("/dev/stdout", str(log)):
+        with open(log, "w") as out:
+            subprocess.run([sys.executable, str(script), name], stdout=out, check=True, timeout=120)
+        assert log.read_text() == 'before\n{"json": 1}\nafter\n', name
+    piped = subprocess.run([sys.executable, str(script), "/dev/stdout"], capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and piped.stdout == 'before\n{"json": 1}\nafter\n', piped.stderr
+    from ppbackward._tools.cli.paths import write_output
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    write_output(str(fifo), "through the fifo")
+    reader.join(timeout=60)
+    assert got == ["through the fifo"] and stat.S_ISFIFO(os.stat(fifo).st_mode)

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ppbackward as pb
 import ppbackward._handoff as handoff
-from ppbackward import _node_owner
+from ppbackward import _node_owner, backward
 from ppbackward._saved import HOOKS_VISIBLE
 from tests.core.stages import KeepsInputOnCtx, Matmul
 
@@ -485,8 +485,6 @@ def test_deleting_a_param_group_key_is_refused_saying_what_to_do():
     _assert_equal({n: p.grad for n, p in module.named_parameters()}, _full(_stage()))
 
 
-
-
 def _multi_hooked(covered: str) -> tuple[nn.Module, list[torch.Tensor], torch.Tensor, list]:
     torch.manual_seed(0)
     first = nn.Linear(8, 8)
@@ -503,23 +501,49 @@ def _multi_hooked(covered: str) -> tuple[nn.Module, list[torch.Tensor], torch.Te
 
 
 @pytest.mark.parametrize("covered", ["stage inputs", "an input and a parameter"])
-def test_a_multi_grad_hook_asking_about_a_leaf_in_b_is_named(covered):
-    """Note [a hook asks about a leaf in B]: ``register_multi_grad_hook`` (mode "all") over a stage input asks in
-    B's engine call whether a leaf will run, which torch refuses there (torch's own B fails with autograd's
-    words); B names the hook and the ways around it, with autograd's error chained, and accumulates nothing.
-    A full backward fires the hook once (hostile review)."""
+def test_a_multi_grad_hook_asking_about_a_leaf_in_b_is_refused_before_b_runs(covered):
+    """Note [a hook asks about a leaf in B]: ``register_multi_grad_hook`` (mode "all") over a stage input would
+    ask in B's engine call whether that input's ``AccumulateGrad`` will run, which torch refuses there (torch's
+    own B fails part-way with autograd's words). B refuses it before running anything, naming the input: the
+    graph is intact, so the microbatch still runs its full backward (the hook fires once), and the
+    workaround the message gives (mode "any") runs B and W (hostile review)."""
     module, inputs, out, fired = _multi_hooked(covered)
-    with pytest.raises(pb.StageBackwardError, match=r"register_multi_grad_hook .*mode='any'") as info:
+    with pytest.raises(pb.StageBackwardError, match=r"^input_values\[0\]: .*register_multi_grad_hook .*mode='any'"
+                       r".*Nothing was run$") as info:
         pb.stage_backward_input([out], [torch.ones_like(out)], inputs, list(module.parameters()))
-    assert "A leaf node was passed to _will_engine_execute_node" in str(info.value.__cause__)
-    assert all(p.grad is None for p in module.parameters()) and fired == []
+    assert isinstance(info.value, ValueError) and fired == []
+    pb.stage_backward([out], [torch.ones_like(out)], inputs)  # the same graph, untouched
+    assert fired == [[True, True]]
     module, inputs, out, fired = _multi_hooked(covered)
     with pytest.raises(RuntimeError, match="Failed to run stage backward input") as raw:
         upstream.stage_backward_input([out], [torch.ones_like(out)], inputs, module.parameters())
     assert "A leaf node was passed to _will_engine_execute_node" in str(raw.value.__cause__)
-    module, inputs, out, fired = _multi_hooked(covered)
-    pb.stage_backward([out], [torch.ones_like(out)], inputs)
-    assert fired == [[True, True]]
+    torch.manual_seed(0)
+    first = nn.Linear(8, 8)
+    x = torch.randn(3, 8, requires_grad=True)
+    register_multi_grad_hook([x, first.weight], lambda grad: fired.append("any"), mode="any")
+    out = first(x)
+    _, groups = pb.stage_backward_input([out], [torch.ones_like(out)], [x], list(first.parameters()))
+    pb.stage_backward_weight(list(first.parameters()), groups)
+    assert fired == ["any", "any"]  # once in B (x's gradient), once in W (the weight's): two engine calls
+
+
+def test_a_users_own_leaf_query_in_b_is_named_when_autograd_raises_it():
+    """The backstop of Note [a hook asks about a leaf in B]: a hook of the user's own (on an activation) that asks
+    about a stage input's ``AccumulateGrad`` is not known before B runs; B names it when autograd raises, with
+    autograd's error chained, leaves no claim or capture hook behind, and accumulates nothing."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x = torch.randn(3, 8, requires_grad=True)
+    h = module[0](x)
+    accumulate = torch.autograd.graph.get_gradient_edge(x).node
+    h.register_hook(lambda grad: torch._C._will_engine_execute_node(accumulate) and None)
+    out = module[2](module[1](h))
+    with pytest.raises(pb.StageBackwardError, match=r"^stage_backward_input: a hook asks whether a stage input's "
+                       r"AccumulateGrad .*this microbatch's graph is spent$") as info:
+        pb.stage_backward_input([out], [torch.ones_like(out)], [x], list(module.parameters()))
+    assert "A leaf node was passed to _will_engine_execute_node" in str(info.value.__cause__)
+    assert backward._IN_B == {} and all(p.grad is None for p in module.parameters())
 
 
 def test_a_multi_grad_hook_over_b_and_w_fires_once_in_each():
@@ -534,3 +558,8 @@ def test_a_multi_grad_hook_over_b_and_w_fires_once_in_each():
     module, inputs, out, fired = _multi_hooked("a parameter and an activation")
     pb.stage_backward([out], [torch.ones_like(out)], inputs)
     assert fired == [[True, True]]
+    module, inputs, out, fired = _multi_hooked("a parameter and an activation")  # torch's split: W fails in it
+    _, torch_groups = upstream.stage_backward_input([out], [torch.ones_like(out)], inputs, module.parameters())
+    assert fired == [[False, True]]
+    with pytest.raises(RuntimeError, match="A leaf node was passed to _will_engine_execute_node"):
+        upstream.stage_backward_weight(module.parameters(), torch_groups)

@@ -1,7 +1,7 @@
 """torchtitan itself, trained with torch's stage backward and with ``python -m ppbackward.run``.
 
 Runs in the environment of the pytest that collects it, where torchtitan is installed: ``nox -s torchtitan``
-(torch 2.15.0 + torchtitan 0.3.0, a shared venv of about 5.9 GB built once in a few minutes, then reused;
+(torch 2.15.0 + torchtitan 0.3.0, a shared venv of about 6 GB built once in a few minutes, then reused;
 noxfile.py); skipped elsewhere. Cost: 11 torchrun launches of 2 ranks (gloo, CPU) of torchtitan's
 ``llama3_debugmodel`` (float32, sequence length 64, 4 microbatches of 1, PP degree 2, 2 stages per rank, no
 gradient clipping):
@@ -21,6 +21,7 @@ ppbackward's runs):
   release that fixes or changes them is noticed): with checkpointing, the crash "Trying to backward an
   extra time" under selective activation checkpoint; without it, ``norm.weight.grad`` None (the final
   RMSNorm) and every other grad equal to the reference's;
+* the commands the README and docs/torchtitan.md give, parsed by torchtitan's own config parser (no launch);
 * with torchtitan's ``--compile.enable`` (each block compiled; the ``aot_eager`` backend, Note [torchtitan
   compiled on CPU]) and its default checkpointing: the reference Interleaved1F1B with torch's backward;
   ppbackward's InterleavedZeroBubble and ZBVZeroBubble, 2 steps, every B splitting its stage's compiled
@@ -362,6 +363,11 @@ def test_the_documented_commands_parse_in_torchtitans_config():
             ConfigManager().parse_args(args)
         except SystemExit as e:
             pytest.fail(f"{where}: torchtitan refuses {' '.join(args)} (exit {e.code}); see its output above")
+    without = [a for a in commands[0][1] if a != "--training.disable_cuda_graphs"]  # the negative control
+    assert len(without) < len(commands[0][1])
+    with pytest.raises(SystemExit) as refused:
+        ConfigManager().parse_args(without)
+    assert refused.value.code == 2
 
 
 if __name__ == "__main__":

@@ -58,12 +58,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "the schedule step only)",
     )
     p.add_argument(
-        "--repeats", type=int, default=None, help="max timed repeats per config (default 100; 20 with --quick)"
+        "--repeats", type=int, default=None,
+        help="max timed repeats per config (default 100, 20 with --quick; --split and --compile: 60, 3 with --quick)"
     )
     p.add_argument(
         "--budget", type=float, default=20.0,
         help="seconds of timed repeats per config (the microbatch loop gets half as much again): N is lowered "
-        "(not below 3) to fit (default 20)",
+        "(not below 3) to fit (default 20; not with --quick)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
     p.add_argument(

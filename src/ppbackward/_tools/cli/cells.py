@@ -165,7 +165,8 @@ def _findings(records: dict[int, CaseRecord]) -> tuple[RankFinding, ...]:
 
 def _grads_why(records: dict[int, CaseRecord]) -> str | None:
     """Why ``max|dg|`` fails where its number does not: ``grad None`` (a grad the reference has is None in the
-    pipeline), ``grad set`` (the reverse), ``loss``, ``losses`` (their count) or ``replicas``, from the numerics
+    pipeline), ``grad set`` (the reverse), ``grad shape`` (another shape than the reference's), ``loss``,
+    ``losses`` (their count) or ``replicas``, from the numerics
     records of the ranks with a numerics or replicas failure; ``None`` where none, or where a grad compared was
     outside the tolerance (the number is then the failure shown)."""
     steps = [s.numerics for r in records.values() if any(f.check in ("numerics", "replicas") for f in r.failures)
@@ -174,6 +175,7 @@ def _grads_why(records: dict[int, CaseRecord]) -> str | None:
         return None
     for why, found in (("grad None", any(n.grads_none for n in steps)),
                        ("grad set", any(n.grads_unexpected for n in steps)),
+                       ("grad shape", any(n.grads_misshaped for n in steps)),
                        ("loss", any(n.losses_wrong for n in steps)),
                        ("losses", any(n.losses_miscounted for n in steps)),
                        ("replicas", any(n.replicas_diverged for n in steps))):
@@ -196,7 +198,7 @@ class Measures:
         worst (dict[str, tuple[int, int]]): the (rank, step) each judged column comes from.
         wrap (str): the case's wrapper.
         actions (dict[str, dict[str, int]]): the compute actions of one step, summed over ranks.
-        grads_why (str | None): why ``max|dg|`` fails with nothing measured (:func:`_grads_why`).
+        grads_why (str | None): why ``max|dg|`` fails where its number passes (:func:`_grads_why`).
         regions (RegionsRecord | None): the compiled regions B split, over the ranks and steps
             (``RegionsRecord.summed``); ``None`` where they were not counted.
     """

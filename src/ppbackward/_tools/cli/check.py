@@ -600,8 +600,9 @@ def _verdict(tally: _Tally, memory: dict[str, Any], passed: bool, memory_ok: boo
     return f"ppbackward {outcome}; {upstream}"
 
 
-def _write_json(path: str, args: argparse.Namespace, runs: list[_ScenarioRun], memory: dict[str, Any],
-                passed: bool, verdict: str, logs: Path | None) -> None:
+def _json_text(args: argparse.Namespace, runs: list[_ScenarioRun], memory: dict[str, Any], passed: bool, verdict: str,
+               logs: Path | None) -> str:
+    """``--json``'s text (docs/cli.md lists its keys): the run's settings, every cell, memory and verdict."""
     payload = {
         "torch": torch.__version__,
         "backend": args.backend,
@@ -625,7 +626,7 @@ def _write_json(path: str, args: argparse.Namespace, runs: list[_ScenarioRun], m
         "verdict": verdict,
         "logs": None if logs is None else str(logs),
     }
-    write_output(path, json.dumps(payload, indent=1))
+    return json.dumps(payload, indent=1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -670,15 +671,18 @@ def run(args: argparse.Namespace) -> int:
     if not keep:
         shutil.rmtree(logs, ignore_errors=True)  # a passing run leaves nothing behind; --logs keeps them
     print(verdict)
-    try:
-        if args.json:
-            _write_json(args.json, args, runs, memory, passed, verdict, logs if keep else None)
-        if args.markdown:
-            write_output(args.markdown, _markdown(args, runs, only, tally, verdict, passed, _memory_lines(memory)))
-    except OSError as e:  # writable when checked before the launches (_check_outputs); not any more
-        print(f"ppbackward check: error: writing {e.filename or 'the --json/--markdown file'}: {e.strerror or e}",
-              file=sys.stderr)
-        return 1
+    texts = {
+        "--json": args.json and _json_text(args, runs, memory, passed, verdict, logs if keep else None),
+        "--markdown": args.markdown and _markdown(args, runs, only, tally, verdict, passed, _memory_lines(memory)),
+    }
+    for option, path in (("--json", args.json), ("--markdown", args.markdown)):
+        if not path:
+            continue
+        try:
+            write_output(path, texts[option])
+        except OSError as e:  # writable when checked before the launches (_check_outputs); not any more
+            print(f"ppbackward check: error: {option} {path}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0 if passed else 1
 
 

@@ -1,5 +1,5 @@
-"""Private: output paths of the commands, checked before anything runs (``check --json``, ``bench --json``,
-``bench --trace``, ``bench --plot``, ``check --markdown``).
+"""Private: output paths of the commands: checked before anything runs, and written when the run ends
+(``check --json``, ``bench --json``, ``bench --trace``, ``bench --plot``, ``check --markdown``).
 
 Standard library only, so that a bad path is refused before torch's heavier modules are imported.
 """
@@ -9,10 +9,27 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 import tempfile
 from pathlib import Path
+from typing import TextIO
 
 __all__ = ["output_dir_problem", "output_file_problem", "write_output"]
+
+
+def _standard_stream(path: str) -> TextIO | None:
+    """``sys.stdout`` or ``sys.stderr`` where ``path`` is that stream's file: ``/dev/stdout``, or the file or
+    pipe the shell redirected it to, under any name (written through the stream, in order with the rest of
+    the output, never reopened: a reopened redirected file would be truncated or renamed over)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        with contextlib.suppress(OSError, ValueError):
+            if os.path.samestat(st, os.fstat(fd)):
+                return stream
+    return None
 
 
 def output_file_problem(path: str) -> str | None:
@@ -22,6 +39,8 @@ def output_file_problem(path: str) -> str | None:
     no write permission, or a file the system refuses to open for writing (``/proc``, ``/sys``, a read-only
     mount: tried, and removed again where it did not exist) are the problems found.
     """
+    if _standard_stream(path) is not None:  # written through the stream (write_output)
+        return None
     target = Path(os.path.realpath(path))  # a symbolic link's target: probed, and removed if made, not the link
     if target.is_dir():
         return "is a directory"
@@ -50,22 +69,29 @@ def output_file_problem(path: str) -> str | None:
 def write_output(path: str, text: str) -> None:
     """Write ``text`` (UTF-8) as the file ``path`` (a symbolic link's target), whole or not at all.
 
-    A regular file or a new one is written beside its target and renamed over it (the mode of a file that
-    existed is kept; a new one gets the umask's), so a write that fails part-way (a full disk) leaves the
-    file as it was; a FIFO or device (``/dev/stdout``) is written directly, and so is a file whose folder
-    refuses a new entry (its own permission allowed the check, :func:`output_file_problem`).
+    Where the file exists, the text is written beside it and renamed over it (its mode kept), so a write that
+    fails part-way (a full disk) leaves it as it was; a new file is removed again if its write fails.
+    Written in place instead, where a rename would change what the name stands for or cannot be made: a
+    FIFO or device, a file with other hard links or another owner, a folder that refuses a new entry or the
+    rename (another user's sticky folder). Standard output or error (``/dev/stdout``, or the file they are
+    redirected to) gets the text through ``sys.stdout``/``sys.stderr`` (:func:`_standard_stream`).
 
     Raises:
-        OSError: the write failed; nothing new is left in the folder.
+        OSError: the write failed (``filename`` is ``path``'s target, never a temporary name).
+        UnicodeEncodeError: ``text`` holds a lone surrogate; nothing was written.
     """
+    stream = _standard_stream(path)
+    if stream is not None:
+        stream.write(text)
+        stream.flush()
+        return
     target = os.path.realpath(path)
     try:
-        mode = os.stat(target).st_mode
+        st = os.stat(target)
     except FileNotFoundError:
-        umask = os.umask(0)  # read by setting it: there is no other way
-        os.umask(umask)
-        mode = stat.S_IFREG | (0o666 & ~umask)
-    if not stat.S_ISREG(mode):  # a FIFO or a device: no rename over it
+        _write_new(target, text)
+        return
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or st.st_uid != os.geteuid():
         _write_in_place(target, text)
         return
     try:
@@ -76,15 +102,36 @@ def write_output(path: str, text: str) -> None:
     try:
         with open(fd, "w", encoding="utf-8") as out:
             out.write(text)
-        os.chmod(tmp, stat.S_IMODE(mode))
+        os.chmod(tmp, stat.S_IMODE(st.st_mode))
         os.replace(tmp, target)
+    except PermissionError:  # the rename, in a sticky folder: the file as it was, written in place
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        _write_in_place(target, text)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OSError(e.errno, e.strerror, target) from e
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
 
 
+def _write_new(target: str, text: str) -> None:
+    """``target`` created (its mode from the umask, as any new file) and written; removed if the write fails."""
+    out = open(target, "x", encoding="utf-8")  # noqa: SIM115  (closed below, removed on failure)
+    try:
+        with out:
+            out.write(text)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(target)
+        raise
+
+
 def _write_in_place(target: str, text: str) -> None:
+    """``target`` truncated and written (where a rename over it is not possible or would change it)."""
     with open(target, "w", encoding="utf-8") as out:
         out.write(text)
 

@@ -440,7 +440,7 @@ def compare(
         KeyError: a grad's name the reference does not have.
     """
     failures: list[Failure] = []
-    counts = {"compared": 0, "none": 0, "unexpected": 0, "outside": 0}
+    counts = {"compared": 0, "none": 0, "unexpected": 0, "outside": 0, "misshaped": 0}
     max_abs, worst = 0.0, ""
 
     def fail(message: str, grad_none: bool = False) -> None:
@@ -457,7 +457,7 @@ def compare(
                  f"{'None' if want is None else 'set'} in the reference", grad_none=got is None)
             continue
         if got.shape != want.shape:
-            counts["outside"] += 1
+            counts["misshaped"] += 1
             fail(f"{name}.grad shape {list(got.shape)} != reference {list(want.shape)}")
             continue
         got = got.detach().cpu()
@@ -476,6 +476,7 @@ def compare(
         params_compared=counts["compared"], max_abs_grad_err=max_abs, worst_param=worst,
         losses_compared=0 if losses is None else len(losses), max_abs_loss_err=loss_err,
         grads_none=counts["none"], grads_unexpected=counts["unexpected"], grads_outside=counts["outside"],
+        grads_misshaped=counts["misshaped"],
         losses_wrong=losses_wrong,
         losses_miscounted=miscounted,
     )

@@ -276,7 +276,8 @@ class NumericsRecord:
         max_abs_loss_err: max |loss - reference loss|.
         grads_none: grads ``None`` in the pipeline that the reference has.
         grads_unexpected: grads set in the pipeline where the reference has ``None``.
-        grads_outside: grads with an element outside the tolerance, or of another shape than the reference's.
+        grads_outside: grads with an element outside the tolerance.
+        grads_misshaped: grads of another shape than the reference's (no difference measured).
         losses_wrong: losses outside the tolerance.
         losses_miscounted: whether the pipeline returned another number of losses than the reference.
         max_replica_diff: with DDP, max |grad difference| between the dp replicas; ``None`` otherwise.
@@ -291,6 +292,7 @@ class NumericsRecord:
     grads_none: int = 0
     grads_unexpected: int = 0
     grads_outside: int = 0
+    grads_misshaped: int = 0
     losses_wrong: int = 0
     losses_miscounted: bool = False
     max_replica_diff: float | None = None
