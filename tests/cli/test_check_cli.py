@@ -681,3 +681,27 @@ def test_an_output_to_standard_output_or_a_fifo_is_written_through_it(tmp_path):
     write_output(str(fifo), "through the fifo")
     reader.join(timeout=60)
     assert got == ["through the fifo"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_an_output_file_is_written_in_place_where_its_folder_refuses_the_rename(tmp_path, monkeypatch):
+    """A folder that refuses a new entry (no write permission) or the rename (another user's file in a sticky
+    folder such as /tmp: EPERM) gets the file written in place, as before, and no temporary left (a reviewer's;
+    both refusals stood in for by the calls raising, since the suite runs as root)."""
+    import tempfile as tempfile_module
+
+    from ppbackward._tools.cli import paths
+
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+
+    def refused(*_args, **_kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tempfile_module, "mkstemp", refused)
+        paths.write_output(str(kept), "no new entry")
+    assert kept.read_text() == "no new entry"
+    with monkeypatch.context() as patched:
+        patched.setattr(paths.os, "replace", refused)
+        paths.write_output(str(kept), "no rename")
+    assert kept.read_text() == "no rename" and sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
