@@ -259,9 +259,10 @@ def stage_backward_input(
     weight_list = _weights_list(weights)
     wanted = _grad_inputs(input_values)
     weight_set = WeightSet(frozenset(map(id, weight_list)), len(weight_list), _any_dtensor(weight_list))
+    asking: list[tuple[int, torch.Tensor]] = []  # Note [a hook asks about a leaf in B]
     for i, t in wanted:  # B stops at a stage input (its gradient is returned): as a weight, W would give it none
         if t.grad_fn is None and t._backward_hooks and _asks_about_leaves(t._backward_hooks.values()):
-            raise BadValue(_LEAF_QUERY_REFUSED.format(where=f"input_values[{i}]", after="Nothing was run"))
+            asking.append((i, t))
         if id(t) in weight_set.ids:
             k = next(k for k, w in enumerate(weight_list) if w is t)
             raise BadValue(
@@ -272,17 +273,22 @@ def stage_backward_input(
         return tuple(None for _ in input_values), ParamGroups([], weight_set)
     # Note [B claims its outputs]; Note [no collection inside B and W] in ppbackward._gc_pause
     with _outputs_claimed(flat.tensors), automatic_gc_paused():
-        return _backward_input(flat, output_grads is not None, input_values, wanted, weight_set)
+        return _backward_input(flat, output_grads is not None, input_values, wanted, weight_set, asking)
 
 
 def _backward_input(
-    flat: FlatOutputs, grads_given: bool, input_values: list[Any], wanted: list, weight_set: WeightSet
+    flat: FlatOutputs, grads_given: bool, input_values: list[Any], wanted: list, weight_set: WeightSet,
+    asking: list[tuple[int, torch.Tensor]],
 ) -> tuple[tuple[torch.Tensor | None, ...], ParamGroups]:
-    """B's work once its arguments are checked and its outputs claimed (see :func:`stage_backward_input`)."""
+    """B's work once its arguments are checked and its outputs claimed (see :func:`stage_backward_input`);
+    ``asking``: the stage inputs under ``register_multi_grad_hook``'s mode "all", by index."""
     grad_inputs = _unique(t for _, t in wanted)
     input_nodes = {gradient_edge(t).node for t in grad_inputs}
     root_edges = [gradient_edge(t) for t in flat.tensors]
     analysis = analyze_planned(root_edges, input_nodes)  # Note [one plan per graph structure]
+    for i, t in asking:  # Note [a hook asks about a leaf in B]: refused where the engine call would reach it
+        if gradient_edge(t).node in analysis.structure.number:
+            raise BadValue(_LEAF_QUERY_REFUSED.format(where=f"input_values[{i}]", after="Nothing was run"))
     specs, b_only, w_only = analysis.groups, analysis.b_only, analysis.w_only
     inter = [i.node for spec in specs for i in spec.intermediates]
     _refuse_reentrant_checkpoint(b_only, inter, w_only)
@@ -417,9 +423,11 @@ _APPLY = frozenset(getattr(BackwardCFunction, name).__code__ for name in ("apply
 # engine call accumulates nothing), where ``torch._C._will_engine_execute_node`` refuses the ``AccumulateGrad``
 # of a leaf whose gradient the call returns: a stage input. ``register_multi_grad_hook`` in its default mode
 # "all" asks that of every tensor it covers when its first gradient arrives, so over a stage input it fails
-# inside B's engine call, part-way (torch's own B fails there too). Its hook sits on the input tensor itself,
-# so B refuses it before running anything, the graph intact; where such a query comes from elsewhere (a hook of
-# the user's own), B names it when autograd raises it. Over parameters and activations only, the hook fires in
+# inside B's engine call, part-way (torch's own B fails there too), where the call reaches that input (an input
+# the differentiated outputs do not depend on is not asked about). Its hook sits on the input tensor itself, so
+# B refuses it after the analysis (which says whether the input is reached) and before running anything, the
+# graph intact; where such a query comes from elsewhere (a hook of the user's own), B names it when autograd
+# raises it. Over parameters and activations only, the hook fires in
 # B and in W (two engine calls), and never asks about a leaf B returns.
 _LEAF_QUERY = "A leaf node was passed to _will_engine_execute_node"
 _LEAF_QUERY_REFUSED = (

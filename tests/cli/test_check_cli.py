@@ -705,3 +705,28 @@ def test_an_output_file_is_written_in_place_where_its_folder_refuses_the_rename(
         patched.setattr(paths.os, "replace", refused)
         paths.write_output(str(kept), "no rename")
     assert kept.read_text() == "no rename" and sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
+
+
+def test_an_output_naming_a_descriptor_is_written_to_it(tmp_path):
+    """``--json /dev/fd/N`` (a shell's ``>(jq .)`` or ``3>>log``): written to that descriptor, not to the name
+    ``realpath`` makes of it (a pipe's does not exist; a file's would be renamed over); a descriptor that is
+    closed or open only for reading is refused up front (a reviewer's)."""
+    from ppbackward._tools.cli.paths import output_file_problem, write_output
+
+    read_end, write_end = os.pipe()
+    log = tmp_path / "log"
+    log.write_text("earlier\n")
+    appending = os.open(log, os.O_WRONLY | os.O_APPEND)
+    reading = os.open(log, os.O_RDONLY)
+    try:
+        assert output_file_problem(f"/dev/fd/{write_end}") is None
+        write_output(f"/dev/fd/{write_end}", "to the pipe")
+        assert os.read(read_end, 100) == b"to the pipe"
+        assert output_file_problem(f"/proc/self/fd/{appending}") is None
+        write_output(f"/proc/self/fd/{appending}", "appended\n")
+        assert log.read_text() == "earlier\nappended\n" and sorted(p.name for p in tmp_path.iterdir()) == ["log"]
+        assert output_file_problem(f"/dev/fd/{reading}") == "names a descriptor not open for writing"
+    finally:
+        for fd in (read_end, write_end, appending, reading):
+            os.close(fd)
+    assert output_file_problem(f"/dev/fd/{reading}") == f"names descriptor {reading}, which is not open"

@@ -528,6 +528,26 @@ def test_a_multi_grad_hook_asking_about_a_leaf_in_b_is_refused_before_b_runs(cov
     assert fired == ["any", "any"]  # once in B (x's gradient), once in W (the weight's): two engine calls
 
 
+def test_a_multi_grad_hook_on_a_stage_input_b_does_not_reach_runs():
+    """The refusal of Note [a hook asks about a leaf in B] is only where B's engine call reaches the input: an
+    input the differentiated outputs do not depend on, hooked alone or with an activation, runs as in torch's
+    B (the hook told that input gets no gradient), and its gradient is ``None`` (a reviewer's)."""
+    for with_activation in (False, True):
+        results = []
+        for b in (pb.stage_backward_input, upstream.stage_backward_input):
+            torch.manual_seed(0)
+            first = nn.Linear(8, 8)
+            x, unused = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+            h = first(x)
+            fired: list = []
+            register_multi_grad_hook([unused, h] if with_activation else [unused],
+                                     lambda grads, fired=fired: fired.append([g is not None for g in grads]))
+            out = torch.tanh(h)
+            grads, _ = b([out], [torch.ones_like(out)], [x, unused], list(first.parameters()))
+            results.append((grads[1], fired))
+        assert results[0] == results[1] == (None, [[False, True]] if with_activation else [])
+
+
 def test_a_users_own_leaf_query_in_b_is_named_when_autograd_raises_it():
     """The backstop of Note [a hook asks about a leaf in B]: a hook of the user's own (on an activation) that asks
     about a stage input's ``AccumulateGrad`` is not known before B runs; B names it when autograd raises, with

@@ -7,28 +7,41 @@ Standard library only, so that a bad path is refused before torch's heavier modu
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import re
 import stat
 import sys
 import tempfile
 from pathlib import Path
-from typing import TextIO
 
 __all__ = ["output_dir_problem", "output_file_problem", "write_output"]
 
 
-def _standard_stream(path: str) -> TextIO | None:
-    """``sys.stdout`` or ``sys.stderr`` where ``path`` is that stream's file: ``/dev/stdout``, or the file or
-    pipe the shell redirected it to, under any name (written through the stream, in order with the rest of
-    the output, never reopened: a reopened redirected file would be truncated or renamed over)."""
+_FD_PATH = re.compile(r"/(?:dev|proc/self)/fd/(\d+)")
+_STD_PATHS = {"/dev/stdout": 1, "/dev/stderr": 2}
+
+
+def _descriptor(path: str) -> int | None:
+    """The open descriptor of this process that ``path`` stands for, or ``None``: ``/dev/stdout``,
+    ``/dev/stderr``, ``/dev/fd/N``, ``/proc/self/fd/N`` (a shell's ``>(...)`` or ``3>>log``), or the file or
+    pipe that descriptor 1 or 2 is, under any name (``--json run.log > run.log``). Such a path is written to
+    the descriptor, after Python's buffered output, never reopened: a reopened redirected file would be
+    truncated or renamed over, and a pipe's name does not resolve."""
+    fd = _STD_PATHS.get(path)
+    if fd is not None:
+        return fd
+    found = _FD_PATH.fullmatch(path)
+    if found:
+        return int(found.group(1))
     try:
         st = os.stat(path)
     except OSError:
         return None
-    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
-        with contextlib.suppress(OSError, ValueError):
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
             if os.path.samestat(st, os.fstat(fd)):
-                return stream
+                return fd
     return None
 
 
@@ -39,8 +52,19 @@ def output_file_problem(path: str) -> str | None:
     no write permission, or a file the system refuses to open for writing (``/proc``, ``/sys``, a read-only
     mount: tried, and removed again where it did not exist) are the problems found.
     """
-    if _standard_stream(path) is not None:  # written through the stream (write_output)
-        return None
+    fd = _descriptor(path)
+    if fd is not None:  # written to the descriptor (write_output)
+        try:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        except OSError:
+            return f"names descriptor {fd}, which is not open"
+        return "names a descriptor not open for writing" if flags & os.O_ACCMODE == os.O_RDONLY else None
+    with contextlib.suppress(OSError):
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            return "is a directory"
+        if not stat.S_ISREG(mode):  # a device or a FIFO: opening it may wait or act
+            return None
     target = Path(os.path.realpath(path))  # a symbolic link's target: probed, and removed if made, not the link
     if target.is_dir():
         return "is a directory"
@@ -53,8 +77,6 @@ def output_file_problem(path: str) -> str | None:
         return "exists and is not writable"
     if not target.exists() and not os.access(parent, os.W_OK | os.X_OK):
         return f"its folder {parent} is not writable"
-    if target.exists() and not target.is_file():  # a device or a FIFO (/dev/stdout): opening it may wait or act
-        return None
     existed = target.exists()
     try:
         with open(target, "a", encoding="utf-8"):  # appends nothing, truncates nothing
@@ -72,31 +94,43 @@ def write_output(path: str, text: str) -> None:
     Where the file exists, the text is written beside it and renamed over it (its mode kept), so a write that
     fails part-way (a full disk) leaves it as it was; a new file is removed again if its write fails.
     Written in place instead, where a rename would change what the name stands for or cannot be made: a
-    FIFO or device, a file with other hard links or another owner, a folder that refuses a new entry or the
-    rename (another user's sticky folder). Standard output or error (``/dev/stdout``, or the file they are
-    redirected to) gets the text through ``sys.stdout``/``sys.stderr`` (:func:`_standard_stream`).
+    FIFO or device, a file with other hard links, another owner or another group than a new file gets, a
+    folder that refuses a new entry or the rename (another user's sticky folder). A path naming one of this
+    process's descriptors (standard output, ``/dev/fd/N``: :func:`_descriptor`) gets the text on that
+    descriptor, after ``sys.stdout`` and ``sys.stderr`` are flushed.
 
     Raises:
         OSError: the write failed (``filename`` is ``path``'s target, never a temporary name).
         UnicodeEncodeError: ``text`` holds a lone surrogate; nothing was written.
     """
-    stream = _standard_stream(path)
-    if stream is not None:
-        stream.write(text)
-        stream.flush()
+    fd = _descriptor(path)
+    if fd is not None:
+        data = memoryview(text.encode("utf-8"))
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a replaced or closed stream: nothing of ours to flush
+                stream.flush()
+        while data:
+            data = data[os.write(fd, data):]
+        return
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        _write_new(os.path.realpath(path), text)
         return
     target = os.path.realpath(path)
-    try:
-        st = os.stat(target)
-    except FileNotFoundError:
-        _write_new(target, text)
-        return
     if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or st.st_uid != os.geteuid():
         _write_in_place(target, text)
         return
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", dir=os.path.dirname(target))
     except PermissionError:
+        _write_in_place(target, text)
+        return
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, target) from e
+    if os.fstat(fd).st_gid != st.st_gid:  # a rename would change the file's group: written in place
+        os.close(fd)
+        os.unlink(tmp)
         _write_in_place(target, text)
         return
     try:
