@@ -515,9 +515,9 @@ def test_a_multi_grad_hook_asking_about_a_leaf_in_b_is_refused_before_b_runs(cov
     pb.stage_backward([out], [torch.ones_like(out)], inputs)  # the same graph, untouched
     assert fired == [[True, True]]
     module, inputs, out, fired = _multi_hooked(covered)
-    with pytest.raises(RuntimeError, match="Failed to run stage backward input") as raw:
+    with pytest.raises(RuntimeError) as raw:  # wrapped in "Failed to run stage backward input" from torch 2.6
         upstream.stage_backward_input([out], [torch.ones_like(out)], inputs, module.parameters())
-    assert "A leaf node was passed to _will_engine_execute_node" in str(raw.value.__cause__)
+    assert "A leaf node was passed to _will_engine_execute_node" in str(raw.value.__cause__ or raw.value)
     torch.manual_seed(0)
     first = nn.Linear(8, 8)
     x = torch.randn(3, 8, requires_grad=True)
@@ -543,9 +543,14 @@ def test_a_multi_grad_hook_on_a_stage_input_b_does_not_reach_runs():
             register_multi_grad_hook([unused, h] if with_activation else [unused],
                                      lambda grads, fired=fired: fired.append([g is not None for g in grads]))
             out = torch.tanh(h)
-            grads, _ = b([out], [torch.ones_like(out)], [x, unused], list(first.parameters()))
+            try:
+                grads, _ = b([out], [torch.ones_like(out)], [x, unused], list(first.parameters()))
+            except RuntimeError as e:  # torch 2.5's own B refuses an unused input
+                assert b is upstream.stage_backward_input and "not have been used" in str(e.__cause__ or e)
+                continue
             results.append((grads[1], fired))
-        assert results[0] == results[1] == (None, [[False, True]] if with_activation else [])
+        assert results[0] == (None, [[False, True]] if with_activation else [])
+        assert results[1:] in ([], results[:1])
 
 
 def test_a_users_own_leaf_query_in_b_is_named_when_autograd_raises_it():

@@ -283,6 +283,15 @@ def test_b_again_after_a_b_that_failed_part_way_says_so():
     out = mod[2](mod[1](h))
     with pytest.raises(KeyError, match="transient"):
         pb.stage_backward_input((out,), (torch.ones_like(out),), [x], mod.parameters())
+    if not HOOKS_VISIBLE:  # torch < 2.13: B keeps the graph where W calls nodes again, so the retry runs, as torch's
+        _, groups = pb.stage_backward_input((out,), (torch.ones_like(out),), [x], mod.parameters())
+        pb.stage_backward_weight(mod.parameters(), groups)
+        ref = copy.deepcopy(mod)
+        for p in ref.parameters():
+            p.grad = None
+        ref(x.detach()).backward(torch.ones_like(out))
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(mod.parameters(), ref.parameters()))
+        return
     with pytest.raises(pb.StageBackwardError, match=r"or by a B that failed part-way .*run that microbatch's forward "
                        r"again.*Nothing was run: if an earlier B returned, its W is intact"):
         pb.stage_backward_input((out,), (torch.ones_like(out),), [x], mod.parameters())
