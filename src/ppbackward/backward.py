@@ -234,8 +234,8 @@ def stage_backward_input(
 
     Raises:
         ValueError, TypeError: malformed ``output_grads``, ``weights`` not an iterable of tensors, a stage
-            input that is also among ``weights``, or one under ``register_multi_grad_hook``'s mode "all" (Note [a
-            hook asks about a leaf in B]); nothing has been run then (a ``GradientEdge`` output without
+            input that is also among ``weights``, or one B reaches under ``register_multi_grad_hook``'s mode "all"
+            (Note [a hook asks about a leaf in B]); nothing has been run then (a ``GradientEdge`` output without
             output gradients raises one that is also an ``AssertionError``, as torch 2.15's B does).
         StageBackwardError: after B's engine call, when a hook of that call changed in place a gradient B
             had captured for W (Note [captured gradients are checked at W]); the input gradients are
@@ -427,8 +427,8 @@ _APPLY = frozenset(getattr(BackwardCFunction, name).__code__ for name in ("apply
 # the differentiated outputs do not depend on is not asked about). Its hook sits on the input tensor itself, so
 # B refuses it after the analysis (which says whether the input is reached) and before running anything, the
 # graph intact; where such a query comes from elsewhere (a hook of the user's own), B names it when autograd
-# raises it. Over parameters and activations only, the hook fires in
-# B and in W (two engine calls), and never asks about a leaf B returns.
+# raises it. Over parameters and activations only, the hook fires in B and in W (two engine calls), and never
+# asks about a leaf B returns.
 _LEAF_QUERY = "A leaf node was passed to _will_engine_execute_node"
 _LEAF_QUERY_REFUSED = (
     "{where}: a hook asks whether a stage input's AccumulateGrad will run (torch._C._will_engine_execute_node: "
