@@ -528,11 +528,12 @@ def test_a_json_that_cannot_be_written_at_the_end_is_one_line_and_exit_1(monkeyp
     import argparse
 
     from ppbackward._tools.cli import bench as bench_cli
+    from ppbackward._tools.cli import paths
 
     def full_disk(path: str, text: str) -> None:
         raise OSError(28, "No space left on device", path)
 
-    monkeypatch.setattr(bench_cli, "write_output", full_disk)
+    monkeypatch.setattr(paths, "write_output", full_disk)
     path = str(tmp_path / "r.json")
     assert bench_cli._written(argparse.Namespace(json=path), 0, {"a": 1}) == 1
     assert capsys.readouterr().err == f"ppbackward bench: error: --json {path}: No space left on device\n"

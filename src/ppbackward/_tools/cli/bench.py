@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any, NamedTuple
 
-from ppbackward._tools.cli.paths import output_dir_problem, output_file_problem, write_output
+from ppbackward._tools.cli.paths import output_dir_problem, output_file_problem, written
 
 __all__ = ["main"]
 
@@ -433,12 +433,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _written(args: argparse.Namespace, code: int, report: dict[str, Any]) -> int:
-    """``code``, once ``report`` is written to ``--json`` if given (whole or not at all: ``write_output``);
-    1 with one line on stderr when that write fails."""
-    if args.json:
-        try:
-            write_output(args.json, json.dumps(report, indent=1))
-        except OSError as e:  # writable when checked (output_file_problem, in _validate); not any more
-            print(f"ppbackward bench: error: --json {args.json}: {e.strerror or e}", file=sys.stderr)
-            return 1
+    """``code``, once ``report`` is written to ``--json`` if given (``paths.written``); 1 where that fails."""
+    if args.json and not written("bench", "--json", args.json, json.dumps(report, indent=1)):
+        return 1
     return code

@@ -32,7 +32,7 @@ import torch
 
 from ppbackward._compat import torch_release
 from ppbackward._tools.cli import cells
-from ppbackward._tools.cli.paths import output_file_problem, write_output
+from ppbackward._tools.cli.paths import output_file_problem, written
 from ppbackward._tools.harness.records import CaseRecord
 
 __all__ = ["main"]
@@ -671,17 +671,14 @@ def run(args: argparse.Namespace) -> int:
     if not keep:
         shutil.rmtree(logs, ignore_errors=True)  # a passing run leaves nothing behind; --logs keeps them
     print(verdict)
-    texts = {
-        "--json": args.json and _json_text(args, runs, memory, passed, verdict, logs if keep else None),
-        "--markdown": args.markdown and _markdown(args, runs, only, tally, verdict, passed, _memory_lines(memory)),
-    }
-    for option, path in (("--json", args.json), ("--markdown", args.markdown)):
-        if not path:
-            continue
-        try:
-            write_output(path, texts[option])
-        except OSError as e:  # writable when checked before the launches (_check_outputs); not any more
-            print(f"ppbackward check: error: {option} {path}: {e.strerror or e}", file=sys.stderr)
+    outputs = []
+    if args.json:
+        outputs.append(("--json", args.json, _json_text(args, runs, memory, passed, verdict, logs if keep else None)))
+    if args.markdown:
+        outputs.append(("--markdown", args.markdown,
+                        _markdown(args, runs, only, tally, verdict, passed, _memory_lines(memory))))
+    for option, path, text in outputs:  # writable when checked before the launches (_check_outputs)
+        if not written("check", option, path, text):
             return 1
     return 0 if passed else 1
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["output_dir_problem", "output_file_problem", "write_output"]
+__all__ = ["output_dir_problem", "output_file_problem", "write_output", "written"]
 
 
 _FD_PATH = re.compile(r"/(?:dev|proc/self)/fd/(\d+)")
@@ -150,6 +150,18 @@ def write_output(path: str, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def written(command: str, option: str, path: str, text: str) -> bool:
+    """:func:`write_output` as the commands do it when their run ends: ``False``, with one line on stderr
+    (``ppbackward COMMAND: error: OPTION PATH: why``), where the write fails; the path was writable when
+    checked before the run (:func:`output_file_problem`)."""
+    try:
+        write_output(path, text)
+    except OSError as e:
+        print(f"ppbackward {command}: error: {option} {path}: {e.strerror or e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _write_new(target: str, text: str) -> None:
