@@ -166,9 +166,9 @@ def _findings(records: dict[int, CaseRecord]) -> tuple[RankFinding, ...]:
 def _grads_why(records: dict[int, CaseRecord]) -> str | None:
     """Why ``max|dg|`` fails where its number does not: ``grad None`` (a grad the reference has is None in the
     pipeline), ``grad set`` (the reverse), ``grad shape`` (another shape than the reference's), ``loss``,
-    ``losses`` (their count) or ``replicas``, from the numerics
-    records of the ranks with a numerics or replicas failure; ``None`` where none, or where a grad compared was
-    outside the tolerance (the number is then the failure shown)."""
+    ``losses`` (their count) or ``replicas``, from the numerics records of the ranks with a numerics or replicas
+    failure; ``None`` where none, or where a grad compared was outside the tolerance (the number is then the
+    failure shown)."""
     steps = [s.numerics for r in records.values() if any(f.check in ("numerics", "replicas") for f in r.failures)
              for s in r.steps if s.numerics is not None]
     if any(n.grads_outside for n in steps):

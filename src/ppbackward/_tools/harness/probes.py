@@ -476,9 +476,7 @@ def compare(
         params_compared=counts["compared"], max_abs_grad_err=max_abs, worst_param=worst,
         losses_compared=0 if losses is None else len(losses), max_abs_loss_err=loss_err,
         grads_none=counts["none"], grads_unexpected=counts["unexpected"], grads_outside=counts["outside"],
-        grads_misshaped=counts["misshaped"],
-        losses_wrong=losses_wrong,
-        losses_miscounted=miscounted,
+        grads_misshaped=counts["misshaped"], losses_wrong=losses_wrong, losses_miscounted=miscounted,
     )
     return record, failures
 
