@@ -707,6 +707,23 @@ def test_an_output_file_is_written_in_place_where_its_folder_refuses_the_rename(
     assert kept.read_text() == "no rename" and sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
 
 
+def test_an_output_file_with_extended_attributes_is_written_in_place(tmp_path):
+    """A file carrying extended attributes (an ACL is ``system.posix_acl_access``, a label ``security.*``) is
+    written in place: a file renamed over it would not carry them (left over from the last review)."""
+    from ppbackward._tools.cli.paths import write_output
+
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    try:
+        os.setxattr(kept, "user.ppbackward", b"kept")
+    except (OSError, AttributeError) as e:
+        pytest.skip(f"no user extended attributes here: {e}")
+    inode = kept.stat().st_ino
+    write_output(str(kept), "new")
+    assert kept.read_text() == "new" and kept.stat().st_ino == inode
+    assert os.getxattr(kept, "user.ppbackward") == b"kept"
+
+
 def test_an_output_naming_a_descriptor_is_written_to_it(tmp_path):
     """``--json /dev/fd/N`` (a shell's ``>(jq .)`` or ``3>>log``): written to that descriptor, not to the name
     ``realpath`` makes of it (a pipe's does not exist; a file's would be renamed over); a descriptor that is

@@ -94,8 +94,9 @@ def write_output(path: str, text: str) -> None:
     Where the file exists, the text is written beside it and renamed over it (its mode kept), so a write that
     fails part-way (a full disk) leaves it as it was; a new file is removed again if its write fails.
     Written in place instead, where a rename would change what the name stands for or cannot be made: a
-    FIFO or device, a file with other hard links, another owner or another group than a new file gets, a
-    folder that refuses a new entry or the rename (another user's sticky folder). A path naming one of this
+    FIFO or device, a file with other hard links, another owner or another group than a new file gets,
+    extended attributes (an ACL, a security label: a new file would not carry them), a folder that refuses a
+    new entry or the rename (another user's sticky folder). A path naming one of this
     process's descriptors (standard output, ``/dev/fd/N``: :func:`_descriptor`) gets the text on that
     descriptor, after ``sys.stdout`` and ``sys.stderr`` are flushed.
 
@@ -118,7 +119,7 @@ def write_output(path: str, text: str) -> None:
         _write_new(os.path.realpath(path), text)
         return
     target = os.path.realpath(path)
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or st.st_uid != os.geteuid():
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or st.st_uid != os.geteuid() or _has_xattrs(target):
         _write_in_place(target, text)
         return
     try:
@@ -150,6 +151,15 @@ def write_output(path: str, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _has_xattrs(target: str) -> bool:
+    """Whether ``target`` carries extended attributes (POSIX ACLs are ``system.posix_acl_*`` ones), which a
+    file renamed over it would lose; a system without them (``listxattr`` unsupported) has none."""
+    try:
+        return bool(os.listxattr(target))
+    except (OSError, AttributeError):  # ENOTSUP and the like; no os.listxattr off Linux
+        return False
 
 
 def written(command: str, option: str, path: str, text: str) -> bool:
