@@ -367,10 +367,10 @@ def _checked_grads(
                     raise BadType(f"{path}[{j}]: gradient must be a torch.Tensor or None, got {type(g).__name__}")
                 check_like(g, metas[j], f"{path}[{j}]", f"{node.name()} input")
         label = node.name()
-        if all(g is None for g in entry):  # W would call the node on nothing: torch's W refuses it too
+        if all(g is None for g in entry):  # W would call the node on nothing (torch 2.13's W drops the node)
             raise BadValue(
-                f"{path}: no gradient for {label} (every entry None); write None instead of a tuple to keep "
-                "what stage_backward_input captured for it"
+                f"{path}: no gradient for {label} (every entry None); to drop its weight gradients write zeros "
+                "for them, to keep what stage_backward_input captured for it write None instead of a tuple"
             )
         captured = captured_of.get(node)
         if captured is not None and len(entry) == len(captured) and all(a is b for a, b in zip(entry, captured)):

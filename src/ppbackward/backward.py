@@ -162,9 +162,12 @@ def stage_backward(
         return tuple(None for _ in input_values)
 
     # Leaf inputs: the engine accumulates into ``.grad``; park the caller's value and restore it.
-    # Non-leaf inputs: a capture hook. See Note [no closure cycle].
+    # Non-leaf inputs: a capture hook, and the ``.grad`` of one that retains it (torch's stage calls
+    # ``retain_grad()`` on a received activation that is not a leaf) put back too: Note [inputs' grad left
+    # as it was]. See Note [no closure cycle].
     parked: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     boxes: dict[int, list] = {}
+    kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     handles = []
     try:
         for t in _unique(t for _, t in wanted):
@@ -172,6 +175,8 @@ def stage_backward(
                 parked[id(t)] = (t, t.grad)
                 t.grad = None
             else:
+                if t.retains_grad:
+                    kept.append((t, t.grad))
                 box: list = []
                 boxes[id(t)] = box
                 handles.append(t.register_hook(_capture_hook(box)))
@@ -185,6 +190,8 @@ def stage_backward(
         for handle in handles:
             handle.remove()
         for t, previous in parked.values():
+            t.grad = previous
+        for t, previous in kept:
             t.grad = previous
     result: list[torch.Tensor | None] = [None] * len(input_values)
     for i, t in wanted:
@@ -260,9 +267,13 @@ def stage_backward_input(
     wanted = _grad_inputs(input_values)
     weight_set = WeightSet(frozenset(map(id, weight_list)), len(weight_list), _any_dtensor(weight_list))
     asking: list[tuple[int, torch.Tensor]] = []  # Note [a hook asks about a leaf in B]
+    kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # Note [inputs' grad left as it was]
     for i, t in wanted:  # B stops at a stage input (its gradient is returned): as a weight, W would give it none
-        if t.grad_fn is None and t._backward_hooks and _asks_about_leaves(t._backward_hooks.values()):
-            asking.append((i, t))
+        if t.grad_fn is None:
+            if t._backward_hooks and _asks_about_leaves(t._backward_hooks.values()):
+                asking.append((i, t))
+        elif t.retains_grad:
+            kept.append((t, t.grad))
         if id(t) in weight_set.ids:
             k = next(k for k, w in enumerate(weight_list) if w is t)
             raise BadValue(
@@ -273,7 +284,22 @@ def stage_backward_input(
         return tuple(None for _ in input_values), ParamGroups([], weight_set)
     # Note [B claims its outputs]; Note [no collection inside B and W] in ppbackward._gc_pause
     with _outputs_claimed(flat.tensors), automatic_gc_paused():
-        return _backward_input(flat, output_grads is not None, input_values, wanted, weight_set, asking)
+        if not kept:
+            return _backward_input(flat, output_grads is not None, input_values, wanted, weight_set, asking)
+        try:
+            return _backward_input(flat, output_grads is not None, input_values, wanted, weight_set, asking)
+        finally:
+            for t, previous in kept:
+                t.grad = previous
+
+
+# Note [inputs' grad left as it was]: B and the full backward return the stage inputs' gradients and leave
+# their ``.grad`` as the caller had it. A leaf input's is parked before the full backward's engine call (which
+# accumulates into it) and put back; B's engine call does not write it. A non-leaf input that retains its
+# gradient (``retain_grad()``: torch's stage calls it on a received activation that is not a leaf) gets it
+# written by autograd's retain hook in either call, so its ``.grad`` is put back afterwards too: otherwise
+# each microbatch's input gradient stayed referenced from its activation (torch's full backward sets it to
+# ``None``, torch's B adds to it).
 
 
 def _backward_input(

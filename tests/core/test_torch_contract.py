@@ -231,6 +231,37 @@ def test_difference_full_backward_restores_the_inputs_previous_grad():
         assert y.grad is None  # torch clears it (pytorch/pytorch#164329), the previous value with it
 
 
+def test_difference_an_input_that_retains_its_grad_keeps_the_grad_it_had():
+    """A non-leaf stage input that retains its gradient (torch's stage calls ``retain_grad()`` on a received
+    activation that is not a leaf): its ``.grad`` is put back after B and after a full backward, as a leaf's
+    is (Note [inputs' grad left as it was]); before, autograd's retain hook left each microbatch's input
+    gradient on it. torch's full backward sets it to ``None``, torch's B adds the gradient to it twice."""
+    for backward in ("full", "b"):
+        mod = _stage()
+        base = torch.randn(6, 4, requires_grad=True)
+        x = base[:3]  # a microbatch's view: not a leaf
+        x.retain_grad()
+        before = torch.full((3, 4), 5.0) if backward == "full" else None
+        x.grad = before
+        if backward == "full":
+            (dx,) = pb.stage_backward(mod(x), torch.ones(3, 4), [x])
+        else:
+            (dx,), groups = pb.stage_backward_input((mod(x),), (torch.ones(3, 4),), [x], mod.parameters())
+            pb.stage_backward_weight(mod.parameters(), groups)
+        assert x.grad is before and dx is not None, backward
+        want = torch.autograd.grad(_stage()(base[:3]), base, torch.ones(3, 4))[0][:3]
+        assert torch.equal(dx, want), backward
+    if TORCH_2_13:
+        y = torch.randn(6, 4, requires_grad=True)[:3]
+        y.retain_grad()
+        upstream.stage_backward(_stage()(y), torch.ones(3, 4), [y])
+        assert y.grad is None
+        z = torch.randn(6, 4, requires_grad=True)[:3]
+        z.retain_grad()
+        (dz,), _ = upstream.stage_backward_input((_stage()(z),), (torch.ones(3, 4),), [z], _stage().parameters())
+        assert torch.equal(z.grad, 2 * dz)  # autograd's retain hook wrote it, then torch's B added it again
+
+
 def test_difference_w_returns_the_grads_after_accumulation():
     mod = _stage()
     x = torch.randn(3, 4, requires_grad=True)
@@ -451,3 +482,175 @@ def test_a_written_tuple_recomputes_the_nodes_bias_too_and_none_keeps_bs():
     (w0, b0, w1, b1), (r0, rb0, _, _) = list(mod.parameters()), list(reference.parameters())
     assert torch.equal(w0.grad, r0.grad) and torch.equal(b0.grad, rb0.grad)  # kept: what B had
     assert not w1.grad.any() and not b1.grad.any()  # written zeros: weight and bias both recomputed
+
+
+# -- direct calls: differences a pipeline never meets (docs/api.md, "Direct calls") -------------------------
+
+
+def test_difference_the_full_backward_returns_this_calls_gradient_only():
+    """A leaf input that had a ``.grad``: torch returns ``.grad`` after its engine call, so the old value is
+    added in (an unused input returns the old value); ppbackward returns this call's gradient (``None`` for
+    the unused one)."""
+    mod = _stage()
+    x, unused = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    x.grad, unused.grad = torch.ones(3, 4), torch.ones(3, 4)
+    dx, du = pb.stage_backward(mod(x), torch.ones(3, 4), [x, unused])
+    want = torch.autograd.grad(_stage()(x), x, torch.ones(3, 4))[0]
+    assert torch.equal(dx, want) and du is None
+    if TORCH_2_13:
+        y, unused = x.detach().clone().requires_grad_(), torch.randn(3, 4, requires_grad=True)
+        y.grad, unused.grad = torch.ones(3, 4), torch.ones(3, 4)
+        dy, du = upstream.stage_backward(_stage()(y), torch.ones(3, 4), [y, unused])
+        assert torch.equal(dy, want + 1) and torch.equal(du, torch.ones(3, 4))
+
+
+def test_difference_the_same_input_twice_gets_its_gradient_at_both_places():
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    want = torch.autograd.grad(_stage()(x), x, torch.ones(3, 4))[0]
+    d1, d2 = pb.stage_backward(mod(x), torch.ones(3, 4), [x, x])
+    assert torch.equal(d1, want) and torch.equal(d2, want)
+    (d1, d2), _ = pb.stage_backward_input((mod(x),), (torch.ones(3, 4),), [x, x], mod.parameters())
+    assert torch.equal(d1, want) and torch.equal(d2, want) and x.grad is None
+    if TORCH_2_13:
+        y = x.detach().clone().requires_grad_()
+        d1, d2 = upstream.stage_backward(_stage()(y), torch.ones(3, 4), [y, y])
+        assert torch.equal(d1, want) and d2 is None  # it cleared .grad after the first
+        (d1, d2), _ = upstream.stage_backward_input((_stage()(y),), (torch.ones(3, 4),), [y, y], mod.parameters())
+        assert d1 is d2 and d1 is y.grad and torch.equal(d1, 2 * want)  # added into the tensor it returns
+
+
+def test_difference_a_non_leaf_input_gets_its_gradient_returned(recwarn):
+    """A stage input that is not a leaf and does not retain its gradient: torch's full backward reads its
+    ``.grad`` (``None``, with autograd's warning about non-leaf ``.grad``); ppbackward returns the gradient.
+    (torch's stage calls ``retain_grad()`` on such a received activation.)"""
+    base = torch.randn(6, 4, requires_grad=True)
+    (dx,) = pb.stage_backward(_stage()(base[:3]), torch.ones(3, 4), [base[:3]])
+    assert dx is None  # a different view object than the forward's: not on the graph
+    x = base[:3]
+    (dx,) = pb.stage_backward(_stage()(x), torch.ones(3, 4), [x])
+    assert torch.equal(dx, torch.autograd.grad(_stage()(base[:3]), base, torch.ones(3, 4))[0][:3])
+    assert not [w for w in recwarn if "not a leaf" in str(w.message)]
+    if TORCH_2_13:
+        x = base[:3]
+        with pytest.warns(UserWarning, match="not a leaf"):
+            assert upstream.stage_backward(_stage()(x), torch.ones(3, 4), [x]) == (None,)
+
+
+def test_difference_b_without_output_grads_needs_one_element_outputs():
+    """``output_grads=None`` means a loss: ppbackward's B refuses an output of more than one element, as its
+    full backward and ``torch.autograd.backward`` do; torch's B backpropagates ``ones_like`` (a sum)."""
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(pb.StageBackwardError, match=r"output_grads is None but the output has shape \(3, 4\)"):
+        pb.stage_backward_input((mod(x),), None, [x], mod.parameters())
+    assert all(p.grad is None for p in mod.parameters())
+    if TORCH_2_13:
+        (dx,), _ = upstream.stage_backward_input((mod(x),), None, [x], mod.parameters())
+        assert torch.equal(dx, torch.autograd.grad(mod(x).sum(), x)[0])
+
+
+def test_difference_more_output_gradients_than_outputs_are_refused():
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(pb.StageBackwardError, match="gradient has 2"):
+        pb.stage_backward_input((mod(x),), (torch.ones(3, 4), torch.ones(3, 4)), [x], mod.parameters())
+    if TORCH_2_13:  # torch pairs them by position and ignores the rest
+        (dx,), _ = upstream.stage_backward_input((mod(x),), (torch.ones(3, 4), torch.ones(3, 4)), [x], mod.parameters())
+        assert dx is not None
+
+
+def test_difference_w_after_a_b_with_no_input_needing_grad_accumulates_every_weight():
+    """No stage input requires grad (a frozen prefix, a first stage called through B): torch's B finds no
+    input path, builds no param group, and its W gives no weight a gradient; ppbackward's W accumulates
+    them all, as a full backward. (torch's schedules run a full backward on stage 0.)"""
+    mod, ref = _stage(), _stage()
+    x = torch.randn(3, 4)
+    grads, groups = pb.stage_backward_input((mod(x),), (torch.ones(3, 4),), [x], mod.parameters())
+    pb.stage_backward_weight(mod.parameters(), groups)
+    ref(x).backward(torch.ones(3, 4))
+    assert grads == (None,)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(mod.parameters(), ref.parameters()))
+    if TORCH_2_13:
+        theirs = _stage()
+        _, groups = upstream.stage_backward_input((theirs(x),), (torch.ones(3, 4),), [x], theirs.parameters())
+        upstream.stage_backward_weight(theirs.parameters(), groups)
+        assert groups == [] and all(p.grad is None for p in theirs.parameters())
+
+
+def test_difference_a_loss_in_a_tuple_without_output_grads_is_backpropagated():
+    """``stage_backward((loss,), None, ...)``: torch's full backward skips a tuple whose gradient is ``None``
+    and computes nothing, silently (its stage passes the loss itself); ppbackward takes ``None`` as the
+    loss's implicit gradient, as for a bare loss."""
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    (dx,) = pb.stage_backward((mod(x).sum(),), None, [x])
+    assert dx is not None and all(p.grad is not None for p in mod.parameters())
+    if TORCH_2_13:
+        theirs = _stage()
+        assert upstream.stage_backward((theirs(x).sum(),), None, [x]) == (None,)
+        assert all(p.grad is None for p in theirs.parameters())
+
+
+def test_difference_param_groups_order_and_params_and_the_list_itself():
+    """torch's groups follow ``weights`` (the first group holds the first weight) and ``group["params"]`` is
+    a ``set``; ppbackward's groups follow the graph from the outputs and ``params`` is a tuple; torch's list
+    can be changed (``pop``, ``del``), ppbackward's cannot: write zeros into a group's ``grads`` to drop it."""
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    _, groups = _b(pb, x, mod)
+    first = {p.variable for p in groups[0]["params"]}
+    assert any(q is mod[2].weight for q in first) and isinstance(groups[0]["params"], tuple)
+    with pytest.raises(AttributeError):
+        groups.pop()
+    with pytest.raises(TypeError):
+        del groups[0]
+    if TORCH_2_13:
+        _, theirs = _b(upstream, x.detach().clone().requires_grad_(), mod)
+        assert any(p.variable is mod[0].weight for p in theirs[0]["params"])
+        assert isinstance(theirs[0]["params"], set) and isinstance(theirs, list)
+
+
+def test_difference_w_twice_raises_a_stage_backward_error():
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    _, groups = _b(pb, x, mod)
+    pb.stage_backward_weight(mod.parameters(), groups)
+    with pytest.raises(pb.StageBackwardError):
+        pb.stage_backward_weight(mod.parameters(), groups)
+    if TORCH_2_13:
+        _, groups = _b(upstream, x.detach().clone().requires_grad_(), mod)
+        upstream.stage_backward_weight(mod.parameters(), groups)
+        with pytest.raises(KeyError, match="grads"):
+            upstream.stage_backward_weight(mod.parameters(), groups)
+
+
+def test_difference_weights_given_as_one_tensor_are_refused():
+    """``weights=param`` (one tensor, not an iterable of them): torch iterates the tensor's rows, finds no
+    weight and builds no group; ppbackward names it."""
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(TypeError, match="weights"):
+        pb.stage_backward_input((mod(x),), (torch.ones(3, 4),), [x], mod[0].weight)
+    if TORCH_2_13:
+        _, groups = upstream.stage_backward_input((mod(x),), (torch.ones(3, 4),), [x], mod[0].weight)
+        assert groups == []
+
+
+def test_difference_b_takes_nested_outputs():
+    """B on outputs nested as the full backward takes them (a dict in a tuple): torch 2.13's B takes a flat
+    list of tensors and fails on the dict."""
+    mod = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    out = mod(x)
+    nested, grads = ({"h": out, "n": 3},), ({"h": torch.ones(3, 4), "n": None},)
+    (dx,), groups = pb.stage_backward_input(nested, grads, [x], mod.parameters())
+    pb.stage_backward_weight(mod.parameters(), groups)
+    ref = _stage()
+    y = x.detach().requires_grad_()
+    ref(y).backward(torch.ones(3, 4))
+    assert torch.equal(dx, y.grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(mod.parameters(), ref.parameters()))
+    if TORCH_2_13 and not EDGE_ROOTS:
+        with pytest.raises(AttributeError):
+            upstream.stage_backward_input(({"h": mod(x)},), ({"h": torch.ones(3, 4)},), [x], mod.parameters())
