@@ -14,6 +14,7 @@ report when a tensor or an autograd node leaked. A test that already failed keep
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Generator
 from typing import Any
@@ -55,12 +56,25 @@ def _checker_for(item: pytest.Item) -> Any:
         )
     from ppbackward.leaks import check_tensor_leaks
 
+    if "output_dir" not in kwargs:  # Note [graph files under pytest's temporary folder]
+        factory = getattr(item.config, "_tmp_path_factory", None)
+        if factory is not None:
+            name = re.sub(r"[^\w.-]+", "_", item.nodeid)[-120:]
+            kwargs["output_dir"] = factory.getbasetemp() / "ppbackward-leaks" / name
     try:
         checker = check_tensor_leaks(strict=False, **kwargs)
     except (TypeError, ValueError) as e:  # a marker argument of the wrong type or value
         pytest.fail(f"@pytest.mark.{_MARKER}: {e}", pytrace=False)
     item.stash[_CHECKER] = checker
     return checker
+
+
+# Note [graph files under pytest's temporary folder]: without an ``output_dir``, a leaking test's graph files
+# go under pytest's base temporary folder (the one ``tmp_path`` lives in: ``--basetemp``, else pytest's own,
+# of which it keeps the last three sessions), in ``ppbackward-leaks/<the test's node id>``, created only when
+# something leaked; a bare ``check_tensor_leaks`` makes a ``tempfile.mkdtemp()`` folder that nothing removes.
+# pytest offers the folder to hooks only through ``config._tmp_path_factory`` (what its ``tmp_path_factory``
+# fixture returns); without it the checker's default stands.
 
 
 @pytest.fixture

@@ -153,11 +153,43 @@ def test_a_chain_to_a_local_variable_says_so():
         assert "via .f_locals['local_list']" in lines[2]
     else:
         assert lines[2] == (
-            "  (nothing the gc sees refers to [1]: a local variable of a running function or C code holds it;"
-            " Python 3.13+ names the function)"
+            "  (nothing the gc sees refers to [1]: C code holds it (an autograd node's hooks or saved tensors, an "
+            "extension), or a local variable of a running function (those are searched on Python 3.13+))"
         )
     local_list.clear()
     assert tracker.report().held_by == []  # the report itself kept nothing alive
+
+
+class _Holder:
+    """A plain object holding the next one (each instance ``__dict__`` is folded into it: one step)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+
+def test_a_chain_through_nested_objects_reaches_its_module_and_a_cut_search_says_so():
+    """A hook's closure on a parameter of a module inside containers (a newcomer's ``nn.Sequential`` held by a
+    module attribute): the chain reaches the module however many instance ``__dict__``s it passes, since each
+    is folded into its object in the depth as in the printout; a search stopped at ``max_depth`` shows how far
+    it got and says it stopped (it printed the tensor alone, with no last line)."""
+    from ppbackward.leaks._chains import format_holders, holder_chain
+
+    held = torch.randn(2)
+    nested: object = [held]
+    for _ in range(8):  # 8 objects, 8 dicts: 17 references, 9 steps
+        nested = _Holder(nested)
+    globals()["_NESTED_HOLDER"] = nested
+    try:
+        lines = format_holders(holder_chain(held)).splitlines()
+        assert lines[-1].endswith(f"module {__name__} via ._NESTED_HOLDER") and len(lines) == 11
+        lines = format_holders(holder_chain(held, max_depth=4)).splitlines()
+        assert len(lines) == 6 and "_Holder object via .inner" in lines[-2]
+        assert lines[-1] == (
+            "  (the search stopped 4 steps from [0] without reaching a module or a running function; the chain "
+            "shows how far it got)"
+        )
+    finally:
+        del globals()["_NESTED_HOLDER"]
 
 
 def test_a_chain_to_a_frozen_holder_says_gc_freeze_may_hide_it():

@@ -149,3 +149,19 @@ def test_entry_point_loads_in_a_fresh_interpreter(pytester):
     result = _run(pytester, "-k", "marked_leaky or marked_clean", subprocess=True)
     result.assert_outcomes(passed=1, failed=1, deselected=6)
     result.stdout.fnmatch_lines(["*test_marked_leaky leaked into reference cycles*"])
+
+
+def test_graph_files_go_under_pytest_s_temporary_folder(pytester):
+    """Without ``output_dir``, a leaking test's graph files are written under pytest's base temporary folder
+    (``--basetemp`` here), one folder per test, made only for a test that leaked; they went to a new
+    ``/tmp/ppbackward-leaks-*`` folder per failing test, which nothing removed (a newcomer found 565)."""
+    base = pytester.path / "base"
+    _run(pytester, f"--basetemp={base}").assert_outcomes(passed=3, failed=5)
+    leaks = base / "ppbackward-leaks"
+    made = sorted(p.relative_to(leaks).as_posix() for p in leaks.rglob("*.dot"))
+    assert made == [
+        "test_sample.py_test_fixture_leaky/leak-1.dot",
+        "test_sample.py_test_marked_failing_keeps_its_own_failure/leak-1.dot",
+        "test_sample.py_test_marked_leaky/leak-1.dot",
+    ]
+    assert sorted(p.name for p in leaks.iterdir()) == [p.split("/")[0] for p in made]

@@ -261,9 +261,12 @@ def write_graph(chain: list[Any], path: str) -> str | None:
 # frames itself). A tuple held only by a local variable is a referrer the collector cannot tell from a
 # half-built one (Note [heap scans beside other threads]): on 3.13+ the frames' locals name it; before, it
 # is left out. A chain that ends at an object with no referrer the search can see says so on its last
-# line (not one that ends in a cycle back into the chain, or at ``max_depth``).
+# line (not one that ends in a cycle back into the chain); so does a search that stopped at ``max_depth``
+# steps without reaching a module or a frame (its chain is then the path to the furthest object it reached).
 # The search's own containers and frames, and this package's frames, are skipped, and an instance
-# ``__dict__`` is folded into its object (``Loop via .outputs``, not ``dict ... via .__dict__``).
+# ``__dict__`` is folded into its object (``Loop via .outputs``, not ``dict ... via .__dict__``), in the
+# depth too: a step is one line of the printed chain (a model inside an ``nn.Sequential`` inside a module is
+# two steps, not four).
 
 
 def _is_root(obj: Any) -> bool:
@@ -273,16 +276,19 @@ def _is_root(obj: Any) -> bool:
 class Holders(NamedTuple):
     """A holder chain (Note [holder chains]): ``chain[0]`` is the object, ``chain[i + 1]`` refers to
     ``chain[i]``; ``unheld`` when its last object has no referrer at all that the search can see (not a
-    cycle back into the chain, nor a search stopped at ``max_depth``)."""
+    cycle back into the chain); ``stopped`` (the search's ``max_depth``, else 0) when the search ran out of
+    steps before reaching a module or a frame."""
 
     chain: list[Any]
     unheld: bool
+    stopped: int = 0
 
 
 def holder_chain(obj: Any, max_depth: int = 12) -> Holders:
     """Back-references from ``obj`` to what holds it (Note [holder chains]). Shortest path to a module or
-    frame if there is one within ``max_depth`` references, else the path to an object with no visible
-    referrer, one of a user's class first, the furthest first among those."""
+    frame if there is one within ``max_depth`` steps (an instance ``__dict__`` is no step of its own), else
+    the path to an object with no visible referrer, one of a user's class first, the furthest first among
+    those; or, where the search stopped at ``max_depth``, to the furthest object it reached."""
     queue = deque([obj])
     parent: dict[int, Any] = {id(obj): None}
     depth = {id(obj): 0}
@@ -336,11 +342,14 @@ def _search(
     skip.add(id(sys._getframe()))
     deepest = obj
     bare: set[int] = set()  # ids of the objects met with no referrer at all
+    cut = None  # the nearest object the search did not expand for max_depth (the furthest reached)
     while queue:
         cur = queue.popleft()
         if _is_root(cur) and cur is not obj:
             return Holders(_path(cur, parent), False)
-        if depth[id(cur)] >= max_depth:
+        if depth[id(cur)] >= max_depth and not (type(cur) is dict and depth[id(cur)] == max_depth):
+            if type(cur) is not dict and (cut is None or depth[id(cur)] < depth[id(cut)]):
+                cut = cur  # a dict at the last step is expanded: its object is that step (Note [holder chains])
             continue
         referrers = referrers_of(cur) + _held_by_locals(cur, locals_of)
         skip.add(id(referrers))
@@ -354,13 +363,16 @@ def _search(
                 continue
             found = True
             parent[id(ref)] = cur
-            depth[id(ref)] = depth[id(cur)] + 1
+            # an instance __dict__ and its object are one step, as format_holders prints them
+            depth[id(ref)] = depth[id(cur)] + (0 if type(cur) is dict and _dict_of(ref) is cur else 1)
             queue.append(ref)
         del referrers
         if not seen_any:
             bare.add(id(cur))
         if not found and _end_rank(cur, depth) > _end_rank(deepest, depth):
             deepest = cur
+    if cut is not None and deepest is obj:  # no dead end: every path ran past max_depth
+        return Holders(_path(cut, parent), False, max_depth)
     return Holders(_path(deepest, parent), id(deepest) in bare)
 
 
@@ -396,14 +408,20 @@ def format_holders(holders: Holders) -> str:
         last = len(folded) - 1
         why = (
             f"nothing the gc sees refers to [{last}], nor a local variable of a running function: C code holds it"
+            " (an autograd node's hooks or saved tensors, an extension)"
             if _LOCALS_SEEN else
-            f"nothing the gc sees refers to [{last}]: a local variable of a running function or C code holds it;"
-            " Python 3.13+ names the function"
+            f"nothing the gc sees refers to [{last}]: C code holds it (an autograd node's hooks or saved tensors, "
+            "an extension), or a local variable of a running function (those are searched on Python 3.13+)"
         )
         frozen = gc.get_freeze_count()
         if frozen:  # gc.freeze() hides objects from gc.get_referrers as from collections
             why += f"; or one of the {frozen} objects gc.freeze() put out of the gc's sight"
         lines.append(f"  ({why})")
+    elif holders.stopped:
+        lines.append(
+            f"  (the search stopped {holders.stopped} steps from [0] without reaching a module or a running "
+            "function; the chain shows how far it got)"
+        )
     return "\n".join(lines)
 
 
