@@ -1,15 +1,20 @@
-"""pytest plugin: fail a test that leaks tensors or autograd nodes into reference cycles.
+"""pytest plugin: fail a test that leaks tensors or autograd nodes into reference cycles, or whose saved
+activations outlive it.
 
 Registered through the ``pytest11`` entry point ``ppbackward`` (see ``pyproject.toml``), so it is
-active wherever ppbackward is installed. Public names: the marker ``no_tensor_leaks`` and the fixture
-``tensor_leak_check``; see ``docs/leak-hunting.md``. Everything else here is private. torch and
-``ppbackward.leaks`` are imported only when a test asks for the check (the package imports nothing on its own:
-Note [lazy package] in ``ppbackward``), so the plugin costs nothing to test suites that do not use it
-(tests/core/test_lazy_import.py).
+active wherever ppbackward is installed. Public names: the markers ``no_tensor_leaks`` and
+``no_activations_held`` and the fixture ``tensor_leak_check``; see ``docs/leak-hunting.md``. Everything else
+here is private. torch and ``ppbackward.leaks`` are imported only when a test asks for a check (the package
+imports nothing on its own: Note [lazy package] in ``ppbackward``), so the plugin costs nothing to test suites
+that do not use it (tests/core/test_lazy_import.py).
 
-Both wrap only the test *call* (not fixture setup or teardown) in
+``no_tensor_leaks`` and the fixture wrap only the test *call* (not fixture setup or teardown) in
 :func:`ppbackward.leaks.check_tensor_leaks` with ``strict=False``, then fail the test with the
-report when a tensor or an autograd node leaked. A test that already failed keeps its own failure.
+report when a tensor or an autograd node leaked. ``no_activations_held`` wraps the call in
+:func:`ppbackward.leaks.track_activations` and fails the test with the tracker's report when an activation
+saved during the call, or an autograd node made in it, is alive after it (held by a live reference: a module
+global, a cache, a fixture's object; or by a cycle). With both, the tracker is outside the checker. A test
+that already failed keeps its own failure.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ __all__: list[str] = []  # the public surface is the marker and the fixture
 _MARKER = "no_tensor_leaks"
 _CHECKER = pytest.StashKey[Any]()
 _ALLOWED = ("warmup", "max_chains", "max_depth", "output_dir")
+_HELD_MARKER = "no_activations_held"
+_HELD_ALLOWED = ("include_parameters", "include_leaves")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -35,6 +42,26 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{_MARKER}(warmup=None, max_chains=3, max_depth=20, output_dir=None): fail the test when its "
         "call leaves tensors or autograd nodes in reference cycles (ppbackward.leaks.check_tensor_leaks)",
     )
+    config.addinivalue_line(
+        "markers",
+        f"{_HELD_MARKER}(include_parameters=False, include_leaves=False): fail the test when an activation "
+        "saved during its call is still alive after it (ppbackward.leaks.track_activations)",
+    )
+
+
+def _marker_kwargs(marker: Any, name: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """The keyword arguments of ``marker`` (``None``: none), or the test failed naming what is wrong."""
+    if marker is None:
+        return {}
+    if marker.args:
+        pytest.fail(f"@pytest.mark.{name} takes keyword arguments only ({', '.join(allowed)})", pytrace=False)
+    unknown = sorted(set(marker.kwargs) - set(allowed))
+    if unknown:
+        pytest.fail(
+            f"@pytest.mark.{name}: unknown argument(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}",
+            pytrace=False,
+        )
+    return dict(marker.kwargs)
 
 
 def _checker_for(item: pytest.Item) -> Any:
@@ -45,15 +72,7 @@ def _checker_for(item: pytest.Item) -> Any:
     marker = item.get_closest_marker(_MARKER)
     if marker is None and "tensor_leak_check" not in getattr(item, "fixturenames", ()):
         return None
-    kwargs = dict(marker.kwargs) if marker is not None else {}
-    if marker is not None and marker.args:
-        pytest.fail(f"@pytest.mark.{_MARKER} takes keyword arguments only ({', '.join(_ALLOWED)})", pytrace=False)
-    unknown = sorted(set(kwargs) - set(_ALLOWED))
-    if unknown:
-        pytest.fail(
-            f"@pytest.mark.{_MARKER}: unknown argument(s) {', '.join(unknown)}; allowed: {', '.join(_ALLOWED)}",
-            pytrace=False,
-        )
+    kwargs = _marker_kwargs(marker, _MARKER, _ALLOWED)
     from ppbackward.leaks import check_tensor_leaks
 
     if "output_dir" not in kwargs:  # Note [graph files under pytest's temporary folder]
@@ -101,29 +120,65 @@ def _forget_the_last_failure() -> None:
             delattr(sys, name)
 
 
+def _tracker_for(item: pytest.Item) -> Any:
+    """A (not yet entered) activation tracker for ``item`` if it has the ``no_activations_held`` marker."""
+    marker = item.get_closest_marker(_HELD_MARKER)
+    if marker is None:
+        return None
+    kwargs = _marker_kwargs(marker, _HELD_MARKER, _HELD_ALLOWED)
+    for key, value in kwargs.items():
+        if not isinstance(value, bool):
+            got = type(value).__name__
+            pytest.fail(f"@pytest.mark.{_HELD_MARKER}: {key} must be a bool, got {got}", pytrace=False)
+    from ppbackward.leaks import track_activations
+
+    return track_activations(**kwargs)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
-    """Run the test call inside the checker, and turn a leak into a test failure."""
+    """Run the test call inside the checker and the tracker, and turn a leak or a held activation into a
+    test failure."""
+    tracker = _tracker_for(item)
     checker = _checker_for(item)
-    if checker is None:
+    if checker is None and tracker is None:
         yield
         return
     _forget_the_last_failure()  # Note [an earlier failure is not this test's garbage]
-    report = checker.__enter__()
+    if tracker is not None:
+        tracker.__enter__()
+    report = checker.__enter__() if checker is not None else None
     outcome = None
     try:
         outcome = yield
     finally:
         excinfo = outcome.excinfo if outcome is not None else None
         exc = excinfo[1] if excinfo is not None and isinstance(excinfo[1], Exception) else None
-        checker.__exit__(type(exc) if exc is not None else None, exc, None)
-    if outcome is None or outcome.excinfo is not None or report.ok:
+        try:
+            if checker is not None:
+                checker.__exit__(type(exc) if exc is not None else None, exc, None)
+        finally:
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+    if outcome is None or outcome.excinfo is not None:
         return
-    failure = pytest.fail.Exception(
-        f"{item.nodeid} leaked into reference cycles (checked by ppbackward's "
-        f"{_MARKER} / tensor_leak_check):\n{report.format()}",
-        pytrace=False,
-    )
+    message = None
+    if report is not None and not report.ok:
+        message = (
+            f"{item.nodeid} leaked into reference cycles (checked by ppbackward's "
+            f"{_MARKER} / tensor_leak_check):\n{report.format()}"
+        )
+    elif tracker is not None:
+        held = tracker.report()  # after a full collection: alive = held by a live reference or a cycle
+        if held.alive or held.nodes_held_after_gc:
+            message = (
+                f"{item.nodeid} kept activations alive after its call (checked by ppbackward's "
+                f"{_HELD_MARKER}):\n{held.format()}"
+            )
+        del held
+    if message is None:
+        return
+    failure = pytest.fail.Exception(message, pytrace=False)
     force = getattr(outcome, "force_exception", None)
     if force is not None:  # pluggy >= 1.1
         force(failure)

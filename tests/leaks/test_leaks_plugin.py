@@ -165,3 +165,68 @@ def test_graph_files_go_under_pytest_s_temporary_folder(pytester):
         "test_sample.py_test_marked_leaky/leak-1.dot",
     ]
     assert sorted(p.name for p in leaks.iterdir()) == [p.split("/")[0] for p in made]
+
+
+_HELD = """
+import pytest
+import torch
+
+KEPT = []
+MODEL = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+
+@pytest.mark.no_activations_held
+def test_a_step_keeping_its_output_in_a_global():
+    out = MODEL(torch.randn(2, 4))
+    KEPT.append(out)
+
+@pytest.mark.no_activations_held
+def test_b_clean_step():
+    MODEL(torch.randn(2, 4)).sum().backward()
+
+@pytest.mark.no_activations_held
+def test_c_a_hook_on_a_parameter_keeping_the_output():
+    out = MODEL(torch.randn(2, 4))
+    MODEL[0].weight.register_post_accumulate_grad_hook(lambda p, out=out: None)
+
+@pytest.mark.no_activations_held
+@pytest.mark.no_tensor_leaks
+def test_d_both_markers_a_cycle():
+    box = {"out": MODEL(torch.randn(2, 4))}
+    box["self"] = box
+
+@pytest.mark.no_activations_held(include_leaves=1)
+def test_e_bad_value():
+    pass
+
+@pytest.mark.no_activations_held
+def test_f_own_failure_wins():
+    KEPT.append(MODEL(torch.randn(2, 4)))
+    assert False, "own failure"
+"""
+
+
+def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(pytester):
+    """``no_activations_held`` (a newcomer had to write it by hand): an output kept in a module global, or by
+    a parameter hook's closure (a chain through ``nn.Sequential``), fails the test with the tracker's report
+    and its holder chain; a clean step passes; with both markers a cycle is the checker's failure; a bad
+    marker value is named; the test's own failure wins."""
+    pytester.makepyfile(test_held=_HELD)
+    result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=1, failed=5)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_a_step_keeping_its_output_in_a_global _*",
+            "test_held.py::test_a_step_keeping_its_output_in_a_global kept activations alive after its call*",
+            "*still alive after gc (held by a live reference, or a cycle inside C++): 2, *",
+            "*<- [[]2] module test_held via .KEPT",
+            "*_ test_c_a_hook_on_a_parameter_keeping_the_output _*",
+            "*<- [[]*] module test_held via .MODEL",
+            "*_ test_d_both_markers_a_cycle _*",
+            "test_held.py::test_d_both_markers_a_cycle leaked into reference cycles*",
+            "*_ test_e_bad_value _*",
+            "@pytest.mark.no_activations_held: include_leaves must be a bool, got int",
+            "*_ test_f_own_failure_wins _*",
+            "E       AssertionError: own failure",
+        ]
+    )
+    assert "test_b_clean_step" not in result.stdout.str()
