@@ -162,9 +162,9 @@ def stage_backward(
         return tuple(None for _ in input_values)
 
     # Leaf inputs: the engine accumulates into ``.grad``; park the caller's value and restore it.
-    # Non-leaf inputs: a capture hook, and the ``.grad`` of one that retains it (torch's stage calls
-    # ``retain_grad()`` on a received activation that is not a leaf) put back too: Note [inputs' grad left
-    # as it was]. See Note [no closure cycle].
+    # Non-leaf inputs: a capture hook, and the ``.grad`` of one that retains it put back too (torch's stage
+    # calls ``retain_grad()`` on a received activation that is not a leaf):
+    # Note [inputs' grad left as it was]. See Note [no closure cycle].
     parked: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     boxes: dict[int, list] = {}
     kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -284,8 +284,6 @@ def stage_backward_input(
         return tuple(None for _ in input_values), ParamGroups([], weight_set)
     # Note [B claims its outputs]; Note [no collection inside B and W] in ppbackward._gc_pause
     with _outputs_claimed(flat.tensors), automatic_gc_paused():
-        if not kept:
-            return _backward_input(flat, output_grads is not None, input_values, wanted, weight_set, asking)
         try:
             return _backward_input(flat, output_grads is not None, input_values, wanted, weight_set, asking)
         finally:

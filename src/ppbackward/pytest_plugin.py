@@ -19,6 +19,7 @@ that already failed keeps its own failure.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from collections.abc import Generator
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 
-__all__: list[str] = []  # the public surface is the marker and the fixture
+__all__: list[str] = []  # the public surface is the markers and the fixture
 
 _MARKER = "no_tensor_leaks"
 _CHECKER = pytest.StashKey[Any]()
@@ -78,7 +79,8 @@ def _checker_for(item: pytest.Item) -> Any:
     if "output_dir" not in kwargs:  # Note [graph files under pytest's temporary folder]
         factory = getattr(item.config, "_tmp_path_factory", None)
         if factory is not None:
-            name = re.sub(r"[^\w.-]+", "_", item.nodeid)[-120:]
+            digest = hashlib.sha1(item.nodeid.encode()).hexdigest()[:8]  # ids that differ only in what _ replaces
+            name = re.sub(r"[^\w.-]+", "_", item.nodeid)[:100] + "-" + digest
             kwargs["output_dir"] = factory.getbasetemp() / "ppbackward-leaks" / name
     try:
         checker = check_tensor_leaks(strict=False, **kwargs)
@@ -90,7 +92,7 @@ def _checker_for(item: pytest.Item) -> Any:
 
 # Note [graph files under pytest's temporary folder]: without an ``output_dir``, a leaking test's graph files
 # go under pytest's base temporary folder (the one ``tmp_path`` lives in: ``--basetemp``, else pytest's own,
-# of which it keeps the last three sessions), in ``ppbackward-leaks/<the test's node id>``, created only when
+# of which it keeps the last three sessions), in ``ppbackward-leaks/<the test's node id>-<its hash>``, created only when
 # something leaked; a bare ``check_tensor_leaks`` makes a ``tempfile.mkdtemp()`` folder that nothing removes.
 # pytest offers the folder to hooks only through ``config._tmp_path_factory`` (what its ``tmp_path_factory``
 # fixture returns); without it the checker's default stands.
@@ -147,7 +149,12 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
     _forget_the_last_failure()  # Note [an earlier failure is not this test's garbage]
     if tracker is not None:
         tracker.__enter__()
-    report = checker.__enter__() if checker is not None else None
+    try:
+        report = checker.__enter__() if checker is not None else None
+    except BaseException:  # a warmup that raises: the tracker's saved-tensor hooks must not stay installed
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+        raise
     outcome = None
     try:
         outcome = yield

@@ -749,7 +749,7 @@ def _scaled_region_grads(emulate: bool) -> list[tuple[Any, Any]]:
 
 @pytest.mark.slow
 def test_inductor_halves_in_bfloat16_round_a_value_the_whole_graph_kept_in_float32():
-    """Documented (how-it-works.md, "torch.compiled regions split in two"): inductor compiles each half on its
+    """Documented (how-it-works.md, "Known limits"): inductor compiles each half on its
     own, so a value the whole backward keeps in float32 inside one fused kernel (``(x @ w) * g`` before the
     reductions for ``g`` and ``c``) crosses the cut stored in bfloat16; those two gradients may differ from the
     compiled full backward by one bfloat16 ulp of their scale, the others are equal. With inductor's

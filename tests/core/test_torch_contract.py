@@ -638,8 +638,8 @@ def test_difference_weights_given_as_one_tensor_are_refused():
 
 
 def test_difference_b_takes_nested_outputs():
-    """B on outputs nested as the full backward takes them (a dict in a tuple): torch 2.13's B takes a flat
-    list of tensors and fails on the dict."""
+    """B on outputs nested as the full backward takes them (a dict in a tuple): torch's B takes a flat list of
+    tensors; 2.13's fails on the dict, 2.15's skips it and computes nothing."""
     mod = _stage()
     x = torch.randn(3, 4, requires_grad=True)
     out = mod(x)
@@ -654,3 +654,10 @@ def test_difference_b_takes_nested_outputs():
     if TORCH_2_13 and not EDGE_ROOTS:
         with pytest.raises(AttributeError):
             upstream.stage_backward_input(({"h": mod(x)},), ({"h": torch.ones(3, 4)},), [x], mod.parameters())
+    elif TORCH_2_13:  # 2.15 skips it: no input gradient, no param group, so its W gives no weight a gradient
+        theirs = _stage()
+        grads, groups = upstream.stage_backward_input(
+            ({"h": theirs(x)},), ({"h": torch.ones(3, 4)},), [x], theirs.parameters()
+        )
+        upstream.stage_backward_weight(theirs.parameters(), groups)
+        assert grads == (None,) and groups == [] and all(p.grad is None for p in theirs.parameters())

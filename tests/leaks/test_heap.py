@@ -192,6 +192,39 @@ def test_a_chain_through_nested_objects_reaches_its_module_and_a_cut_search_says
         del globals()["_NESTED_HOLDER"]
 
 
+def test_a_chain_is_the_shortest_in_printed_steps_and_a_cut_search_says_so_where_paths_meet():
+    """A reviewer's two: a holder reached through an object (its ``__dict__`` folded: one step) is found before
+    a deeper path through lists (the search stays in order of printed steps), also at a ``max_depth`` that
+    leaves no step to spare; and a search cut at ``max_depth`` says so where two paths meet (a tensor in two
+    lists of one object), not only where every path runs on alone."""
+    from ppbackward.leaks._chains import format_holders, holder_chain
+
+    held = torch.randn(2)
+    for order in ("lists first", "object first"):
+        near = _Holder(held)  # held <- near: one step
+        far = [[held]]  # held <- [.] <- [.]: two steps
+        globals()["_NESTED_HOLDER"] = _Holder(far) if order == "lists first" else _Holder(near)
+        globals()["_NESTED_HOLDER"].other = near if order == "lists first" else far
+        try:
+            for depth in (12, 3):
+                lines = format_holders(holder_chain(held, max_depth=depth)).splitlines()
+                assert len(lines) == 4 and lines[-1].endswith(f"module {__name__} via ._NESTED_HOLDER"), (order, lines)
+        finally:
+            del globals()["_NESTED_HOLDER"]
+    del near, far  # a running function's locals are out of the search's sight before Python 3.13
+    nested: object = _Holder([held])
+    nested.other = [held]  # two paths from the tensor meet here
+    for _ in range(6):
+        nested = _Holder(nested)
+    globals()["_NESTED_HOLDER"] = nested
+    del nested
+    try:
+        lines = format_holders(holder_chain(held, max_depth=4)).splitlines()
+        assert lines[-1].startswith("  (the search stopped 4 steps from [0]") and len(lines) == 6, lines
+    finally:
+        del globals()["_NESTED_HOLDER"]
+
+
 def test_a_chain_to_a_frozen_holder_says_gc_freeze_may_hide_it():
     """``gc.freeze()`` moves every object alive to a generation ``gc.get_referrers`` does not search: a tensor
     made after it but held by an object frozen before it has a holder out of sight, and the chain's last line

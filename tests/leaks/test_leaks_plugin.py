@@ -159,12 +159,29 @@ def test_graph_files_go_under_pytest_s_temporary_folder(pytester):
     _run(pytester, f"--basetemp={base}").assert_outcomes(passed=3, failed=5)
     leaks = base / "ppbackward-leaks"
     made = sorted(p.relative_to(leaks).as_posix() for p in leaks.rglob("*.dot"))
-    assert made == [
-        "test_sample.py_test_fixture_leaky/leak-1.dot",
-        "test_sample.py_test_marked_failing_keeps_its_own_failure/leak-1.dot",
-        "test_sample.py_test_marked_leaky/leak-1.dot",
-    ]
+    tests = ["test_fixture_leaky", "test_marked_failing_keeps_its_own_failure", "test_marked_leaky"]
+    assert [p.split("/")[1] for p in made] == ["leak-1.dot"] * 3
+    assert [p.split("/")[0].rsplit("-", 1)[0] for p in made] == [f"test_sample.py_{t}" for t in tests]
     assert sorted(p.name for p in leaks.iterdir()) == [p.split("/")[0] for p in made]
+
+
+def test_graph_folders_of_tests_whose_ids_differ_only_in_punctuation_differ(pytester):
+    """``test_t[a b]`` and ``test_t[a_b]`` write their graph files to folders of their own (a reviewer's: both
+    were ``..._test_t_a_b_``, the second test's files replacing the first's)."""
+    pytester.makepyfile(
+        test_ids="""
+import pytest
+
+@pytest.mark.no_tensor_leaks
+@pytest.mark.parametrize("name", ["a b", "a_b"])
+def test_t(name):
+    box = {"t": __import__("torch").ones(1)}
+    box["self"] = box
+"""
+    )
+    base = pytester.path / "base"
+    pytester.runpytest("-p", "no:cacheprovider", "-q", f"--basetemp={base}").assert_outcomes(failed=2)
+    assert len(list((base / "ppbackward-leaks").rglob("leak-1.dot"))) == 2
 
 
 _HELD = """
@@ -202,6 +219,17 @@ def test_e_bad_value():
 def test_f_own_failure_wins():
     KEPT.append(MODEL(torch.randn(2, 4)))
     assert False, "own failure"
+
+def _broken_warmup():
+    raise RuntimeError("warmup broke")
+
+@pytest.mark.no_activations_held
+@pytest.mark.no_tensor_leaks(warmup=_broken_warmup)
+def test_g_the_checker_fails_to_arm():
+    pass
+
+def test_h_no_tracker_left_installed():
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 """
 
 
@@ -209,10 +237,11 @@ def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(p
     """``no_activations_held`` (a newcomer had to write it by hand): an output kept in a module global, or by
     a parameter hook's closure (a chain through ``nn.Sequential``), fails the test with the tracker's report
     and its holder chain; a clean step passes; with both markers a cycle is the checker's failure; a bad
-    marker value is named; the test's own failure wins."""
+    marker value is named; the test's own failure wins; a checker that fails to arm leaves no tracker installed
+    (a reviewer's)."""
     pytester.makepyfile(test_held=_HELD)
     result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider", "-q")
-    result.assert_outcomes(passed=1, failed=5)
+    result.assert_outcomes(passed=2, failed=6)
     result.stdout.fnmatch_lines(
         [
             "*_ test_a_step_keeping_its_output_in_a_global _*",
@@ -227,6 +256,8 @@ def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(p
             "@pytest.mark.no_activations_held: include_leaves must be a bool, got int",
             "*_ test_f_own_failure_wins _*",
             "E       AssertionError: own failure",
+            "*_ test_g_the_checker_fails_to_arm _*",
+            "*RuntimeError: warmup broke",
         ]
     )
-    assert "test_b_clean_step" not in result.stdout.str()
+    assert "test_b_clean_step" not in result.stdout.str() and "test_h_no_tracker" not in result.stdout.str()

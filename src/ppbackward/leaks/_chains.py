@@ -363,15 +363,18 @@ def _search(
                 continue
             found = True
             parent[id(ref)] = cur
-            # an instance __dict__ and its object are one step, as format_holders prints them
-            depth[id(ref)] = depth[id(cur)] + (0 if type(cur) is dict and _dict_of(ref) is cur else 1)
-            queue.append(ref)
+            if type(cur) is dict and _dict_of(ref) is cur:  # an instance __dict__ and its object: one step, as
+                depth[id(ref)] = depth[id(cur)]  # format_holders prints them; first in the queue (a 0-1 BFS:
+                queue.appendleft(ref)  # the queue stays in order of depth, so the first root is the nearest)
+            else:
+                depth[id(ref)] = depth[id(cur)] + 1
+                queue.append(ref)
         del referrers
         if not seen_any:
             bare.add(id(cur))
         if not found and _end_rank(cur, depth) > _end_rank(deepest, depth):
             deepest = cur
-    if cut is not None and deepest is obj:  # no dead end: every path ran past max_depth
+    if cut is not None and id(deepest) not in bare:  # no object nothing holds: paths ran past max_depth
         return Holders(_path(cut, parent), False, max_depth)
     return Holders(_path(deepest, parent), id(deepest) in bare)
 

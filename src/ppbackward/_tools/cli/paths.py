@@ -94,9 +94,9 @@ def write_output(path: str, text: str) -> None:
     Where the file exists, the text is written beside it and renamed over it (its mode kept), so a write that
     fails part-way (a full disk) leaves it as it was; a new file is removed again if its write fails.
     Written in place instead, where a rename would change what the name stands for or cannot be made: a
-    FIFO or device, a file with other hard links, another owner or another group than a new file gets,
-    extended attributes (an ACL, a security label: a new file would not carry them), a folder that refuses a
-    new entry or the rename (another user's sticky folder). A path naming one of this
+    FIFO or device, a file with other hard links, another owner or another group than a new file gets, an
+    extended attribute a new file lacks (an ACL: :func:`_xattrs_lost`), a folder that refuses a new entry or
+    the rename (another user's sticky folder). A path naming one of this
     process's descriptors (standard output, ``/dev/fd/N``: :func:`_descriptor`) gets the text on that
     descriptor, after ``sys.stdout`` and ``sys.stderr`` are flushed.
 
@@ -119,7 +119,7 @@ def write_output(path: str, text: str) -> None:
         _write_new(os.path.realpath(path), text)
         return
     target = os.path.realpath(path)
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or st.st_uid != os.geteuid() or _has_xattrs(target):
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or st.st_uid != os.geteuid():
         _write_in_place(target, text)
         return
     try:
@@ -129,7 +129,8 @@ def write_output(path: str, text: str) -> None:
         return
     except OSError as e:
         raise OSError(e.errno, e.strerror, target) from e
-    if os.fstat(fd).st_gid != st.st_gid:  # a rename would change the file's group: written in place
+    # a rename would change the file's group, or drop an extended attribute the new file lacks: in place
+    if os.fstat(fd).st_gid != st.st_gid or _xattrs_lost(target, tmp):
         os.close(fd)
         os.unlink(tmp)
         _write_in_place(target, text)
@@ -153,13 +154,21 @@ def write_output(path: str, text: str) -> None:
         raise
 
 
-def _has_xattrs(target: str) -> bool:
-    """Whether ``target`` carries extended attributes (POSIX ACLs are ``system.posix_acl_*`` ones), which a
-    file renamed over it would lose; a system without them (``listxattr`` unsupported) has none."""
+def _xattrs_lost(target: str, new: str) -> bool:
+    """Whether ``target`` carries an extended attribute (an ACL is ``system.posix_acl_access``) that the new
+    file ``new`` lacks or holds another value of, so that renaming ``new`` over it would change it; those every
+    new file gets alike (an SELinux label from the folder) are no reason. ``False`` where the system has none
+    (``listxattr`` unsupported, or no ``os.listxattr`` off Linux)."""
     try:
-        return bool(os.listxattr(target))
-    except (OSError, AttributeError):  # ENOTSUP and the like; no os.listxattr off Linux
+        for name in os.listxattr(target):
+            try:
+                if os.getxattr(new, name) != os.getxattr(target, name):
+                    return True
+            except OSError:  # the new file has no such attribute
+                return True
+    except (OSError, AttributeError):
         return False
+    return False
 
 
 def written(command: str, option: str, path: str, text: str) -> bool:
