@@ -92,8 +92,9 @@ def _checker_for(item: pytest.Item) -> Any:
 
 # Note [graph files under pytest's temporary folder]: without an ``output_dir``, a leaking test's graph files
 # go under pytest's base temporary folder (the one ``tmp_path`` lives in: ``--basetemp``, else pytest's own,
-# of which it keeps the last three sessions), in ``ppbackward-leaks/<the test's node id>-<its hash>``, created only when
-# something leaked; a bare ``check_tensor_leaks`` makes a ``tempfile.mkdtemp()`` folder that nothing removes.
+# of which it keeps the last three sessions), in ``ppbackward-leaks/<the test's node id>-<its hash>``, created
+# only when something leaked; a bare ``check_tensor_leaks`` makes a ``tempfile.mkdtemp()`` folder that nothing
+# removes.
 # pytest offers the folder to hooks only through ``config._tmp_path_factory`` (what its ``tmp_path_factory``
 # fixture returns); without it the checker's default stands.
 
