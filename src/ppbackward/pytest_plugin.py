@@ -12,9 +12,10 @@ that do not use it (tests/core/test_lazy_import.py).
 :func:`ppbackward.leaks.check_tensor_leaks` with ``strict=False``, then fail the test with the
 report when a tensor or an autograd node leaked. ``no_activations_held`` wraps the call in
 :func:`ppbackward.leaks.track_activations` and fails the test with the tracker's report when an activation
-saved during the call, or an autograd node made in it, is alive after it (held by a live reference: a module
-global, a cache, a fixture's object; or by a cycle). With both, the tracker is outside the checker. A test
-that already failed keeps its own failure.
+saved during the call, an autograd node made in it, or what a pack hook returned for one, is alive after it
+and a full collection (held by a live reference: a module global, a cache, a fixture's object; a cycle is
+freed by the collection, and is ``no_tensor_leaks``' finding). With both, the tracker is outside the checker
+and a test failing both shows both reports. A test that already failed keeps its own failure.
 """
 
 from __future__ import annotations
@@ -170,22 +171,24 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
                 tracker.__exit__(None, None, None)
     if outcome is None or outcome.excinfo is not None:
         return
-    message = None
+    messages = []
     if report is not None and not report.ok:
-        message = (
+        messages.append(
             f"{item.nodeid} leaked into reference cycles (checked by ppbackward's "
             f"{_MARKER} / tensor_leak_check):\n{report.format()}"
         )
-    elif tracker is not None:
-        held = tracker.report()  # after a full collection: alive = held by a live reference or a cycle
-        if held.alive or held.nodes_held_after_gc:
-            message = (
-                f"{item.nodeid} kept activations alive after its call (checked by ppbackward's "
+    if tracker is not None:
+        # after a full collection: held by a live reference (a cycle is freed by it, the checker's finding)
+        held = tracker.report()
+        if held.held_after_gc or held.nodes_held_after_gc or held.packed_held_after_gc:
+            messages.append(
+                f"{item.nodeid} kept activations or autograd nodes alive after its call (checked by ppbackward's "
                 f"{_HELD_MARKER}):\n{held.format()}"
             )
         del held
-    if message is None:
+    if not messages:
         return
+    message = "\n\n".join(messages)
     failure = pytest.fail.Exception(message, pytrace=False)
     force = getattr(outcome, "force_exception", None)
     if force is not None:  # pluggy >= 1.1

@@ -498,11 +498,12 @@ def test_anomaly_mode_names_the_region_whose_weight_half_returned_nan():
         x0[0, 0] = float("nan")  # NaN in the weight gradient (x^T g) only
         x = x0.clone().requires_grad_()
         out = region(x * 1).sum()
-        with torch.autograd.detect_anomaly(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, groups = stage_backward_input([out], None, [x], [lin.weight])
-            with pytest.raises(RuntimeError, match="Function 'CompiledFunctionBackward' returned nan"):
-                stage_backward_weight([lin.weight], groups)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # before detect_anomaly(): it warns when entered
+            with torch.autograd.detect_anomaly():
+                _, groups = stage_backward_input([out], None, [x], [lin.weight])
+                with pytest.raises(RuntimeError, match="Function 'CompiledFunctionBackward' returned nan"):
+                    stage_backward_weight([lin.weight], groups)
 
 
 def test_a_backend_reused_for_many_regions_compiles_each_backward_once(monkeypatch):
@@ -629,8 +630,8 @@ _PUBLIC_APPLY_IS_PYTHON = not isinstance(
 @pytest.mark.parametrize("public_apply", [False, True], ids=["ours", "negative-control"])
 def test_w_of_compiled_blocks_enters_no_python_frame_per_parameter_handed_over(public_apply, monkeypatch):
     """Note [weight halves hand their gradients over]: the node handing the weight halves' gradients to the
-    graph's ``AccumulateGrad`` nodes is made by torch's C ``apply``; torch's Python ``Function.apply`` (before
-    torch 2.15) enters a frame per argument. Counted: two blocks hand over 8 parameters, and no function of W
+    graph's ``AccumulateGrad`` nodes is made by torch's C ``apply``; torch's Python ``Function.apply`` (torch
+    2.13 and older; 2.14's is the C one already, and the counted control skips there) enters a frame per argument. Counted: two blocks hand over 8 parameters, and no function of W
     runs 8 times but the weight halves' own aten ops (``aot_eager`` runs the graph op by op); with the public
     ``apply`` one does."""
     if public_apply:

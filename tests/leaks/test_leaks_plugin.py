@@ -230,6 +230,29 @@ def test_g_the_checker_fails_to_arm():
 
 def test_h_no_tracker_left_installed():
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+@pytest.mark.no_activations_held
+def test_i_a_cycle_the_collection_frees_passes():
+    box = {"out": MODEL(torch.randn(2, 4))}
+    box["self"] = box
+
+PACKED = []
+
+@pytest.mark.no_activations_held
+def test_j_a_pack_hook_keeping_its_copies():
+    def pack(t):
+        PACKED.append(t.clone())
+        return PACKED[-1]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda c: c):
+        loss = torch.tanh(MODEL(torch.randn(2, 4))).sum()
+    loss.backward()
+
+@pytest.mark.no_activations_held
+@pytest.mark.no_tensor_leaks
+def test_k_both_a_cycle_and_a_global():
+    box = {"out": MODEL(torch.randn(2, 4))}
+    box["self"] = box
+    KEPT.append(MODEL(torch.randn(2, 4)))
 """
 
 
@@ -238,14 +261,15 @@ def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(p
     a parameter hook's closure (a chain through ``nn.Sequential``), fails the test with the tracker's report
     and its holder chain; a clean step passes; with both markers a cycle is the checker's failure; a bad
     marker value is named; the test's own failure wins; a checker that fails to arm leaves no tracker installed
-    (a reviewer's)."""
+    (a reviewer's). A hostile tester's: a cycle the collection frees passes (the checker's finding, not this
+    marker's), tensors a pack hook keeps fail it, and a test failing both markers shows both reports."""
     pytester.makepyfile(test_held=_HELD)
     result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider", "-q")
-    result.assert_outcomes(passed=2, failed=6)
+    result.assert_outcomes(passed=3, failed=8)
     result.stdout.fnmatch_lines(
         [
             "*_ test_a_step_keeping_its_output_in_a_global _*",
-            "test_held.py::test_a_step_keeping_its_output_in_a_global kept activations alive after its call*",
+            "test_held.py::test_a_step_keeping_its_output_in_a_global kept activations or autograd nodes alive*",
             "*still alive after gc (held by a live reference, or a cycle inside C++): 2, *",
             "*<- [[]2] module test_held via .KEPT",
             "*_ test_c_a_hook_on_a_parameter_keeping_the_output _*",
@@ -258,6 +282,12 @@ def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(p
             "E       AssertionError: own failure",
             "*_ test_g_the_checker_fails_to_arm _*",
             "*RuntimeError: warmup broke",
+            "*_ test_j_a_pack_hook_keeping_its_copies _*",
+            "  tensors returned by saved-tensor pack hooks: 3; * still alive after gc: 3, *",
+            "*_ test_k_both_a_cycle_and_a_global _*",
+            "test_held.py::test_k_both_a_cycle_and_a_global leaked into reference cycles*",
+            "test_held.py::test_k_both_a_cycle_and_a_global kept activations or autograd nodes alive*",
         ]
     )
-    assert "test_b_clean_step" not in result.stdout.str() and "test_h_no_tracker" not in result.stdout.str()
+    out = result.stdout.str()
+    assert "test_b_clean_step" not in out and "test_h_no_tracker" not in out and "test_i_a_cycle" not in out
