@@ -631,9 +631,9 @@ _PUBLIC_APPLY_IS_PYTHON = not isinstance(
 def test_w_of_compiled_blocks_enters_no_python_frame_per_parameter_handed_over(public_apply, monkeypatch):
     """Note [weight halves hand their gradients over]: the node handing the weight halves' gradients to the
     graph's ``AccumulateGrad`` nodes is made by torch's C ``apply``; torch's Python ``Function.apply`` (torch
-    2.13 and older; 2.14's is the C one already, and the counted control skips there) enters a frame per argument. Counted: two blocks hand over 8 parameters, and no function of W
-    runs 8 times but the weight halves' own aten ops (``aot_eager`` runs the graph op by op); with the public
-    ``apply`` one does."""
+    2.13 and older; 2.14's is the C one already, and the counted control skips there) enters a frame per
+    argument. Counted: two blocks hand over 8 parameters, and no function of W runs 8 times but the weight
+    halves' own aten ops (``aot_eager`` runs the graph op by op); with the public ``apply`` one does."""
     if public_apply:
         if not _PUBLIC_APPLY_IS_PYTHON:
             pytest.skip("this torch's Function.apply is the C one: no frame per argument to count")
