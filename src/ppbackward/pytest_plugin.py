@@ -81,8 +81,11 @@ def _checker_for(item: pytest.Item) -> Any:
         factory = getattr(item.config, "_tmp_path_factory", None)
         if factory is not None:
             digest = hashlib.sha1(item.nodeid.encode()).hexdigest()[:8]  # ids that differ only in what _ replaces
-            name = re.sub(r"[^\w.-]+", "_", item.nodeid)[:100] + "-" + digest
-            kwargs["output_dir"] = factory.getbasetemp() / "ppbackward-leaks" / name
+            name = re.sub(r"[^\w.-]+", "_", item.nodeid)[-100:] + "-" + digest  # the test's name, not its path
+            try:
+                kwargs["output_dir"] = factory.getbasetemp() / "ppbackward-leaks" / name
+            except OSError:  # a --basetemp that cannot be made: the checker's own folder, made only on a leak
+                pass
     try:
         checker = check_tensor_leaks(strict=False, **kwargs)
     except (TypeError, ValueError) as e:  # a marker argument of the wrong type or value
@@ -179,13 +182,16 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
         )
     if tracker is not None:
         # after a full collection: held by a live reference (a cycle is freed by it, the checker's finding)
-        held = tracker.report()
-        if held.held_after_gc or held.nodes_held_after_gc or held.packed_held_after_gc:
-            messages.append(
-                f"{item.nodeid} kept activations or autograd nodes alive after its call (checked by ppbackward's "
-                f"{_HELD_MARKER}):\n{held.format()}"
-            )
-        del held
+        try:
+            held = tracker.report()
+            if held.held_after_gc or held.nodes_held_after_gc or held.packed_held_after_gc:
+                messages.append(
+                    f"{item.nodeid} kept activations or autograd nodes alive after its call (checked by "
+                    f"ppbackward's {_HELD_MARKER}):\n{held.format()}"
+                )
+            del held
+        except Exception as e:  # the checker's report, if any, is still shown
+            messages.append(f"{item.nodeid}: ppbackward's {_HELD_MARKER} could not report: {type(e).__name__}: {e}")
     if not messages:
         return
     message = "\n\n".join(messages)

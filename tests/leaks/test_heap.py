@@ -225,6 +225,60 @@ def test_a_chain_is_the_shortest_in_printed_steps_and_a_cut_search_says_so_where
         del globals()["_NESTED_HOLDER"]
 
 
+class _SlotAndDict:
+    __slots__ = ("__dict__", "a")
+
+
+class _DictProperty:
+    """A class whose ``__dict__`` is a property: user code the holder search must not run."""
+
+    __slots__ = ("d",)
+    reads = 0
+
+    @property
+    def __dict__(self):
+        type(self).reads += 1
+        raise RuntimeError("the search ran a __dict__ property")
+
+
+def test_a_chain_takes_the_folded_step_met_after_a_deeper_one_and_runs_no_dict_property():
+    """A re-reviewer's: an object holding the tensor in its ``__dict__`` (one step) and through a slot's list
+    (two), met first through the list, is moved up to one step (the search printed the longer chain, and at
+    ``max_depth=2`` said it stopped); a class's ``__dict__`` property is never called (it was, once per
+    referrer checked)."""
+    from ppbackward.leaks._chains import format_holders, holder_chain
+
+    held = torch.randn(2)
+    for order in ("slot first", "dict first"):
+        x = _SlotAndDict()
+        if order == "slot first":
+            x.a = [held]
+            x.b = held
+        else:
+            x.b = held
+            x.a = [held]
+        globals()["_NESTED_HOLDER"] = x
+        del x
+        try:
+            for depth in (12, 2):
+                lines = format_holders(holder_chain(held, max_depth=depth)).splitlines()
+                assert lines[1:] == [
+                    "  <- [1] tests.leaks.test_heap._SlotAndDict object via .b",
+                    f"  <- [2] module {__name__} via ._NESTED_HOLDER",
+                ], (order, depth, lines)
+        finally:
+            del globals()["_NESTED_HOLDER"]
+    p = _DictProperty()
+    p.d = {"k": held}
+    globals()["_NESTED_HOLDER"] = p
+    del p
+    try:
+        lines = format_holders(holder_chain(held)).splitlines()
+        assert lines[-1] == f"  <- [3] module {__name__} via ._NESTED_HOLDER" and _DictProperty.reads == 0
+    finally:
+        del globals()["_NESTED_HOLDER"]
+
+
 def test_a_chain_to_a_frozen_holder_says_gc_freeze_may_hide_it():
     """``gc.freeze()`` moves every object alive to a generation ``gc.get_referrers`` does not search: a tensor
     made after it but held by an object frozen before it has a holder out of sight, and the chain's last line

@@ -291,3 +291,13 @@ def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(p
     )
     out = result.stdout.str()
     assert "test_b_clean_step" not in out and "test_h_no_tracker" not in out and "test_i_a_cycle" not in out
+
+
+def test_a_basetemp_that_cannot_be_made_fails_no_test_of_its_own(pytester):
+    """``--basetemp`` under a file: the plugin's graph folder falls back to the checker's own (made only on a
+    leak), so the clean tests still pass and the leaky ones fail with their report (a re-reviewer's: every
+    checked test failed with ``NotADirectoryError``)."""
+    (pytester.path / "afile").write_text("")
+    result = _run(pytester, f"--basetemp={pytester.path / 'afile' / 'base'}")
+    result.assert_outcomes(passed=3, failed=5)
+    assert "NotADirectoryError" not in result.stdout.str()

@@ -116,8 +116,8 @@ def _edge_label(src: Any, dst: Any) -> str:
                 if v is dst:
                     return f".f_locals[{k!r}]"
         for attr in _ATTRS:
-            try:
-                value = object.__getattribute__(src, attr)
+            try:  # an instance __dict__ through the interpreter's descriptor only (_instance_dict)
+                value = _instance_dict(src) if attr == "__dict__" else object.__getattribute__(src, attr)
             except Exception:
                 continue
             if value is dst:
@@ -136,10 +136,7 @@ def _instance_attribute(src: Any, dst: Any) -> str:
     Python 3.11+ keeps a plain object's attributes inline: ``gc.get_referents`` then yields the
     attribute values themselves, with no ``__dict__`` in between, so the attribute is named here.
     """
-    try:
-        attrs = object.__getattribute__(src, "__dict__")
-    except Exception:
-        attrs = {}
+    attrs = _instance_dict(src) or {}
     for name, value in attrs.items():
         if value is dst:
             return f".{name}"
@@ -343,8 +340,12 @@ def _search(
     deepest = obj
     bare: set[int] = set()  # ids of the objects met with no referrer at all
     cut = None  # the nearest object the search did not expand for max_depth (the furthest reached)
+    done: set[int] = set()  # expanded already: a later, deeper entry of one is passed over
     while queue:
         cur = queue.popleft()
+        if id(cur) in done:
+            continue
+        done.add(id(cur))
         if _is_root(cur) and cur is not obj:
             return Holders(_path(cur, parent), False)
         if depth[id(cur)] >= max_depth and not (type(cur) is dict and depth[id(cur)] == max_depth):
@@ -359,15 +360,19 @@ def _search(
             if id(ref) in skip or _is_own_frame(ref):
                 continue
             seen_any = True
-            if id(ref) in parent:
+            # an instance __dict__ and its object are one step, as format_holders prints them; such an object
+            # goes first in the queue, which so stays in order of depth (a 0-1 BFS: the first root is the
+            # nearest), and one met before at a greater depth (through a slot) is moved up
+            folded = type(cur) is dict and _is_dict_of(ref, cur)
+            step = depth[id(cur)] + (0 if folded else 1)
+            if id(ref) in parent and not (folded and id(ref) not in done and depth[id(ref)] > step):
                 continue
             found = True
             parent[id(ref)] = cur
-            if type(cur) is dict and _dict_of(ref) is cur:  # an instance __dict__ and its object: one step, as
-                depth[id(ref)] = depth[id(cur)]  # format_holders prints them; first in the queue (a 0-1 BFS:
-                queue.appendleft(ref)  # the queue stays in order of depth, so the first root is the nearest)
+            depth[id(ref)] = step
+            if folded:
+                queue.appendleft(ref)
             else:
-                depth[id(ref)] = depth[id(cur)] + 1
                 queue.append(ref)
         del referrers
         if not seen_any:
@@ -401,7 +406,7 @@ def format_holders(holders: Holders) -> str:
     chain = holders.chain
     folded = [
         item for i, item in enumerate(chain)
-        if not (isinstance(item, dict) and i + 1 < len(chain) and _dict_of(chain[i + 1]) is item)
+        if not (isinstance(item, dict) and i + 1 < len(chain) and _is_dict_of(chain[i + 1], item))
     ]
     lines = [f"[0] {_describe(folded[0])}"]
     for i in range(1, len(folded)):
@@ -428,8 +433,35 @@ def format_holders(holders: Holders) -> str:
     return "\n".join(lines)
 
 
-def _dict_of(obj: Any) -> Any:
-    try:
-        return object.__getattribute__(obj, "__dict__")
-    except Exception:
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement (or type()), not a C type
+_MODULE_DICT = vars(types.ModuleType)["__dict__"]
+
+
+def _instance_dict(obj: Any) -> Any:
+    """``obj``'s instance ``__dict__`` (``None`` if none), read through the interpreter's own descriptor only, for
+    a module or an object of a class defined in Python: never a class's ``__dict__`` property (user code),
+    never on another C type's object (reading a function's ``__dict__`` makes one: a module's globals dict
+    has every function of the module among its referrers)."""
+    kind = type(obj)
+    if isinstance(obj, types.ModuleType):
+        descriptor: Any = _MODULE_DICT
+    elif kind.__flags__ & _HEAPTYPE:
+        for klass in kind.__mro__:
+            descriptor = vars(klass).get("__dict__")
+            if descriptor is not None:
+                break
+        else:
+            return None
+        if type(descriptor) is not types.GetSetDescriptorType:
+            return None
+    else:
         return None
+    try:
+        return descriptor.__get__(obj, kind)
+    except Exception:  # a broken object
+        return None
+
+
+def _is_dict_of(obj: Any, d: dict) -> bool:
+    """Whether ``d`` is ``obj``'s instance ``__dict__`` (:func:`_instance_dict`)."""
+    return _instance_dict(obj) is d

@@ -95,7 +95,7 @@ def write_output(path: str, text: str) -> None:
     fails part-way (a full disk) leaves it as it was; a new file is removed again if its write fails.
     Written in place instead, where a rename would change what the name stands for or cannot be made: a
     FIFO or device, a file with other hard links, another owner or another group than a new file gets, an
-    extended attribute a new file lacks (an ACL: :func:`_xattrs_lost`), a folder that refuses a new entry or
+    extended attributes other than a new file's (an ACL: :func:`_xattrs_differ`), a folder that refuses a new entry or
     the rename (another user's sticky folder). A path naming one of this
     process's descriptors (standard output, ``/dev/fd/N``: :func:`_descriptor`) gets the text on that
     descriptor, after ``sys.stdout`` and ``sys.stderr`` are flushed.
@@ -129,8 +129,13 @@ def write_output(path: str, text: str) -> None:
         return
     except OSError as e:
         raise OSError(e.errno, e.strerror, target) from e
-    # a rename would change the file's group, or drop an extended attribute the new file lacks: in place
-    if os.fstat(fd).st_gid != st.st_gid or _xattrs_lost(target, tmp):
+    try:
+        os.fchmod(fd, stat.S_IMODE(st.st_mode))  # first: an ACL attribute holds the mode bits
+        # a rename would change the file's group or its extended attributes (an ACL): written in place
+        in_place = os.fstat(fd).st_gid != st.st_gid or _xattrs_differ(target, tmp)
+    except OSError:
+        in_place = True
+    if in_place:
         os.close(fd)
         os.unlink(tmp)
         _write_in_place(target, text)
@@ -138,7 +143,6 @@ def write_output(path: str, text: str) -> None:
     try:
         with open(fd, "w", encoding="utf-8") as out:
             out.write(text)
-        os.chmod(tmp, stat.S_IMODE(st.st_mode))
         os.replace(tmp, target)
     except PermissionError:  # the rename, in a sticky folder: the file as it was, written in place
         with contextlib.suppress(OSError):
@@ -154,21 +158,22 @@ def write_output(path: str, text: str) -> None:
         raise
 
 
-def _xattrs_lost(target: str, new: str) -> bool:
-    """Whether ``target`` carries an extended attribute (an ACL is ``system.posix_acl_access``) that the new
-    file ``new`` lacks or holds another value of, so that renaming ``new`` over it would change it; those every
-    new file gets alike (an SELinux label from the folder) are no reason. ``False`` where the system has none
-    (``listxattr`` unsupported, or no ``os.listxattr`` off Linux)."""
+def _xattrs_differ(target: str, new: str) -> bool:
+    """Whether the new file ``new`` (given ``target``'s mode) carries other extended attributes than ``target``
+    (an ACL is ``system.posix_acl_access``; one of the folder's default ACL is inherited), so that renaming it
+    over ``target`` would change them; those every new file gets alike (an SELinux label from the folder) are
+    no reason. ``False`` where the system has none (no ``os.listxattr`` off Linux, or unsupported); ``True``
+    where the new file's cannot be read (written in place, the file as it was)."""
     try:
-        for name in os.listxattr(target):
-            try:
-                if os.getxattr(new, name) != os.getxattr(target, name):
-                    return True
-            except OSError:  # the new file has no such attribute
-                return True
+        names = os.listxattr(target)
     except (OSError, AttributeError):
         return False
-    return False
+    try:
+        if sorted(os.listxattr(new)) != sorted(names):
+            return True
+        return any(os.getxattr(new, name) != os.getxattr(target, name) for name in names)
+    except OSError:
+        return True
 
 
 def written(command: str, option: str, path: str, text: str) -> bool:
