@@ -70,10 +70,18 @@ def is_accumulate_grad(node: Node | None) -> bool:
 
 def gradient_edge(t: torch.Tensor | GradientEdge) -> GradientEdge:
     """The edge a gradient for ``t`` flows into: ``(grad_fn, output_nr)`` or ``(AccumulateGrad, 0)``;
-    an edge given as an output is its own (Note [GradientEdge outputs] in ``ppbackward._tree``)."""
+    an edge given as an output is its own (Note [GradientEdge outputs] in ``ppbackward._tree``).
+
+    A leaf of a ``__torch_function__`` subclass is read with the subclass' override off: torch finds a leaf's
+    ``AccumulateGrad`` through ``t.view_as(t)``, which such a subclass may wrap in a view of its own (an
+    ``AliasBackward0`` whose next node is the view, not the leaf's ``AccumulateGrad``: B would not find the stage
+    input in its graph and take the input path for a weight's)."""
     if isinstance(t, GradientEdge):
         return t
-    return torch.autograd.graph.get_gradient_edge(t)
+    if type(t) is torch.Tensor or t.grad_fn is not None:
+        return torch.autograd.graph.get_gradient_edge(t)
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.autograd.graph.get_gradient_edge(t)
 
 
 class Intermediate(NamedTuple):

@@ -62,6 +62,7 @@ from ppbackward._saved import (
     hook_kinds,
     pin_saved_inputs,
     release_saved_tensors,
+    unreadable_saved,
 )
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads, versioned
 from ppbackward._weight_edges import ENGINE_RUN_BACKWARD, run_weight_work
@@ -316,6 +317,8 @@ def _backward_input(
     specs, b_only, w_only = analysis.groups, analysis.b_only, analysis.w_only
     inter = [i.node for spec in specs for i in spec.intermediates]
     _refuse_reentrant_checkpoint(b_only, inter, w_only)
+    if analysis.cheap.nodes:  # Note [a weight-only node B runs was freed before]
+        _refuse_unreadable_cheap_nodes(analysis.cheap.nodes)
     owners = candidate_owners(flat.tensors)  # Note [custom Function nodes need an owner]; () on torch 2.13+
     # Note [weight matmuls from their saved input] (ppbackward._matmul_weights): without saved-tensor hooks
     # on what W reads (the deferred intermediates, the W-only nodes), B computes the matmuls' weight gradients
@@ -409,6 +412,36 @@ def _backward_input(
     for i, t in wanted:
         result[i] = run.found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_set, owners, pinned, run.hooked_in_b, w_saving)
+
+
+# Note [a weight-only node B runs was freed before]: B runs the weight-only nodes on the way to the weight gradients
+# it computes itself (Note [cheap weight gradients in B] in ``ppbackward._graph``: ``b * s`` feeding a bias) and its
+# engine call frees them, as a full backward does. A weight computed once and used by several microbatches (under
+# ``torch.nn.utils.parametrize.cached()``, or ``b * s`` once per step) is then freed by the first microbatch's B, where
+# torch's B (which runs no weight-only node) and a W with ``retain_graph=True`` keep it; the next B would stop inside
+# its engine call with autograd's message alone, naming no node. So B reads, before anything runs, the saved tensors
+# of the C++ weight-only nodes it will run (as W reads those it runs: Note [saved tensors W reads are checked] in
+# ``ppbackward._handoff``) and refuses naming the node. The read costs nothing on graphs without such nodes (a
+# linear layer's bias and a norm's weight lead straight into their ``AccumulateGrad``), a dict read per such node
+# whose type saves nothing (a cast, a view), and one read per saved tensor otherwise. Before torch 2.13 (saved
+# tensors' hooks not visible) nothing is read and autograd's message comes through.
+def _refuse_unreadable_cheap_nodes(nodes: list[Node]) -> None:
+    """Raise ``StageBackwardError`` naming the first of ``nodes`` (weight-only nodes B would run) that cannot read a
+    tensor it saved (Note [a weight-only node B runs was freed before])."""
+    for node in cpp_nodes_saving(nodes):
+        found = unreadable_saved(node)
+        if found is not None:
+            name, cause = found
+            said = str(cause).split(". ")[0].strip(" .") + "."  # autograd's first sentence: no advice for retain_graph
+            raise BadValue(
+                f"stage_backward_input: {node.name()}, a weight-only node B runs for a weight gradient it computes "
+                f"itself (a bias, a norm weight or an elementwise scale), cannot read its saved '{name}': {said} "
+                "Either a tensor it saved was changed in place since the forward, or an earlier backward freed it: "
+                "a weight computed once and used by several microbatches (e.g. under "
+                "torch.nn.utils.parametrize.cached(), or a product of parameters taken once per step) is freed by the "
+                "first microbatch's B, which runs its node as a full backward does; compute it in each microbatch's "
+                "forward. Nothing was run"
+            )
 
 
 def _deferred(specs: list, eager_nodes: set, cheap_edges: dict) -> tuple[list[Node], list[tuple[int, ...]]]:

@@ -9,11 +9,13 @@ with exact values (``torch.equal``).
   ``ppbackward.backward``, Note [W mutes B's hooks] in ``ppbackward._handoff``);
 * a multi-grad hook over a stage's parameters, with W in several chunks (Note [parameters with tensor hooks
   accumulate in one call] in ``ppbackward._handoff``);
-* writes into ``param_groups`` that W could not honour: refused when written, nothing consumed.
+* writes into ``param_groups`` that W could not honour: refused when written, nothing consumed;
+* a stage input of a ``__torch_function__`` subclass (``ppbackward._graph.gradient_edge``).
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 
@@ -588,3 +590,44 @@ def test_a_multi_grad_hook_over_b_and_w_fires_once_in_each():
     assert fired == [[False, True]]
     with pytest.raises(RuntimeError, match="A leaf node was passed to _will_engine_execute_node"):
         upstream.stage_backward_weight(module.parameters(), torch_groups)
+
+
+class _FunctionSubclass(torch.Tensor):
+    """The ``__torch_function__`` subclass of torch's docs: every op goes through the override, ``view_as`` included
+    (which wraps a leaf's view in an ``AliasBackward0`` of its own)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _AddSum(nn.Module):
+    """``(x + b).sum(0)``: no node on the input's path saves a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.b).sum(0)
+
+
+@pytest.mark.parametrize("stage", ["linear", "add-sum"])
+def test_a_stage_input_of_a_torch_function_subclass_is_found_in_the_graph(stage):
+    """``get_gradient_edge`` of a subclass leaf goes through the subclass' ``view_as`` and returns a new view's node,
+    not the leaf's ``AccumulateGrad``: B took the input's path for a weight's, and W failed (a linear layer: a
+    weight-only node W runs could not read its saved tensor, the microbatch's weight grads lost) or wrote the
+    input's ``.grad`` (``(x + b).sum(0)``). Now B + W equal a plain backward and the input's ``.grad`` stays ``None``.
+    """
+    torch.manual_seed(0)
+    mod = nn.Linear(4, 4) if stage == "linear" else _AddSum()
+    ref = copy.deepcopy(mod)
+    x = torch.randn(3, 4)
+    g = torch.randn(4, 4)[: 3 if stage == "linear" else 1].reshape((3, 4) if stage == "linear" else (4,))
+    x_ref = x.clone().as_subclass(_FunctionSubclass).requires_grad_()
+    ref(x_ref).backward(g)
+    x_mine = x.clone().as_subclass(_FunctionSubclass).requires_grad_()
+    (dx,), groups = pb.stage_backward_input((mod(x_mine),), (g,), [x_mine], mod.parameters())
+    pb.stage_backward_weight(mod.parameters(), groups)
+    assert torch.equal(dx, x_ref.grad) and x_mine.grad is None
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(mod.parameters(), ref.parameters()))

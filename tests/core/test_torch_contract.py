@@ -661,3 +661,54 @@ def test_difference_b_takes_nested_outputs():
         )
         upstream.stage_backward_weight(theirs.parameters(), groups)
         assert grads == (None,) and groups == [] and all(p.grad is None for p in theirs.parameters())
+
+
+class _SharedBias(nn.Module):
+    """A stage whose bias ``b * s`` is computed once and used by every microbatch (a weight-only node B runs:
+    Note [cheap weight gradients in B])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4, bias=False)
+        self.b = nn.Parameter(torch.randn(4))
+        self.s = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) + bias
+
+
+@pytest.mark.skipif(not HOOKS_VISIBLE, reason="saved tensors are read for the refusal on torch 2.13+ only")
+def test_difference_a_bias_computed_once_for_several_microbatches_is_refused_by_the_next_b():
+    """A weight-only product taken once and used by two microbatches, W with ``retain_graph=True``: torch's B
+    runs no weight-only node, so both microbatches run and the grads are a plain backward's; ppbackward's B
+    computes the bias gradient itself and frees that node (Note [a weight-only node B runs was freed before]),
+    so the second B refuses, naming the node, before anything runs: its input's ``.grad`` and every weight's
+    ``.grad`` are as the first microbatch left them."""
+    xs = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
+    mod = _SharedBias()
+    bias = mod.b * mod.s
+    outs = [mod(x, bias) for x in xs]
+    _, groups = pb.stage_backward_input((outs[0],), (torch.ones(3, 4),), [xs[0]], mod.parameters())
+    pb.stage_backward_weight(mod.parameters(), groups, retain_graph=True)
+    before = [p.grad.clone() for p in mod.parameters()]
+    refused = (r"MulBackward0, a weight-only node B runs .* cannot read its saved 'other': Trying to backward "
+               r"through the graph a second time.*parametrize\.cached\(\).* Nothing was run")
+    with pytest.raises(pb.StageBackwardError, match=refused):
+        pb.stage_backward_input((outs[1],), (torch.ones(3, 4),), [xs[1]], mod.parameters())
+    assert xs[1].grad is None and all(torch.equal(p.grad, g) for p, g in zip(mod.parameters(), before))
+    # nothing was run: the same microbatch's full backward, with the product taken again, is exact
+    mine = _SharedBias()
+    ref = copy.deepcopy(mine)
+    pb.stage_backward((mine(xs[1], mine.b * mine.s),), (torch.ones(3, 4),), [xs[1]])
+    ref(xs[1].detach(), ref.b * ref.s).backward(torch.ones(3, 4))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(mine.parameters(), ref.parameters()))
+    if TORCH_2_13:
+        theirs, ref = _SharedBias(), _SharedBias()
+        bias, ref_bias = theirs.b * theirs.s, ref.b * ref.s
+        for x in xs:
+            _, groups = upstream.stage_backward_input(
+                (theirs(x, bias),), (torch.ones(3, 4),), [x], theirs.parameters())
+            upstream.stage_backward_weight(theirs.parameters(), groups, retain_graph=True)
+            ref(x.detach(), ref_bias).backward(torch.ones(3, 4), retain_graph=True)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(theirs.parameters(), ref.parameters()))
