@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from ppbackward._compat import torch_release
+from ppbackward.leaks._saved_hooks import top_hooks
+
 pytest_plugins = ["pytester"]
 
 _TESTS = """
@@ -229,7 +232,9 @@ def test_g_the_checker_fails_to_arm():
     pass
 
 def test_h_no_tracker_left_installed():
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert torch._C._len_torch_function_stack() == 0  # the tracker's OpMode
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch 2.6+
+    assert top is None or top(False) is None
 
 @pytest.mark.no_activations_held
 def test_i_a_cycle_the_collection_frees_passes():
@@ -256,6 +261,12 @@ def test_k_both_a_cycle_and_a_global():
 """
 
 
+# torch 2.5's tensors show the gc their attributes only while nothing else holds their C++ tensor: a parameter that a
+# graph's AccumulateGrad also holds hides its hook dict, and the chain ends there (docs/leak-hunting.md); seen through
+# on 2.13 and 2.15 (releases between not run)
+_PARAMETER_DICT_SEEN = torch_release()[:2] >= (2, 13)
+
+
 def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(pytester):
     """``no_activations_held`` (a newcomer had to write it by hand): an output kept in a module global, or by
     a parameter hook's closure (a chain through ``nn.Sequential``), fails the test with the tracker's report
@@ -265,7 +276,8 @@ def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(p
     marker's), tensors a pack hook keeps fail it, and a test failing both markers shows both reports."""
     pytester.makepyfile(test_held=_HELD)
     result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider", "-q")
-    result.assert_outcomes(passed=3, failed=8)
+    # torch 2.5 does not show the hooks in force: a pack hook entered in the test hides its tensors from the tracker
+    result.assert_outcomes(passed=3 if top_hooks else 4, failed=8 if top_hooks else 7)
     result.stdout.fnmatch_lines(
         [
             "*_ test_a_step_keeping_its_output_in_a_global _*",
@@ -273,7 +285,7 @@ def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(p
             "*still alive after gc (held by a live reference, or a cycle inside C++): 2, *",
             "*<- [[]2] module test_held via .KEPT",
             "*_ test_c_a_hook_on_a_parameter_keeping_the_output _*",
-            "*<- [[]*] module test_held via .MODEL",
+            "*<- [[]2] function test_c_a_hook_on_a_parameter_keeping_the_output.<locals>.<lambda>*",
             "*_ test_d_both_markers_a_cycle _*",
             "test_held.py::test_d_both_markers_a_cycle leaked into reference cycles*",
             "*_ test_e_bad_value _*",
@@ -282,8 +294,8 @@ def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(p
             "E       AssertionError: own failure",
             "*_ test_g_the_checker_fails_to_arm _*",
             "*RuntimeError: warmup broke",
-            "*_ test_j_a_pack_hook_keeping_its_copies _*",
-            "  tensors returned by saved-tensor pack hooks: 3; * still alive after gc: 3, *",
+            *(["*_ test_j_a_pack_hook_keeping_its_copies _*",
+               "  tensors returned by saved-tensor pack hooks: 3; * still alive after gc: 3, *"] if top_hooks else []),
             "*_ test_k_both_a_cycle_and_a_global _*",
             "test_held.py::test_k_both_a_cycle_and_a_global leaked into reference cycles*",
             "test_held.py::test_k_both_a_cycle_and_a_global kept activations or autograd nodes alive*",
@@ -291,6 +303,9 @@ def test_the_held_activations_marker_fails_a_step_whose_activations_outlive_it(p
     )
     out = result.stdout.str()
     assert "test_b_clean_step" not in out and "test_h_no_tracker" not in out and "test_i_a_cycle" not in out
+    report_c = out.split(" test_c_a_hook_on_a_parameter_keeping_the_output _")[1].split(" test_d_both_markers")[0]
+    through_the_parameter = "] module test_held via .MODEL" in report_c
+    assert through_the_parameter or not _PARAMETER_DICT_SEEN
 
 
 def test_a_basetemp_that_cannot_be_made_fails_no_test_of_its_own(pytester):

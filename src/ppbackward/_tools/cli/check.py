@@ -124,8 +124,11 @@ def _parser() -> argparse.ArgumentParser:
         "--logs", metavar="DIR",
         help="keep the ranks' logs and verdicts in DIR (default: a temp dir, deleted when ppbackward passes)",
     )
-    # For the test suite and debugging: extra arguments for the harness worker (e.g. --hang-rank=1).
-    p.add_argument("--worker-arg", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--worker-arg", action="append", default=[], metavar="ARG",
+        help="for debugging: one more argument for every rank's worker, repeatable (e.g. --worker-arg=--metadata="
+        "dynamic; python -m ppbackward._tools.harness.worker --help lists them) (default: none)",
+    )
     return p
 
 
