@@ -32,6 +32,8 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
+from ppbackward._plain import plain_autograd
+
 __all__ = [  # private module: what other modules use
     "CHEAP_EDGES",
     "NO_CHEAP_WORK",
@@ -56,8 +58,9 @@ __all__ = [  # private module: what other modules use
 
 
 def _accumulate_grad_type() -> type:
-    leaf = torch.zeros((), requires_grad=True)
-    return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+    with plain_autograd():  # Note [probes run in plain autograd]
+        leaf = torch.zeros((), requires_grad=True)
+        return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
 
 
 _ACCUMULATE_GRAD: type = _accumulate_grad_type()
@@ -72,15 +75,15 @@ def gradient_edge(t: torch.Tensor | GradientEdge) -> GradientEdge:
     """The edge a gradient for ``t`` flows into: ``(grad_fn, output_nr)`` or ``(AccumulateGrad, 0)``;
     an edge given as an output is its own (Note [GradientEdge outputs] in ``ppbackward._tree``).
 
-    A leaf of a ``__torch_function__`` subclass is read with the subclass' override off: torch finds a leaf's
-    ``AccumulateGrad`` through ``t.view_as(t)``, which such a subclass may wrap in a view of its own (an
+    A leaf is read with ``__torch_function__`` off (a subclass' override and any ``TorchFunctionMode``): torch finds
+    a leaf's ``AccumulateGrad`` through ``t.view_as(t)``, which an override may wrap in a view of its own (an
     ``AliasBackward0`` whose next node is the view, not the leaf's ``AccumulateGrad``: B would not find the stage
-    input in its graph and take the input path for a weight's)."""
+    input in its graph and take the input path for a weight's, and W lose the weight gradients)."""
     if isinstance(t, GradientEdge):
         return t
-    if type(t) is torch.Tensor or t.grad_fn is not None:
+    if t.grad_fn is not None:
         return torch.autograd.graph.get_gradient_edge(t)
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch._C.DisableTorchFunction():
         return torch.autograd.graph.get_gradient_edge(t)
 
 

@@ -45,6 +45,19 @@ weight-only node) and W reads their saved tensors the same way before anything r
 since B, or a weight computed once for several microbatches whose graph the first microbatch's W freed, is
 refused with every ``.grad`` untouched (torch's split fails there with autograd's message). A full backward
 cannot meet this: nothing runs between its forward and its backward.
+
+Note [a weight-only node B runs was freed before]: B runs the weight-only nodes on the way to the weight gradients
+it computes itself (Note [cheap weight gradients in B] in ``ppbackward._graph``: ``b * s`` feeding a bias), and its
+engine call frees them as a full backward does. A weight computed once and used by several microbatches (under
+``torch.nn.utils.parametrize.cached()``, or ``b * s`` once per step) is then freed by the first microbatch's B, where
+torch's B (which runs no weight-only node) and a W with ``retain_graph=True`` keep it; the next B stopped inside its
+engine call with autograd's message alone. So B reads, before anything runs, the saved tensors of the C++ weight-only
+nodes it will run, as W reads those it runs (above), and refuses naming the node and the cause: freed, or changed in
+place since the forward (a parameter stepped between the forward and B, which a plain backward refuses too). The read
+costs nothing on graphs without such nodes (a linear layer's bias and a norm's weight lead straight into their
+``AccumulateGrad``), a dict read per such node whose type saves nothing (a cast, a view), and one read per saved
+tensor otherwise. Before torch 2.13 (saved tensors' hooks not visible) nothing is read and autograd's message comes
+through.
 """
 
 from __future__ import annotations
@@ -61,7 +74,7 @@ from torch.autograd.graph import GradientEdge, Node
 from ppbackward._errors import BadValue, StageBackwardError
 from ppbackward._graph import is_accumulate_grad
 from ppbackward._param_groups import CLAIM_LOCK, Contribution, NodeCall, ParamGroup, RegionCall
-from ppbackward._saved import release_pinned, unreadable_saved
+from ppbackward._saved import cpp_nodes_saving, release_pinned, unreadable_saved
 
 # ParamGroups is re-exported by ppbackward (for type hints); the rest is what B and W use
 __all__ = ["CONSUMED", "ParamGroups", "WeightSet", "WeightWork", "unreadable_saved_error"]
@@ -418,12 +431,50 @@ def unreadable_saved_error(work: WeightWork, calls: list[NodeCall]) -> StageBack
     return None
 
 
+def refuse_unreadable_in_b(nodes: list[Node]) -> None:
+    """Raise naming the first of ``nodes`` (weight-only nodes B would run) that cannot read a tensor it saved
+    (Note [a weight-only node B runs was freed before]).
+
+    Raises:
+        StageBackwardError: also a ``ValueError``; the node, the saved tensor's name, autograd's reason and what
+            to do. Nothing has run.
+    """
+    for node in cpp_nodes_saving(nodes):
+        found = unreadable_saved(node)
+        if found is None:
+            continue
+        name, cause = found
+        if _CHANGED_IN_PLACE in str(cause):
+            why = ("a tensor it saved was changed in place since the forward (a parameter an optimizer stepped in "
+                   "between): run the forward again after the change")
+        else:
+            why = ("an earlier backward freed it: a weight computed once and used by several microbatches (e.g. "
+                   "under torch.nn.utils.parametrize.cached(), or a product of parameters taken once per step) is "
+                   "freed by the first microbatch's B, which runs its node as a full backward does; compute it in "
+                   "each microbatch's forward")
+        raise BadValue(
+            f"stage_backward_input: {node.name()}, a weight-only node B runs for a weight gradient it computes itself "
+            f"(a bias, a norm weight or an elementwise scale), cannot read its saved '{name}': {_autograd_said(cause)} "
+            f"So {why}. Nothing was run"
+        )
+
+
+_CHANGED_IN_PLACE = "modified by an inplace operation"  # autograd's version-counter error, torch 2.5-2.15
+
+
+def _autograd_said(cause: RuntimeError) -> str:
+    """The reason in ``cause`` (autograd's, or the check of a tensor B pinned) without autograd's advice (its hint
+    about anomaly mode, its "Specify retain_graph=True"), which names calls B and W make for the caller."""
+    said = str(cause).split(" Hint: ")[0]
+    return said.split(" Saved intermediate values of the graph are freed")[0].strip()
+
+
 def _unreadable_error(
     label: str, node: Node, what: str, name: str, cause: RuntimeError, first_chunk: bool
 ) -> StageBackwardError:
     """The refusal of Note [saved tensors W reads are checked]: ``node`` (``what`` it is to W) of the group
     ``label`` cannot read its saved ``name`` (autograd's ``cause``)."""
-    said = str(cause).split(" Hint: ")[0].strip()
+    said = _autograd_said(cause)
     head = (
         f"{label}: {node.name()}, {what}, cannot read its saved '{name}': {said} W reads what the forward saved for "
         "it as it was at B: a tensor changed in place since (a stage input, an activation, a parameter), or a graph "

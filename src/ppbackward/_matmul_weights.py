@@ -41,13 +41,15 @@ from torch.autograd.graph import GradientEdge, Node
 
 from ppbackward._errors import backpropagated_before, nan_output
 from ppbackward._param_groups import Contribution, NodeCall
+from ppbackward._plain import plain_autograd
 
 __all__ = ["take_saved_inputs", "weight_contributions"]  # private module
 
 
 def _matmul_types() -> tuple[type, type]:
-    a = torch.zeros(2, 2, requires_grad=True)
-    return type(torch.addmm(a, a, a).grad_fn), type(torch.mm(a, a).grad_fn)
+    with plain_autograd():  # Note [probes run in plain autograd]
+        a = torch.zeros(2, 2, requires_grad=True)
+        return type(torch.addmm(a, a, a).grad_fn), type(torch.mm(a, a).grad_fn)
 
 
 _ADDMM, _MM = _matmul_types()

@@ -28,6 +28,8 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
 
+from ppbackward._plain import plain_autograd
+
 __all__ = ["candidate_owners", "custom_nodes_need_owner", "owners_needed"]
 
 
@@ -60,7 +62,7 @@ def custom_nodes_need_owner() -> bool:
     every tensor and node that owned the custom node is dropped. Measured: true on torch 2.5.1
     through 2.12.1, false on 2.13.0 and 2.14.1 (docs/compatibility.md).
     """
-    with torch.enable_grad():
+    with plain_autograd():  # Note [probes run in plain autograd]
         x = torch.zeros(1, requires_grad=True)
         out = _Clone.apply(x)
         top = _Mul.apply(x, _Clone.apply(x))

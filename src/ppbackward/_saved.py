@@ -25,6 +25,8 @@ import torch.utils.checkpoint
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
+from ppbackward._plain import plain_autograd
+
 __all__ = [  # private module: what other modules use
     "HOOKS_VISIBLE",
     "cpp_nodes_saving",
@@ -90,8 +92,9 @@ def _saved_attrs(node: Node) -> tuple[str, ...]:
 
 
 def _copy_slices_type() -> type | None:
-    base = torch.zeros(2, requires_grad=True).clone()
-    base[0].mul_(2.0)
+    with plain_autograd():  # Note [probes run in plain autograd]
+        base = torch.zeros(2, requires_grad=True).clone()
+        base[0].mul_(2.0)
     return type(base.grad_fn) if type(base.grad_fn).__name__ == "CopySlices" else None
 
 

@@ -50,7 +50,7 @@ from ppbackward._graph import (
     gradient_edge,
     is_accumulate_grad,
 )
-from ppbackward._handoff import CONSUMED, ParamGroups, WeightSet
+from ppbackward._handoff import CONSUMED, ParamGroups, WeightSet, refuse_unreadable_in_b
 from ppbackward._matmul_weights import take_saved_inputs
 from ppbackward._node_owner import candidate_owners, owners_needed
 from ppbackward._param_groups import Contribution, NodeCall, ParamGroup, RegionCall
@@ -62,7 +62,6 @@ from ppbackward._saved import (
     hook_kinds,
     pin_saved_inputs,
     release_saved_tensors,
-    unreadable_saved,
 )
 from ppbackward._tree import FlatOutputs, flatten_outputs_and_grads, versioned
 from ppbackward._weight_edges import ENGINE_RUN_BACKWARD, run_weight_work
@@ -243,8 +242,11 @@ def stage_backward_input(
     Raises:
         ValueError, TypeError: malformed ``output_grads``, ``weights`` not an iterable of tensors, a stage
             input that is also among ``weights``, or one B reaches under ``register_multi_grad_hook``'s mode "all"
-            (Note [a hook asks about a leaf in B]); nothing has been run then (a ``GradientEdge`` output without
-            output gradients raises one that is also an ``AssertionError``, as torch 2.15's B does).
+            (Note [a hook asks about a leaf in B]), or, on torch 2.13+, a weight-only node B would run for a weight
+            gradient it computes itself whose saved tensor an earlier backward freed or an in-place op changed (Note
+            [a weight-only node B runs was freed before] in ``ppbackward._handoff``); nothing has been run then (a
+            ``GradientEdge`` output without output gradients raises one that is also an ``AssertionError``, as torch
+            2.15's B does).
         StageBackwardError: after B's engine call, when a hook of that call changed in place a gradient B
             had captured for W (Note [captured gradients are checked at W]); the input gradients are
             not returned, nothing was accumulated and no hook is left registered. During it, when it reaches a
@@ -317,8 +319,8 @@ def _backward_input(
     specs, b_only, w_only = analysis.groups, analysis.b_only, analysis.w_only
     inter = [i.node for spec in specs for i in spec.intermediates]
     _refuse_reentrant_checkpoint(b_only, inter, w_only)
-    if analysis.cheap.nodes:  # Note [a weight-only node B runs was freed before]
-        _refuse_unreadable_cheap_nodes(analysis.cheap.nodes)
+    if analysis.cheap.nodes:  # Note [a weight-only node B runs was freed before] (ppbackward._handoff)
+        refuse_unreadable_in_b(analysis.cheap.nodes)
     owners = candidate_owners(flat.tensors)  # Note [custom Function nodes need an owner]; () on torch 2.13+
     # Note [weight matmuls from their saved input] (ppbackward._matmul_weights): without saved-tensor hooks
     # on what W reads (the deferred intermediates, the W-only nodes), B computes the matmuls' weight gradients
@@ -412,36 +414,6 @@ def _backward_input(
     for i, t in wanted:
         result[i] = run.found.get(id(t))
     return tuple(result), ParamGroups(groups, weight_set, owners, pinned, run.hooked_in_b, w_saving)
-
-
-# Note [a weight-only node B runs was freed before]: B runs the weight-only nodes on the way to the weight gradients
-# it computes itself (Note [cheap weight gradients in B] in ``ppbackward._graph``: ``b * s`` feeding a bias) and its
-# engine call frees them, as a full backward does. A weight computed once and used by several microbatches (under
-# ``torch.nn.utils.parametrize.cached()``, or ``b * s`` once per step) is then freed by the first microbatch's B, where
-# torch's B (which runs no weight-only node) and a W with ``retain_graph=True`` keep it; the next B would stop inside
-# its engine call with autograd's message alone, naming no node. So B reads, before anything runs, the saved tensors
-# of the C++ weight-only nodes it will run (as W reads those it runs: Note [saved tensors W reads are checked] in
-# ``ppbackward._handoff``) and refuses naming the node. The read costs nothing on graphs without such nodes (a
-# linear layer's bias and a norm's weight lead straight into their ``AccumulateGrad``), a dict read per such node
-# whose type saves nothing (a cast, a view), and one read per saved tensor otherwise. Before torch 2.13 (saved
-# tensors' hooks not visible) nothing is read and autograd's message comes through.
-def _refuse_unreadable_cheap_nodes(nodes: list[Node]) -> None:
-    """Raise ``StageBackwardError`` naming the first of ``nodes`` (weight-only nodes B would run) that cannot read a
-    tensor it saved (Note [a weight-only node B runs was freed before])."""
-    for node in cpp_nodes_saving(nodes):
-        found = unreadable_saved(node)
-        if found is not None:
-            name, cause = found
-            said = str(cause).split(". ")[0].strip(" .") + "."  # autograd's first sentence: no advice for retain_graph
-            raise BadValue(
-                f"stage_backward_input: {node.name()}, a weight-only node B runs for a weight gradient it computes "
-                f"itself (a bias, a norm weight or an elementwise scale), cannot read its saved '{name}': {said} "
-                "Either a tensor it saved was changed in place since the forward, or an earlier backward freed it: "
-                "a weight computed once and used by several microbatches (e.g. under "
-                "torch.nn.utils.parametrize.cached(), or a product of parameters taken once per step) is freed by the "
-                "first microbatch's B, which runs its node as a full backward does; compute it in each microbatch's "
-                "forward. Nothing was run"
-            )
 
 
 def _deferred(specs: list, eager_nodes: set, cheap_edges: dict) -> tuple[list[Node], list[tuple[int, ...]]]:

@@ -123,3 +123,48 @@ def test_the_compiled_split_is_supported_from_torch_2_13_and_asked_once() -> Non
     else:
         assert not _compiled.support().ok and "needs torch 2.13 or newer" in _compiled.support().why
     assert _compiled.support() is _compiled.support()  # cached: one answer per process
+
+
+# a first call of B and W made inside CONTEXT, which so imports ppbackward.backward and every module it uses there
+_FIRST_CALL_IN = """
+import contextlib, copy, sys
+import torch
+from torch.overrides import TorchFunctionMode
+
+class Tagged(torch.Tensor):
+    pass
+
+class TagResults(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out.as_subclass(Tagged) if type(out) is torch.Tensor else out
+
+import ppbackward as pb
+torch.manual_seed(0)
+mod = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+ref = copy.deepcopy(mod)
+x = torch.randn(3, 4, requires_grad=True)
+out = mod(x)
+ref(x.detach()).backward(torch.ones(3, 4))
+context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "mode": TagResults}[sys.argv[1]]
+with context():
+    b = pb.stage_backward_input
+w = pb.stage_backward_weight
+_, groups = b((out,), (torch.ones(3, 4),), [x], mod.parameters())
+w(mod.parameters(), groups)
+assert all(torch.equal(p.grad, q.grad) for p, q in zip(mod.parameters(), ref.parameters())), "grads differ"
+print("EXACT")
+"""
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "mode"])
+def test_a_first_read_inside_a_callers_context_imports_probes_that_still_hold(context: str, tmp_path: Path) -> None:
+    """Reading ``ppbackward.stage_backward_input`` first inside ``torch.no_grad()`` or inference mode imported
+    ``ppbackward.backward`` there, whose module-level probe of the ``AccumulateGrad`` type found no ``grad_fn``
+    (``AttributeError``); inside a ``TorchFunctionMode`` that tags results, the probe read a view's type instead, and W
+    gave no weight a gradient (Note [probes run in plain autograd] in ``ppbackward._plain``; a reviewer's)."""
+    script = tmp_path / "first_call.py"
+    script.write_text(_FIRST_CALL_IN)
+    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    done = subprocess.run([sys.executable, str(script), context], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and "EXACT" in done.stdout, done.stderr[-2000:]
