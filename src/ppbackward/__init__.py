@@ -28,7 +28,7 @@ import importlib as _importlib
 import sys as _sys
 from typing import TYPE_CHECKING
 
-__version__ = "0.3.0"
+__version__ = "0.4.0.dev0"
 
 # public name -> the module that defines it (Note [lazy package])
 _HOMES = {
