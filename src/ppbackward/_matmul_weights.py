@@ -131,33 +131,34 @@ def weight_contributions(calls: list[NodeCall], taken: dict) -> list[Contributio
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        for node, grads, edges in calls:
-            dy = grads[0] if grads else None
-            if dy is None:
-                continue
-            x = taken[node][0]
-            mat2 = _MAT1[type(node)][1]
-            nf, seq = node.next_functions, node._sequence_nr()
-            for j in edges:
-                if j == mat2:  # mm_mat2_backward, alpha 1
-                    sizes = node._saved_mat2_sym_sizes  # type: ignore[attr-defined]  # plain ints: kept after release
-                    strides = node._saved_mat2_sym_strides  # type: ignore[attr-defined]
-                    if (
-                        len(strides) == 2
-                        and strides[0] == 1
-                        and strides[1] == sizes[0]
-                        and dy.layout is strided
-                        and x.layout is strided
-                    ):
-                        g = dy.t().mm(x).t()
-                    else:
-                        g = x.t().mm(dy)
-                else:  # addmm's self: maybe_multiply(grad, beta)
-                    beta = node._saved_beta  # type: ignore[attr-defined]
-                    g = dy if beta == 1 else dy * beta
-                if check_nan and torch.isnan(g).any():
-                    raise nan_output(node, j)
-                out.append(new(Contribution, (new(GradientEdge, nf[j][:2]), g, seq)))
+        with torch._C.DisableTorchFunction():  # the engine's formulas never meet a caller's TorchFunctionMode
+            for node, grads, edges in calls:
+                dy = grads[0] if grads else None
+                if dy is None:
+                    continue
+                x = taken[node][0]
+                mat2 = _MAT1[type(node)][1]
+                nf, seq = node.next_functions, node._sequence_nr()
+                for j in edges:
+                    if j == mat2:  # mm_mat2_backward, alpha 1
+                        sizes = node._saved_mat2_sym_sizes  # type: ignore[attr-defined]  # plain ints: kept after release
+                        strides = node._saved_mat2_sym_strides  # type: ignore[attr-defined]
+                        if (
+                            len(strides) == 2
+                            and strides[0] == 1
+                            and strides[1] == sizes[0]
+                            and dy.layout is strided
+                            and x.layout is strided
+                        ):
+                            g = dy.t().mm(x).t()
+                        else:
+                            g = x.t().mm(dy)
+                    else:  # addmm's self: maybe_multiply(grad, beta)
+                        beta = node._saved_beta  # type: ignore[attr-defined]
+                        g = dy if beta == 1 else dy * beta
+                    if check_nan and torch.isnan(g).any():
+                        raise nan_output(node, j)
+                    out.append(new(Contribution, (new(GradientEdge, nf[j][:2]), g, seq)))
     finally:
         torch._C._set_grad_enabled(grad_was)
     return out

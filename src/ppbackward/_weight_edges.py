@@ -19,6 +19,7 @@ from ppbackward._graph import _ACCUMULATE_GRAD
 from ppbackward._handoff import WeightWork, unreadable_saved_error
 from ppbackward._matmul_weights import weight_contributions
 from ppbackward._param_groups import Contribution, NodeCall
+from ppbackward._plain import kept_tensors
 from ppbackward._saved import release_saved_tensors
 
 # private module: what other modules use
@@ -105,8 +106,11 @@ def _anchor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The one-element leaf and root gradient of W's first engine call on ``device``."""
     pair = _ANCHORS.get(device)
     if pair is None:
-        with torch.inference_mode(False), torch.no_grad():
-            pair = (torch.zeros((), device=device).requires_grad_(), torch.ones((), device=device))
+        with kept_tensors():  # kept for good: Note [probes run in plain autograd]
+            pair = (
+                torch.zeros((), device=device, dtype=torch.float32).requires_grad_(),
+                torch.ones((), device=device, dtype=torch.float32),
+            )
         pair = _ANCHORS.setdefault(device, pair)
     return pair
 

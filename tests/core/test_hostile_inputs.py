@@ -665,3 +665,39 @@ def test_a_stage_input_of_a_torch_function_subclass_is_found_in_the_graph(stage,
         _, groups = upstream.stage_backward_input((out,), (g,), [x_theirs], theirs.parameters())
     upstream.stage_backward_weight(theirs.parameters(), groups)
     assert all(p.grad is None for p in theirs.parameters()) and x_theirs.grad is not None
+
+
+class _RoundMatmuls(TorchFunctionMode):
+    """A numerics-emulation mode around W: rounds every ``mm`` it sees to bfloat16, and records what it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.seen.append(getattr(func, "__name__", str(func)))
+        if getattr(func, "__name__", "") == "mm":
+            out = out.to(torch.bfloat16).to(out.dtype)
+        return out
+
+
+def test_w_s_weight_matmuls_are_not_seen_by_a_callers_function_mode():
+    """W computes a linear layer's weight gradients itself (Note [weight matmuls from their saved input]); a
+    ``TorchFunctionMode`` around W saw those ``mm`` and rounded them, where a plain backward's formulas run in C++ and
+    meet no function mode: the weight grads came out 3e-3 apart (a hostile tester's). Now W's formula runs with
+    ``__torch_function__`` off and equals a plain backward under the same mode."""
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    ref = copy.deepcopy(mod)
+    x = torch.randn(4, 8, requires_grad=True)
+    g = torch.randn(4, 8)
+    with _RoundMatmuls():
+        ref(x.detach()).backward(g)
+    out = mod(x)
+    _, groups = pb.stage_backward_input((out,), (g,), [x], mod.parameters())
+    mode = _RoundMatmuls()
+    with mode:
+        pb.stage_backward_weight(mod.parameters(), groups)
+    assert "mm" not in mode.seen
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(mod.parameters(), ref.parameters()))

@@ -146,8 +146,14 @@ ref = copy.deepcopy(mod)
 x = torch.randn(3, 4, requires_grad=True)
 out = mod(x)
 ref(x.detach()).backward(torch.ones(3, 4))
-context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "mode": TagResults}[sys.argv[1]]
-with context():
+def strict_pack(t):
+    raise AssertionError("a saved tensor was packed")
+
+contexts = {
+    "no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "mode": TagResults,
+    "saved_hooks": lambda: torch.autograd.graph.saved_tensors_hooks(strict_pack, lambda t: t),
+}
+with contexts[sys.argv[1]]():
     b = pb.stage_backward_input
 w = pb.stage_backward_weight
 _, groups = b((out,), (torch.ones(3, 4),), [x], mod.parameters())
@@ -157,14 +163,69 @@ print("EXACT")
 """
 
 
-@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "mode"])
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "mode", "saved_hooks"])
 def test_a_first_read_inside_a_callers_context_imports_probes_that_still_hold(context: str, tmp_path: Path) -> None:
     """Reading ``ppbackward.stage_backward_input`` first inside ``torch.no_grad()`` or inference mode imported
     ``ppbackward.backward`` there, whose module-level probe of the ``AccumulateGrad`` type found no ``grad_fn``
     (``AttributeError``); inside a ``TorchFunctionMode`` that tags results, the probe read a view's type instead, and W
-    gave no weight a gradient (Note [probes run in plain autograd] in ``ppbackward._plain``; a reviewer's)."""
+    gave no weight a gradient; inside saved-tensor hooks, the probes' matmuls handed their tensors to the caller's pack
+    hook, which here refuses any (Note [probes run in plain autograd] in ``ppbackward._plain``; a reviewer's and a
+    hostile tester's)."""
     script = tmp_path / "first_call.py"
     script.write_text(_FIRST_CALL_IN)
     env = {k: v for k, v in os.environ.items() if k not in _UNSET}
     done = subprocess.run([sys.executable, str(script), context], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0 and "EXACT" in done.stdout, done.stderr[-2000:]
+
+
+# the first W of the process that calls an intermediate again (an einsum), under a mode that tags its results: W's
+# anchors, made then and kept, must be plain tensors, and later W meet no subclass
+_ANCHORS_MADE_IN_A_MODE = """
+import torch
+from torch.overrides import TorchFunctionMode
+import ppbackward as pb
+from ppbackward import _weight_edges
+
+class Tagged(torch.Tensor):
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        Tagged.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+class TagResults(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunction():
+            out = func(*args, **(kwargs or {}))
+        return out.as_subclass(Tagged) if type(out) is torch.Tensor else out
+
+weight = torch.nn.Parameter(torch.randn(8, 8))
+def step(mode):
+    x = torch.randn(4, 8, requires_grad=True)
+    out = torch.einsum("bi,ij->bj", x, weight)
+    _, groups = pb.stage_backward_input((out,), (torch.ones(4, 8),), [x], [weight])
+    if mode:
+        with TagResults():
+            pb.stage_backward_weight([weight], groups)
+    else:
+        pb.stage_backward_weight([weight], groups)
+step(True)
+kept = {str(d): [type(t).__name__ for t in pair] for d, pair in _weight_edges._ANCHORS.items()}
+assert kept == {"cpu": ["Tensor", "Tensor"]}, kept
+Tagged.calls = 0
+step(False)
+assert Tagged.calls == 0, Tagged.calls
+print("PLAIN")
+"""
+
+
+def test_w_s_anchors_made_inside_a_callers_mode_are_plain_tensors(tmp_path: Path) -> None:
+    """W's anchors (Note [W's anchor runs no kernel] in ``ppbackward._weight_edges``) are made at the first W on a
+    device and kept: made inside a ``TorchFunctionMode`` that tags results they were the mode's subclass, whose
+    ``__torch_function__`` then ran in every later W with no mode active (a hostile tester's)."""
+    script = tmp_path / "anchors.py"
+    script.write_text(_ANCHORS_MADE_IN_A_MODE)
+    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and "PLAIN" in done.stdout, done.stderr[-2000:]
