@@ -25,9 +25,13 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["kept_tensors", "plain_autograd"]  # private module
+__all__ = ["hooks_enabled", "kept_tensors", "plain_autograd"]  # private module
 
-_hooks_allowed = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
+
+def hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be pushed here (not under ``disable_saved_tensors_hooks``)."""
+    check = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return True if check is None else bool(check())
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -46,7 +50,7 @@ def plain_autograd() -> Iterator[None]:
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(torch._C.DisableTorchFunction())
-        if _hooks_allowed():
+        if hooks_enabled():
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_detached, _as_saved))
         yield
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ppbackward._plain import hooks_enabled
 from ppbackward._saved import observing_only
 
 if TYPE_CHECKING:
@@ -61,12 +62,6 @@ top_hooks: Callable[[bool], Any] | None = getattr(torch._C._autograd, "_top_save
 #: Whether dynamo is tracing right now (Note [tracker steps aside in compiled regions]); never on a torch
 #: without ``torch.compiler.is_compiling``.
 _compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-
-
-def hooks_enabled() -> bool:
-    """Whether saved-tensor hooks may be pushed here (not under ``disable_saved_tensors_hooks``)."""
-    check = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-    return True if check is None else bool(check())
 
 
 def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:

@@ -94,7 +94,7 @@ def write_output(path: str, text: str) -> None:
     Where the file exists, the text is written beside it and renamed over it (its mode kept), so a write that
     fails part-way (a full disk) leaves it as it was; a new file is removed again if its write fails.
     Written in place instead, where a rename would change what the name stands for or cannot be made: a
-    FIFO or device, a file with other hard links, another owner or another group than a new file gets, an
+    FIFO or device, a file with other hard links, another owner or another group than a new file gets,
     extended attributes other than a new file's (an ACL: :func:`_xattrs_differ`), a folder that refuses a new entry or
     the rename (another user's sticky folder). A path naming one of this
     process's descriptors (standard output, ``/dev/fd/N``: :func:`_descriptor`) gets the text on that
