@@ -273,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.flush()
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    (args.out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    from ppbackward._tools.torchrun import write_pid_file
+
+    write_pid_file(args.out, rank)  # whole, for the launcher that may stop this rank
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     verdict = _Verdict(args.out, rank, args.backward)

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["alive", "dump_stacks", "start", "stop", "tail", "terminate_raises", "torchrun_command"]
+__all__ = ["alive", "dump_stacks", "start", "stop", "tail", "terminate_raises", "torchrun_command", "write_pid_file"]
 
 _GRACE_S = 5.0  # between SIGTERM and SIGKILL of torchrun
 _DUMP_GRACE_S = 30.0  # most a worker gets to write its stack dump (Note [killing a hung launch])
@@ -100,6 +100,14 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return sys.platform != "linux"
+
+
+def write_pid_file(out_dir: Path, rank: int) -> None:
+    """Write this process's pid to ``out_dir/rank<rank>.pid`` whole: written beside it and renamed, so that a reader
+    that sees the file (the stop here, a test waiting for the ranks to start) never reads it empty or half-written."""
+    part = out_dir / f"rank{rank}.pid.part"
+    part.write_text(str(os.getpid()))
+    os.replace(part, out_dir / f"rank{rank}.pid")
 
 
 def _worker_pids(out_dir: Path, module: str) -> dict[int, int]:

@@ -93,6 +93,7 @@ from ppbackward._tools.harness.records import (
     Timeouts,
     write_verdict,
 )
+from ppbackward._tools.torchrun import write_pid_file
 
 __all__ = ["main"]
 
@@ -621,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = _redirect_output(out / f"rank{rank}.log")
-    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    write_pid_file(out, rank)
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # Note [killing a hung launch]
     torch.set_num_threads(1)
