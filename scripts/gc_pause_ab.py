@@ -13,6 +13,7 @@ import sys
 import time
 
 import torch
+from _usage import exit_if_help
 
 import ppbackward.backward as bw
 from ppbackward._tools.harness.models import build, parse_configs
@@ -67,4 +68,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    exit_if_help(__doc__)
     main(sys.argv[1:])

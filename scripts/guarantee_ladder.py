@@ -67,6 +67,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import torch
+from _usage import exit_if_help
 from torch.autograd.graph import GradientEdge, _engine_run_backward
 
 from ppbackward._compiled import is_region, splitting
@@ -591,4 +592,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    exit_if_help(__doc__)
     main(sys.argv[1:])

@@ -12,12 +12,14 @@ import sys
 import time
 
 import torch
+from _usage import exit_if_help
 
 import ppbackward._handoff as pgm
 import ppbackward.backward as bw
 from ppbackward._tools.bench.impls import run_b, run_w
 from ppbackward._tools.harness.models import Config, build, reset_grads
 
+exit_if_help(__doc__)
 torch.set_num_threads(1)
 AA = bool(os.environ.get("AA"))
 orig_init, orig_check, orig_claimed, orig_claim = (

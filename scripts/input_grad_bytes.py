@@ -26,6 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _usage import exit_if_help
 from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
 import ppbackward
@@ -119,5 +120,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_if_help(__doc__)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 import torch
+from _usage import exit_if_help
 
 
 def _export(commit: str, into: pathlib.Path) -> None:
@@ -64,4 +65,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    exit_if_help(__doc__)
     main(sys.argv[1:])

@@ -26,6 +26,7 @@ import sys
 import time
 
 import torch
+from _usage import exit_if_help
 
 import ppbackward
 import ppbackward._weight_edges as we
@@ -115,4 +116,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    exit_if_help(__doc__)
     main(sys.argv[1:])

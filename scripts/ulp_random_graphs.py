@@ -19,6 +19,7 @@ import pathlib
 import sys
 
 import torch
+from _usage import exit_if_help
 from hypothesis import HealthCheck, given, seed, settings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root: ``tests`` is a package
@@ -86,4 +87,5 @@ def main(n: int, draw: int) -> None:
 
 
 if __name__ == "__main__":
+    exit_if_help(__doc__)
     main(int(sys.argv[1]) if len(sys.argv) > 1 else 600, int(sys.argv[2]) if len(sys.argv) > 2 else 0)
