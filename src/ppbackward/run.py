@@ -7,8 +7,8 @@
     python -m ppbackward.run --merge-bw -m MODULE ARGS...   # install(merge_bw=True)
     torchrun --nproc-per-node 8 -m ppbackward.run -m torchtitan.train --module llama3 ...
 
-:func:`main` calls :func:`ppbackward.install` and then runs the target with :mod:`runpy` the way the
-interpreter itself would: ``sys.argv`` is ``[SCRIPT, ARGS...]`` (``[full path of MODULE's file,
+:func:`main` calls :func:`ppbackward.install` and then runs the target the way the interpreter itself
+would: ``sys.argv`` is ``[SCRIPT, ARGS...]`` (``[full path of MODULE's file,
 ARGS...]`` for ``-m``), ``sys.path[0]`` is the script's folder (the current directory for ``-m``), the
 target's ``SystemExit`` code is the exit code, and an exception goes to ``sys.excepthook`` (the target's
 own, where it set one) with the target's traceback (this module's and runpy's frames left out) and exit
@@ -23,7 +23,9 @@ every rank runs this module, so every rank installs ppbackward before the target
 A refusal -- the installed torch outside ``ppbackward.SUPPORTED_TORCH``, a ``stage.py`` whose contract
 ppbackward does not know, or ``--merge-bw`` on a torch without the schedule lowering it wraps
 (:class:`ppbackward.UnsupportedTorchError`) -- is one line on stderr and exit code 3 before the target
-runs; a usage error is exit code 2.
+runs; a usage error, or a ``PPBACKWARD_ALLOW_UNTESTED_TORCH`` value other than 0 or 1 on a newer torch, is one line
+and exit code 2. The target's module stays ``sys.modules["__main__"]`` after its body ends, as under the interpreter
+(Note [the target stays __main__]).
 
 Note [run shows the install]: :func:`ppbackward.install` logs one ``INFO`` record on the ``ppbackward``
 logger, on rank 0 (Note [install says so] in ``ppbackward._install``), which logging shows nowhere until
@@ -42,13 +44,20 @@ start-up (see ``docs/torchtitan.md``, "Launchers that start their own workers");
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import importlib.machinery
+import importlib.util
+import io
 import logging
+import marshal
 import os
+import pkgutil
 import runpy
 import sys
 import types
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["main"]
 
@@ -107,16 +116,19 @@ def _install_shown() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _install(merge_bw: bool) -> str | None:
-    """Install ppbackward (its log line shown: Note [run shows the install]); the refusal's one-line reason,
-    or ``None`` once installed."""
+def _install(merge_bw: bool) -> tuple[int, str] | None:
+    """Install ppbackward (its log line shown: Note [run shows the install]); ``None`` once installed, else the
+    exit code and the one-line reason: :data:`EXIT_REFUSED` for a torch ppbackward refuses, :data:`EXIT_USAGE`
+    for a ``PPBACKWARD_ALLOW_UNTESTED_TORCH`` value that is neither 0 nor 1 (read on a newer torch only)."""
     from ppbackward import UnsupportedTorchError, install
 
     try:
         with _install_shown():
             install(merge_bw=merge_bw)
     except UnsupportedTorchError as exc:
-        return str(exc).splitlines()[0]
+        return EXIT_REFUSED, str(exc).splitlines()[0]
+    except ValueError as exc:  # install's one ValueError: the opt-in's value (Note [untested newer torch])
+        return EXIT_USAGE, str(exc).splitlines()[0]
     return None
 
 
@@ -145,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     refused = _install(merge_bw)
     if refused is not None:
-        print(f"ppbackward.run: not running {target}: {refused}", file=sys.stderr)
-        return EXIT_REFUSED
+        print(f"ppbackward.run: not running {target}: {refused[1]}", file=sys.stderr)
+        return refused[0]
     try:
         _run(kind, target, args)
     except SystemExit as exc:
@@ -177,18 +189,55 @@ def _report(exc: Exception, tb: types.TracebackType | None) -> None:
         sys.__excepthook__(type(exc), exc, tb)
 
 
+# Note [the target stays __main__]: ``python SCRIPT`` runs the script in the process's ``__main__`` module, which
+# stays in ``sys.modules`` until the interpreter shuts down and clears it. ``runpy.run_path``/``run_module`` run
+# the target in a temporary module and put the previous ``__main__`` (this launcher's) back when its body ends:
+# a thread or ``atexit`` handler that pickles a class of the script then fails (``attribute lookup ... on
+# __main__``: an async checkpoint writer, ``torch.save`` at exit), and the target's globals, left in a cycle with
+# its functions, are never cleared at shutdown, so a file it opened and never closed is never flushed (found
+# empty). So the launcher makes the target's module itself, puts it in ``sys.modules["__main__"]`` for good,
+# and runs the code in it with the attributes the interpreter sets: for a script an absolute ``__file__`` (as
+# python 3.9+ gives: after an ``os.chdir`` ``__file__`` and ``inspect.getsource`` still find the file) and no
+# spec; for ``-m`` the module's spec, found by runpy's own lookup (the interpreter's errors for a missing module
+# or a package without ``__main__``). A folder or zip file holding ``__main__.py`` still runs through
+# ``runpy.run_path`` (its ``__main__`` is put back when it ends).
 def _run(kind: str, target: str, args: list[str]) -> None:
-    """Run ``target`` as ``__main__`` with ``sys.argv``/``sys.path[0]`` as the interpreter sets them."""
-    if kind == "module":
-        sys.argv = [target, *args]  # runpy replaces argv[0] with the module's file
-        sys.path[0] = os.getcwd()  # `python -m` puts the current directory first
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-        return
+    """Run ``target`` as ``__main__`` with ``sys.argv``/``sys.path[0]`` as the interpreter sets them (Note [the
+    target stays __main__]); with ``-P`` or ``-I`` (``sys.flags.safe_path``) ``sys.path`` is left as it is."""
     sys.argv = [target, *args]
-    # `python SCRIPT` puts the script's folder first (symbolic links resolved); for a folder or zip file
-    # holding __main__.py, runpy puts the path itself there while it runs
-    sys.path[0] = target if os.path.isdir(target) else os.path.dirname(os.path.realpath(target))
-    runpy.run_path(target, run_name="__main__")
+    safe_path = getattr(sys.flags, "safe_path", False)  # python 3.11+
+    if kind == "module":
+        if not safe_path:
+            sys.path[0] = os.getcwd()  # `python -m` puts the current directory first
+        _, spec, code = runpy._get_module_details(target)  # type: ignore[attr-defined]  # ImportError as run_module's
+        sys.argv[0] = spec.origin  # as the interpreter's -m
+        _run_as_main(code, __file__=spec.origin, __cached__=spec.cached, __loader__=spec.loader,
+                     __package__=spec.parent, __spec__=spec)
+        return
+    if not safe_path:  # `python SCRIPT` puts the script's folder first (symbolic links resolved); for a folder or
+        # zip file holding __main__.py, runpy puts the path itself there while it runs
+        sys.path[0] = target if os.path.isdir(target) else os.path.dirname(os.path.realpath(target))
+    if pkgutil.get_importer(target) is not None:  # a folder or zip file: runpy finds its __main__
+        runpy.run_path(target, run_name="__main__")
+        return
+    path = os.path.abspath(target)
+    with io.open_code(path) as f:
+        data = f.read()
+    if data[:4] == importlib.util.MAGIC_NUMBER:  # a compiled file, as `python FILE.pyc` runs it
+        code = marshal.loads(data[16:])
+    else:
+        code = compile(data, path, "exec", dont_inherit=True)
+    loader = importlib.machinery.SourceFileLoader("__main__", path)
+    _run_as_main(code, __file__=path, __cached__=None, __loader__=loader, __package__=None, __spec__=None)
+
+
+def _run_as_main(code: types.CodeType, **attributes: Any) -> None:
+    """Run ``code`` in a new module put in ``sys.modules["__main__"]`` for good (Note [the target stays
+    __main__]), with ``attributes`` set first."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update(attributes, __builtins__=builtins)
+    sys.modules["__main__"] = module
+    exec(code, module.__dict__)
 
 
 def _target_traceback(exc: BaseException) -> types.TracebackType | None:

@@ -286,3 +286,89 @@ def test_help_describes_the_launchers_one_option_and_its_exit_codes(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m ppbackward.run [--merge-bw]")
     assert "--merge-bw  install(merge_bw=True)" in out and "3 ppbackward refuses" in out
+
+
+# A target that uses its __main__ after its body ends (Note [the target stays __main__]): a file opened at module
+# level and never closed (flushed when the interpreter clears __main__ at shutdown), a thread that outlives the
+# body (it waits for the main thread to finish: an event, no fixed time) and an atexit handler, both pickling a
+# class of the target, as an async checkpoint writer and a save at exit do.
+LATE_MAIN = textwrap.dedent(
+    """
+    import atexit, os, pickle, threading
+    OUT = os.environ["LATE_OUT"]
+    class Ckpt:
+        pass
+    log = open(os.path.join(OUT, "log.txt"), "w")
+    log.write("written, never closed\\n")
+    def save(name):
+        try:
+            pickle.loads(pickle.dumps(Ckpt()))
+            result = "pickled"
+        except Exception as e:
+            result = f"{type(e).__name__}: {e}"
+        with open(os.path.join(OUT, name), "w") as f:
+            f.write(result)
+    def writer():
+        threading.main_thread().join()
+        save("thread.txt")
+    threading.Thread(target=writer).start()
+    atexit.register(save, "atexit.txt")
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["script", "module"])
+def test_the_target_stays_main_after_its_body_ends_as_under_the_interpreter(tmp_path, kind):
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / "late_main.py").write_text(LATE_MAIN)
+    target = [str(folder / "late_main.py")] if kind == "script" else ["-m", "late_main"]
+    outs = {}
+    for how, args in (("launcher", ["-m", "ppbackward.run", *target]), ("python", target)):
+        out = tmp_path / how
+        out.mkdir()
+        result = _python(*args, cwd=folder, env={"LATE_OUT": str(out)})
+        assert result.returncode == 0, result.stderr
+        outs[how] = {name: (out / name).read_text() for name in ("log.txt", "thread.txt", "atexit.txt")}
+    assert outs["launcher"] == outs["python"] == {
+        "log.txt": "written, never closed\n", "thread.txt": "pickled", "atexit.txt": "pickled"}
+
+
+def test_a_script_named_relative_to_the_current_directory_gets_an_absolute_file(tmp_path):
+    # python 3.9+ makes __file__ absolute: after a chdir the script's folder and its source are still found
+    (tmp_path / "rel.py").write_text(textwrap.dedent(
+        """
+        import inspect, json, os
+        def f():
+            return 1
+        os.chdir("/")
+        print(json.dumps([__file__, os.path.dirname(os.path.abspath(__file__)), inspect.getsource(f)]))
+        """
+    ))
+    result = _python("-m", "ppbackward.run", "rel.py", cwd=tmp_path)
+    plain = _python("rel.py", cwd=tmp_path)
+    assert result.returncode == plain.returncode == 0, result.stderr
+    assert _report(result) == _report(plain) == [str(tmp_path / "rel.py"), str(tmp_path), "def f():\n    return 1\n"]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="-P (safe path) is python 3.11+")
+def test_safe_path_keeps_the_current_directory_off_sys_path_as_the_interpreters(probe, tmp_path):
+    cwd = probe.parent
+    result = _python("-P", "-m", "ppbackward.run", "-m", "probe_mod", cwd=cwd)
+    plain = _python("-P", "-m", "probe_mod", cwd=cwd)
+    assert result.returncode == plain.returncode == 1
+    assert result.stderr.splitlines()[-1] == plain.stderr.strip() == f"{sys.executable}: No module named probe_mod"
+    result = _python("-P", "-m", "ppbackward.run", str(probe), cwd=tmp_path)
+    plain = _python("-P", str(probe), cwd=tmp_path)
+    assert result.returncode == plain.returncode == 0, result.stderr
+    assert _report(result)["path0"] == _report(plain)["path0"] != str(probe.parent)
+
+
+def test_a_bad_opt_in_value_on_a_newer_torch_is_a_usage_error_in_one_line(probe, tmp_path):
+    code = ("import sys, runpy, torch; torch.__version__ = '2.99.0'; "
+            f"sys.argv = ['ppbackward.run', {str(probe)!r}]; runpy.run_module('ppbackward.run', run_name='__main__')")
+    result = _python("-c", code, cwd=tmp_path, env={"PPBACKWARD_ALLOW_UNTESTED_TORCH": "yes"})
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""  # the probe never ran
+    assert result.stderr.strip().splitlines() == [
+        f"ppbackward.run: not running {probe}: PPBACKWARD_ALLOW_UNTESTED_TORCH='yes': expected 1 (opt in), 0 or unset"]
