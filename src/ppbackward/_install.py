@@ -103,7 +103,8 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
             supported range, and for a newer torch the opt-in); nothing is patched then.
         ValueError: on a newer torch, ``PPBACKWARD_ALLOW_UNTESTED_TORCH`` is set to something other
             than 0 or 1 (and ``allow_untested`` is ``None``).
-        RuntimeError: the pipelining modules lack one of the expected names; or (an
+        RuntimeError: the pipelining modules lack one of the expected names, or hold ppbackward's functions
+            put in by an earlier copy of this module (reloaded since), whose record of torch's is lost; or (an
             ``UnsupportedTorchError``) ``merge_bw=True`` and this torch has no
             ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` (nothing is patched then).
     """
@@ -126,6 +127,7 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
                 if not hasattr(mod, name):
                     raise RuntimeError(f"{mod.__name__} has no attribute {name!r}; cannot install")
         found = {(mod.__name__, name): getattr(mod, name) for mod in mods for name in NAMES}
+        _refuse_ours_as_torchs(found, adapter)
         for mod in mods:
             for name in NAMES:
                 setattr(mod, name, adapter.functions[name])
@@ -143,6 +145,20 @@ def install(allow_untested: bool | None = None, *, merge_bw: bool | None = None)
             "grads with torch's own backward (ppbackward check) before relying on it.",
             UntestedTorchWarning,
             stacklevel=2,
+        )
+
+
+def _refuse_ours_as_torchs(found: dict[tuple[str, str], Any], adapter: Adapter) -> None:
+    """Refuse to record ppbackward's own functions as torch's originals: found in torch's modules while this
+    module records no install, they were put in by an earlier copy of this module (``importlib.reload``, IPython's
+    autoreload), whose record of torch's functions is gone; recording them would make :func:`uninstall` put
+    ppbackward's functions back instead of torch's. Nothing is patched then."""
+    ours = [f"{mod}.{name}" for (mod, name), obj in found.items() if obj is adapter.functions[name]]
+    if ours:
+        raise RuntimeError(
+            f"install(): {ours[0]} is already ppbackward's, put in by an earlier import of ppbackward._install "
+            "(reloaded since?) whose record of torch's functions is lost, so uninstall() could not restore them; "
+            "start a new interpreter (ppbackward stays installed in this one)"
         )
 
 

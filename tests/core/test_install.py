@@ -71,6 +71,25 @@ def test_install_swaps_both_modules_and_uninstall_restores_exact_originals():
     assert all(_current()[k] is ORIGINALS[k] for k in ORIGINALS)
 
 
+def test_install_refuses_to_record_its_own_functions_as_torchs_after_its_record_was_lost(monkeypatch):
+    # what importlib.reload(ppbackward._install) (IPython's autoreload) does to an install: a new, empty record
+    # while torch's modules still hold ppbackward's functions; recorded, uninstall() would put those back
+    from ppbackward import _install
+
+    pb.install()
+    try:
+        monkeypatch.setattr(_install, "_originals", {})
+        monkeypatch.setattr(_install, "_active", [])
+        held = _current()
+        with pytest.raises(RuntimeError, match=r"stage_backward is already ppbackward's, .*start a new interpreter"):
+            pb.install()
+        assert _current() == held and not _install._originals  # nothing patched, nothing recorded
+    finally:
+        monkeypatch.undo()
+        pb.uninstall()
+    assert all(_current()[k] is ORIGINALS[k] for k in ORIGINALS)
+
+
 @pytest.fixture
 def first_install(monkeypatch):
     """A process that has not logged its install yet (Note [install says so]), outside torchrun."""
