@@ -1,6 +1,10 @@
 """``-h`` / ``--help`` for the measurement scripts in this folder: print the calling script's docstring (what it
-measures, its arguments, how to read its output) and exit 0, before the script imports torch or reads its
-arguments. Each script calls :func:`exit_if_help` first; ``python scripts/NAME.py --help``."""
+measures, its arguments, how to read its output) and exit 0 before it measures anything. Each script calls
+:func:`exit_if_help` at its start (after its imports); ``python scripts/NAME.py --help``. Imported as ``_usage``,
+which needs this folder first on ``sys.path``, as ``python scripts/NAME.py`` puts it (not under ``python -P``).
+``host_instructions.py`` has argparse's own ``--help``."""
+
+from __future__ import annotations
 
 import sys
 

@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
 
     An exception raised by the target goes to ``sys.excepthook`` (its traceback from the target's first
     frame) and gives ``1``; ``KeyboardInterrupt`` and other ``BaseException``\\ s besides ``SystemExit`` propagate.
+    The target's module replaces ``sys.modules["__main__"]`` for good, the caller's own when called in process
+    (Note [the target stays __main__]).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     merge_bw = bool(argv) and argv[0] == "--merge-bw"
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         _report(exc, tb)
         return 1
+    finally:
+        _script_ended()
     return 0
 
 
@@ -196,23 +200,36 @@ def _report(exc: Exception, tb: types.TracebackType | None) -> None:
 # __main__``: an async checkpoint writer, ``torch.save`` at exit), and the target's globals, left in a cycle with
 # its functions, are never cleared at shutdown, so a file it opened and never closed is never flushed (found
 # empty). So the launcher makes the target's module itself, puts it in ``sys.modules["__main__"]`` for good,
-# and runs the code in it with the attributes the interpreter sets: for a script an absolute ``__file__`` (as
-# python 3.9+ gives: after an ``os.chdir`` ``__file__`` and ``inspect.getsource`` still find the file) and no
-# spec; for ``-m`` the module's spec, found by runpy's own lookup (the interpreter's errors for a missing module
-# or a package without ``__main__``). A folder or zip file holding ``__main__.py`` still runs through
-# ``runpy.run_path`` (its ``__main__`` is put back when it ends).
+# and runs the code in it with the attributes the interpreter sets. For a script: ``__file__`` the path joined
+# to the current directory, not normalised (python 3.9+: after an ``os.chdir`` ``__file__`` and
+# ``inspect.getsource`` still find the file, and ``link/..`` is the folder the link's target is in), no spec, a
+# ``.pyc`` name run as compiled code; once the body has ended and an exception it raised has been reported,
+# ``__file__`` and ``__cached__`` are deleted, as the interpreter does. For ``-m``: the module's spec, found by
+# runpy's own lookup (the interpreter's errors for a missing module or a package without ``__main__``;
+# ``runpy._get_module_details``, private, the same on python 3.9-3.13; where it is missing, ``runpy.run_module``
+# as before). A folder or zip file holding ``__main__.py`` still runs through ``runpy.run_path``: its module is
+# put back when its body ends, as before.
+_made: list[types.ModuleType] = []  # the script's __main__ module, once made (0 or 1 entry)
+
+
 def _run(kind: str, target: str, args: list[str]) -> None:
     """Run ``target`` as ``__main__`` with ``sys.argv``/``sys.path[0]`` as the interpreter sets them (Note [the
-    target stays __main__]); with ``-P`` or ``-I`` (``sys.flags.safe_path``) ``sys.path`` is left as it is."""
+    target stays __main__]); under ``-P`` or ``-I`` (python 3.11+'s ``sys.flags.safe_path``; ``-I`` before it)
+    ``sys.path`` is left as it is."""
     sys.argv = [target, *args]
-    safe_path = getattr(sys.flags, "safe_path", False)  # python 3.11+
+    safe_path = getattr(sys.flags, "safe_path", bool(sys.flags.isolated))
     if kind == "module":
         if not safe_path:
             sys.path[0] = os.getcwd()  # `python -m` puts the current directory first
-        _, spec, code = runpy._get_module_details(target)  # type: ignore[attr-defined]  # ImportError as run_module's
+        details = getattr(runpy, "_get_module_details", None)
+        if details is None:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            return
+        _, spec, code = details(target)  # ImportError as run_module's
         sys.argv[0] = spec.origin  # as the interpreter's -m
-        _run_as_main(code, __file__=spec.origin, __cached__=spec.cached, __loader__=spec.loader,
-                     __package__=spec.parent, __spec__=spec)
+        module = _new_main(__file__=spec.origin, __cached__=spec.cached, __loader__=spec.loader,
+                           __package__=spec.parent, __spec__=spec)
+        exec(code, module.__dict__)
         return
     if not safe_path:  # `python SCRIPT` puts the script's folder first (symbolic links resolved); for a folder or
         # zip file holding __main__.py, runpy puts the path itself there while it runs
@@ -220,24 +237,38 @@ def _run(kind: str, target: str, args: list[str]) -> None:
     if pkgutil.get_importer(target) is not None:  # a folder or zip file: runpy finds its __main__
         runpy.run_path(target, run_name="__main__")
         return
-    path = os.path.abspath(target)
+    path = target if os.path.isabs(target) else os.path.join(os.getcwd(), target)
     with io.open_code(path) as f:
         data = f.read()
-    if data[:4] == importlib.util.MAGIC_NUMBER:  # a compiled file, as `python FILE.pyc` runs it
+    loader: Any
+    if path.endswith(".pyc"):  # compiled code, as `python FILE.pyc` runs it
+        if data[:4] != importlib.util.MAGIC_NUMBER:
+            raise RuntimeError("Bad magic number in .pyc file")
         code = marshal.loads(data[16:])
+        loader = importlib.machinery.SourcelessFileLoader("__main__", path)
     else:
         code = compile(data, path, "exec", dont_inherit=True)
-    loader = importlib.machinery.SourceFileLoader("__main__", path)
-    _run_as_main(code, __file__=path, __cached__=None, __loader__=loader, __package__=None, __spec__=None)
+        loader = importlib.machinery.SourceFileLoader("__main__", path)
+    _made.append(_new_main(__file__=path, __cached__=None, __loader__=loader, __package__=None, __spec__=None))
+    exec(code, _made[0].__dict__)
 
 
-def _run_as_main(code: types.CodeType, **attributes: Any) -> None:
-    """Run ``code`` in a new module put in ``sys.modules["__main__"]`` for good (Note [the target stays
-    __main__]), with ``attributes`` set first."""
+def _new_main(**attributes: Any) -> types.ModuleType:
+    """A new module with ``attributes`` set, put in ``sys.modules["__main__"]`` for good (Note [the target stays
+    __main__])."""
     module = types.ModuleType("__main__")
     module.__dict__.update(attributes, __builtins__=builtins)
     sys.modules["__main__"] = module
-    exec(code, module.__dict__)
+    return module
+
+
+def _script_ended() -> None:
+    """Delete the script's ``__file__`` and ``__cached__`` once its body has ended and its exception, if any, has
+    been reported, as the interpreter does (Note [the target stays __main__])."""
+    while _made:
+        module = _made.pop()
+        module.__dict__.pop("__file__", None)
+        module.__dict__.pop("__cached__", None)
 
 
 def _target_traceback(exc: BaseException) -> types.TracebackType | None:

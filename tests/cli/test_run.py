@@ -307,7 +307,7 @@ LATE_MAIN = textwrap.dedent(
         except Exception as e:
             result = f"{type(e).__name__}: {e}"
         with open(os.path.join(OUT, name), "w") as f:
-            f.write(result)
+            f.write(f"{result}, __file__ {'kept' if '__file__' in globals() else 'deleted'}")
     def writer():
         threading.main_thread().join()
         save("thread.txt")
@@ -330,8 +330,10 @@ def test_the_target_stays_main_after_its_body_ends_as_under_the_interpreter(tmp_
         result = _python(*args, cwd=folder, env={"LATE_OUT": str(out)})
         assert result.returncode == 0, result.stderr
         outs[how] = {name: (out / name).read_text() for name in ("log.txt", "thread.txt", "atexit.txt")}
+    file = "kept" if kind == "module" else "deleted"  # python deletes a script's __file__ once its body ends
     assert outs["launcher"] == outs["python"] == {
-        "log.txt": "written, never closed\n", "thread.txt": "pickled", "atexit.txt": "pickled"}
+        "log.txt": "written, never closed\n", "thread.txt": f"pickled, __file__ {file}",
+        "atexit.txt": f"pickled, __file__ {file}"}
 
 
 def test_a_script_named_relative_to_the_current_directory_gets_an_absolute_file(tmp_path):
@@ -372,3 +374,32 @@ def test_a_bad_opt_in_value_on_a_newer_torch_is_a_usage_error_in_one_line(probe,
     assert result.stdout == ""  # the probe never ran
     assert result.stderr.strip().splitlines() == [
         f"ppbackward.run: not running {probe}: PPBACKWARD_ALLOW_UNTESTED_TORCH='yes': expected 1 (opt in), 0 or unset"]
+
+
+def test_a_path_through_a_symbolic_link_and_dot_dot_runs_the_file_python_runs(tmp_path):
+    # python joins the path to the current directory without normalising it: lnk/.. is the link target's parent
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "real" / "x.py").write_text("print('real')\n")
+    (tmp_path / "x.py").write_text("print('top')\n")
+    (tmp_path / "lnk").symlink_to(tmp_path / "real" / "sub")
+    result = _python("-m", "ppbackward.run", os.path.join("lnk", "..", "x.py"), cwd=tmp_path)
+    plain = _python(os.path.join("lnk", "..", "x.py"), cwd=tmp_path)
+    assert result.returncode == plain.returncode == 0, result.stderr
+    assert result.stdout == plain.stdout == "real\n"
+
+
+def test_a_compiled_file_runs_as_python_runs_it(tmp_path):
+    import py_compile
+
+    (tmp_path / "c.py").write_text("import sys\nprint('compiled', type(__loader__).__name__)\n")
+    pyc = py_compile.compile(str(tmp_path / "c.py"), cfile=str(tmp_path / "c.pyc"))
+    result = _python("-m", "ppbackward.run", pyc, cwd=tmp_path)
+    plain = _python(pyc, cwd=tmp_path)
+    assert result.returncode == plain.returncode == 0, result.stderr
+    assert result.stdout == plain.stdout == "compiled SourcelessFileLoader\n"
+    (tmp_path / "bad.pyc").write_bytes(b"\0\0\0\0" + Path(pyc).read_bytes()[4:])  # another python's magic
+    result = _python("-m", "ppbackward.run", str(tmp_path / "bad.pyc"), cwd=tmp_path)
+    plain = _python(str(tmp_path / "bad.pyc"), cwd=tmp_path)
+    assert result.returncode == plain.returncode == 1
+    bad_magic = "RuntimeError: Bad magic number in .pyc file"
+    assert result.stderr.splitlines()[-1] == plain.stderr.splitlines()[-1] == bad_magic
