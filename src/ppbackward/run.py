@@ -205,10 +205,10 @@ def _report(exc: Exception, tb: types.TracebackType | None) -> None:
 # ``inspect.getsource`` still find the file, and ``link/..`` is the folder the link's target is in), no spec, a
 # ``.pyc`` name run as compiled code; once the body has ended and an exception it raised has been reported,
 # ``__file__`` and ``__cached__`` are deleted, as the interpreter does. For ``-m``: the module's spec, found by
-# runpy's own lookup (the interpreter's errors for a missing module or a package without ``__main__``;
-# ``runpy._get_module_details``, private, the same on python 3.9-3.13; where it is missing, ``runpy.run_module``
-# as before). A folder or zip file holding ``__main__.py`` still runs through ``runpy.run_path``: its module is
-# put back when its body ends, as before.
+# runpy's own lookup (the interpreter's errors for a missing module or a package without ``__main__``). A folder
+# or zip file holding ``__main__.py``: its ``__main__`` found on the path, put first, as the interpreter does
+# (``-P`` or not). The lookups are runpy's private ``_get_module_details`` and ``_get_main_module_details``, the
+# same on python 3.9-3.13; where one is missing, ``runpy.run_module``/``run_path`` as before.
 _made: list[types.ModuleType] = []  # the script's __main__ module, once made (0 or 1 entry)
 
 
@@ -227,17 +227,23 @@ def _run(kind: str, target: str, args: list[str]) -> None:
             return
         _, spec, code = details(target)  # ImportError as run_module's
         sys.argv[0] = spec.origin  # as the interpreter's -m
-        module = _new_main(__file__=spec.origin, __cached__=spec.cached, __loader__=spec.loader,
-                           __package__=spec.parent, __spec__=spec)
-        exec(code, module.__dict__)
-        return
-    if not safe_path:  # `python SCRIPT` puts the script's folder first (symbolic links resolved); for a folder or
-        # zip file holding __main__.py, runpy puts the path itself there while it runs
-        sys.path[0] = target if os.path.isdir(target) else os.path.dirname(os.path.realpath(target))
-    if pkgutil.get_importer(target) is not None:  # a folder or zip file: runpy finds its __main__
-        runpy.run_path(target, run_name="__main__")
+        _run_found(spec, code)
         return
     path = target if os.path.isabs(target) else os.path.join(os.getcwd(), target)
+    main_details = getattr(runpy, "_get_main_module_details", None)
+    if pkgutil.get_importer(target) is not None:  # a folder or zip file holding __main__.py
+        if main_details is None:
+            runpy.run_path(target, run_name="__main__")
+            return
+        if safe_path:  # the interpreter puts the path first whatever -P says: its __main__ is found there
+            sys.path.insert(0, path)
+        else:
+            sys.path[0] = path
+        _, spec, code = main_details()  # ImportError "can't find '__main__' module in PATH", as the interpreter's
+        _run_found(spec, code)
+        return
+    if not safe_path:  # `python SCRIPT` puts the script's folder first (symbolic links resolved)
+        sys.path[0] = os.path.dirname(os.path.realpath(target))
     with io.open_code(path) as f:
         data = f.read()
     loader: Any
@@ -251,6 +257,14 @@ def _run(kind: str, target: str, args: list[str]) -> None:
         loader = importlib.machinery.SourceFileLoader("__main__", path)
     _made.append(_new_main(__file__=path, __cached__=None, __loader__=loader, __package__=None, __spec__=None))
     exec(code, _made[0].__dict__)
+
+
+def _run_found(spec: Any, code: types.CodeType) -> None:
+    """Run the ``code`` of a module runpy found (``spec``) as ``__main__``, with the attributes the interpreter's
+    ``-m`` gives it (Note [the target stays __main__])."""
+    module = _new_main(__file__=spec.origin, __cached__=spec.cached, __loader__=spec.loader, __package__=spec.parent,
+                       __spec__=spec)
+    exec(code, module.__dict__)
 
 
 def _new_main(**attributes: Any) -> types.ModuleType:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -194,11 +195,9 @@ def test_a_target_runpy_cannot_find_is_the_interpreters_one_line(probe, tmp_path
     assert result.returncode == plain.returncode == 1
     line = result.stderr.splitlines()[-1]
     assert "Traceback" not in result.stderr, result.stderr
-    if target == ["scripts"]:  # the interpreter names the folder by its absolute path, runpy as given
-        assert line == f"{sys.executable}: can't find '__main__' module in 'scripts'", result.stderr
-        assert plain.stderr.strip() == f"{sys.executable}: can't find '__main__' module in {str(probe.parent)!r}"
-    else:
-        assert line == plain.stderr.strip(), result.stderr
+    assert line == plain.stderr.strip(), result.stderr
+    if target == ["scripts"]:  # the folder named by its absolute path, as the interpreter names it
+        assert line == f"{sys.executable}: can't find '__main__' module in {str(probe.parent)!r}"
 
 
 def test_a_leading_double_dash_ends_the_launchers_options_as_the_interpreters(probe, tmp_path):
@@ -317,12 +316,17 @@ LATE_MAIN = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("kind", ["script", "module"])
+@pytest.mark.parametrize("kind", ["script", "module", "folder", "zip"])
 def test_the_target_stays_main_after_its_body_ends_as_under_the_interpreter(tmp_path, kind):
     folder = tmp_path / "target"
     folder.mkdir()
     (folder / "late_main.py").write_text(LATE_MAIN)
-    target = [str(folder / "late_main.py")] if kind == "script" else ["-m", "late_main"]
+    (folder / "app").mkdir()
+    (folder / "app" / "__main__.py").write_text(LATE_MAIN)
+    with zipfile.ZipFile(folder / "app.zip", "w") as z:
+        z.writestr("__main__.py", LATE_MAIN)
+    target = {"script": [str(folder / "late_main.py")], "module": ["-m", "late_main"], "folder": ["app"],
+              "zip": ["app.zip"]}[kind]
     outs = {}
     for how, args in (("launcher", ["-m", "ppbackward.run", *target]), ("python", target)):
         out = tmp_path / how
@@ -330,7 +334,7 @@ def test_the_target_stays_main_after_its_body_ends_as_under_the_interpreter(tmp_
         result = _python(*args, cwd=folder, env={"LATE_OUT": str(out)})
         assert result.returncode == 0, result.stderr
         outs[how] = {name: (out / name).read_text() for name in ("log.txt", "thread.txt", "atexit.txt")}
-    file = "kept" if kind == "module" else "deleted"  # python deletes a script's __file__ once its body ends
+    file = "deleted" if kind == "script" else "kept"  # python deletes a script's __file__ once its body ends
     assert outs["launcher"] == outs["python"] == {
         "log.txt": "written, never closed\n", "thread.txt": f"pickled, __file__ {file}",
         "atexit.txt": f"pickled, __file__ {file}"}
