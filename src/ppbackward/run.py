@@ -214,8 +214,8 @@ _made: list[types.ModuleType] = []  # the script's __main__ module, once made (0
 
 def _run(kind: str, target: str, args: list[str]) -> None:
     """Run ``target`` as ``__main__`` with ``sys.argv``/``sys.path[0]`` as the interpreter sets them (Note [the
-    target stays __main__]); under ``-P`` or ``-I`` (python 3.11+'s ``sys.flags.safe_path``; ``-I`` before it)
-    ``sys.path`` is left as it is."""
+    target stays __main__]); for a script or ``-m`` under ``-P`` or ``-I`` (python 3.11+'s ``sys.flags.safe_path``;
+    ``-I`` before it) ``sys.path`` is left as it is, as the interpreter leaves it."""
     sys.argv = [target, *args]
     safe_path = getattr(sys.flags, "safe_path", bool(sys.flags.isolated))
     if kind == "module":
