@@ -230,8 +230,8 @@ def _run(kind: str, target: str, args: list[str]) -> None:
         _run_found(spec, code)
         return
     path = target if os.path.isabs(target) else os.path.join(os.getcwd(), target)
-    main_details = getattr(runpy, "_get_main_module_details", None)
     if pkgutil.get_importer(target) is not None:  # a folder or zip file holding __main__.py
+        main_details = getattr(runpy, "_get_main_module_details", None)
         if main_details is None:
             runpy.run_path(target, run_name="__main__")
             return

@@ -208,10 +208,15 @@ def test_a_leading_double_dash_ends_the_launchers_options_as_the_interpreters(pr
     assert _report(result)["installed"]
 
 
-def test_unsupported_torch_is_refused_before_the_target_starts(probe, tmp_path):
-    # the installed torch reporting a release ppbackward does not know (the check reads torch.__version__)
-    code = ("import sys, runpy, torch; torch.__version__ = '2.99.0'; "
+def _launcher_on_torch_2_99(probe: Path) -> str:
+    """``python -c`` code running the launcher on ``probe`` with the installed torch reporting a release ppbackward
+    does not know (its version check reads ``torch.__version__``)."""
+    return ("import sys, runpy, torch; torch.__version__ = '2.99.0'; "
             f"sys.argv = ['ppbackward.run', {str(probe)!r}]; runpy.run_module('ppbackward.run', run_name='__main__')")
+
+
+def test_unsupported_torch_is_refused_before_the_target_starts(probe, tmp_path):
+    code = _launcher_on_torch_2_99(probe)
     result = _python("-c", code, cwd=tmp_path)
     assert result.returncode == 3
     assert result.stdout == ""  # the probe never ran
@@ -242,8 +247,7 @@ def test_untested_newer_torch_opt_in_reaches_install(probe, tmp_path):
     # PPBACKWARD_ALLOW_UNTESTED_TORCH reaches install() through the launcher: on this torch 2.13 posing as
     # 2.99 the stage.py shape is not the newest known one's, so the opt-in refuses for that reason
     # (tests/compat/test_compat_newer_torch.py covers the shape that matches)
-    code = ("import sys, runpy, torch; torch.__version__ = '2.99.0'; "
-            f"sys.argv = ['ppbackward.run', {str(probe)!r}]; runpy.run_module('ppbackward.run', run_name='__main__')")
+    code = _launcher_on_torch_2_99(probe)
     result = _python("-c", code, cwd=tmp_path, env={"PPBACKWARD_ALLOW_UNTESTED_TORCH": "1"})
     assert result.returncode == 3
     assert result.stdout == ""  # the probe never ran
@@ -371,8 +375,7 @@ def test_safe_path_keeps_the_current_directory_off_sys_path_as_the_interpreters(
 
 
 def test_a_bad_opt_in_value_on_a_newer_torch_is_a_usage_error_in_one_line(probe, tmp_path):
-    code = ("import sys, runpy, torch; torch.__version__ = '2.99.0'; "
-            f"sys.argv = ['ppbackward.run', {str(probe)!r}]; runpy.run_module('ppbackward.run', run_name='__main__')")
+    code = _launcher_on_torch_2_99(probe)
     result = _python("-c", code, cwd=tmp_path, env={"PPBACKWARD_ALLOW_UNTESTED_TORCH": "yes"})
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""  # the probe never ran
