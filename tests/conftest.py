@@ -78,3 +78,28 @@ def graph_kept(monkeypatch):
     """B keeps the graph and W calls the intermediates again, whatever they are: the path B takes where Note
     [weight matmuls from their saved input] (ppbackward._matmul_weights) does not apply, forced on any stage."""
     monkeypatch.setattr("ppbackward.backward.take_saved_inputs", lambda *args: None)
+
+
+# Note [each test leaves the collector on]: a test that switches the automatic gc off and does not switch it back
+# changes every test after it: a leak check's collections still run (they are explicit), but a test that needs
+# automatic collections (test_call_counts' disturbed count) then sees none, and fails far from the cause (a CI run
+# did, 2026-12-05, without a trace of which test switched it off). So the collector is checked after each test, as
+# CPython's own test runner checks its environment: switched off (by the test, or by a B, W or leak tool of it still
+# holding ppbackward's pause on some thread), it is switched on again and a warning names the test. A warning, not a
+# failure, as in CPython's runner: the test's own verdict stands, and the next test starts as the suite expects.
+@pytest.fixture(autouse=True)
+def _collector_left_on(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Note [each test leaves the collector on]."""
+    was_on = gc.isenabled()
+    yield
+    if was_on and not gc.isenabled():
+        import ppbackward._gc_pause as pause
+
+        held = pause._depth  # B, W or leak-tool blocks inside the pause now, all threads together
+        gc.enable()
+        request.node.warn(
+            pytest.PytestWarning(
+                f"{request.node.nodeid} left the automatic gc switched off ({held} B/W/leak-tool block(s) of "
+                f"ppbackward inside its pause); switched on again (Note [each test leaves the collector on])"
+            )
+        )

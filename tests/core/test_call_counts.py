@@ -9,10 +9,12 @@ keeps it low: Note [no frame per node] and Note [one frame per capture] in ``ppb
 from __future__ import annotations
 
 import gc
+import sys
+from typing import NamedTuple
 
 import pytest
 
-from ppbackward._tools.bench.calls import count_calls, count_slow_path
+from ppbackward._tools.bench.calls import CallCounts, count_calls, count_slow_path
 from ppbackward._tools.bench.impls import UPSTREAM_B, UPSTREAM_W
 from ppbackward._tools.harness.models import Config
 
@@ -48,35 +50,65 @@ def test_a_tensor_hook_on_an_intermediate_costs_b_and_w_only_the_hooks_own_frame
     assert hooked.bw - base.bw == hooked.full - base.full, (base, hooked)
 
 
-def _count_with_collections(on_gc):
-    """``count_calls`` of the small stage with ``on_gc`` among the gc callbacks and the young threshold at 1,
-    so that a collection would start inside B and inside W."""
+class _Disturbed(NamedTuple):
+    """A count of the small stage with collections due all the time, and what the gc callback saw."""
+
+    counts: CallCounts
+    automatic: int  # young collections the collector started by itself (an explicit gc.collect() is of 2)
+    while_counted: int  # collections that started while the counter's profiler was set (inside B, W or full)
+    was_on: bool  # whether the collector was switched on when the count began
+
+
+def _count_with_collections() -> _Disturbed:
+    """``count_calls`` of the small stage with a gc callback registered (as the leak tools register ``_on_gc``),
+    the young threshold at 1 and the collector switched on for the run, whatever an earlier test left (Note
+    [each test leaves the collector on] in tests/conftest.py): a collection would start inside B and inside W
+    but for the counter's pause. The switch and the threshold are put back after."""
+    seen = {"automatic": 0, "while_counted": 0}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            seen["automatic"] += info["generation"] == 0
+            seen["while_counted"] += sys.getprofile() is not None  # the counter's profiler: set inside _counted
+
+    was_on = gc.isenabled()
     threshold = gc.get_threshold()
+    gc.enable()
     gc.callbacks.append(on_gc)
     gc.set_threshold(1)
     try:
-        return count_calls(CONFIGS[0])
+        counts = count_calls(CONFIGS[0])
     finally:
         gc.set_threshold(*threshold)
         gc.callbacks.remove(on_gc)
+        if not was_on:
+            _REAL_GC_DISABLE()  # not gc.disable: the negative control below patches it
+    return _Disturbed(counts, seen["automatic"], seen["while_counted"], was_on)
+
+
+_REAL_GC_DISABLE = gc.disable
 
 
 def test_a_collection_during_the_count_adds_no_frames():
     """The count is B's and W's frames only: with a gc callback registered (as the leak tools register
-    ``_on_gc``) and collections due all the time, the counts equal an undisturbed run's (a full-suite CI run
-    once counted the callback's start/stop frames)."""
+    ``_on_gc``) and collections due all the time, none starts while B, W or the full backward is counted, and
+    the counts equal an undisturbed run's (a full-suite CI run once counted the callback's start/stop frames)."""
     base = count_calls(CONFIGS[0])
-    calls: list = []
-    disturbed = _count_with_collections(lambda phase, info: calls.append(phase))
-    assert calls, "no collection ran during the counted run: the check would be vacuous"
-    assert disturbed == base
+    disturbed = _count_with_collections()
+    assert disturbed.automatic > 0, f"no automatic collection ran: the check would be vacuous ({disturbed})"
+    assert disturbed.while_counted == 0, disturbed
+    assert disturbed.counts == base, disturbed
 
 
 def test_negative_control_without_the_pause_a_collection_adds_frames(monkeypatch):
-    """The check above can fail: with the counter's gc pause taken out, the same disturbed run counts the
-    callback's frames."""
+    """The check above can fail: with the counter's gc pause taken out, collections start while B, W and the full
+    backward are counted, and the same disturbed run counts the callback's frames. (A CI run on 2026-12-05 counted
+    no difference here: the collector had been left switched off before this module, so no collection was due;
+    ``_count_with_collections`` now switches it on, and the first assertion says whether collections ran.)"""
     import ppbackward._tools.bench.calls as calls_module
 
     base = count_calls(CONFIGS[0])
     monkeypatch.setattr(calls_module.gc, "disable", lambda: None)
-    assert _count_with_collections(lambda phase, info: None) != base
+    disturbed = _count_with_collections()
+    assert disturbed.while_counted > 0, disturbed
+    assert disturbed.counts != base, (base, disturbed)
