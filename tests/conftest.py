@@ -4,8 +4,10 @@ full name (``from tests.core.stages import build``), and pytest puts the reposit
 import contextlib
 import gc
 import os
+import sys
 from collections.abc import Iterator
 
+import hypothesis
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +20,13 @@ torch.set_num_threads(1)
 # here and in the processes the tests launch (which read the variable at import)
 os.environ["PPBACKWARD_VERIFY_PLANS"] = "1"
 ppbackward._plan.VERIFY = True
+
+# hypothesis (tests/core/test_random_stages.py, test_detached_outputs.py): under CI each run draws the same examples
+# (seeded from each test), so a CI verdict is repeatable and a failure there is one the next run shows again, with
+# the blob that reproduces it; a local run draws new examples each time, as hypothesis does by default
+if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    hypothesis.settings.register_profile("ci", derandomize=True, print_blob=True)
+    hypothesis.settings.load_profile("ci")
 
 
 # Note [frozen heap]: a full collection visits every object the gc tracks, and by the middle of the suite that is
@@ -80,26 +89,57 @@ def graph_kept(monkeypatch):
     monkeypatch.setattr("ppbackward.backward.take_saved_inputs", lambda *args: None)
 
 
-# Note [each test leaves the collector on]: a test that switches the automatic gc off and does not switch it back
-# changes every test after it: a leak check's collections still run (they are explicit), but a test that needs
-# automatic collections (test_call_counts' disturbed count) then sees none, and fails far from the cause (a CI run
-# did, 2026-12-05, without a trace of which test switched it off). So the collector is checked after each test, as
-# CPython's own test runner checks its environment: switched off (by the test, or by a B, W or leak tool of it still
-# holding ppbackward's pause on some thread), it is switched on again and a warning names the test. A warning, not a
-# failure, as in CPython's runner: the test's own verdict stands, and the next test starts as the suite expects.
-@pytest.fixture(autouse=True)
-def _collector_left_on(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Note [each test leaves the collector on]."""
-    was_on = gc.isenabled()
-    yield
-    if was_on and not gc.isenabled():
-        import ppbackward._gc_pause as pause
 
-        held = pause._depth  # B, W or leak-tool blocks inside the pause now, all threads together
-        gc.enable()
-        request.node.warn(
-            pytest.PytestWarning(
-                f"{request.node.nodeid} left the automatic gc switched off ({held} B/W/leak-tool block(s) of "
-                f"ppbackward inside its pause); switched on again (Note [each test leaves the collector on])"
-            )
+# Note [each test leaves the process as it found it]: a test that changes process-wide state and does not put it back
+# changes every test after it, which then fails (or passes vacuously) far from the cause. A CI run on 2026-12-05
+# failed test_call_counts' negative control after some earlier test had left the automatic gc switched off: no
+# collection was due, and nothing said which test switched it off. So the state the suite's verdicts rest on is
+# compared before and after each test, as CPython's own test runner compares its environment: what changed is put
+# back and a warning names the test and the state. A warning, not a failure, as in CPython's runner: the test's own
+# verdict stands, and the next test starts as the suite expects. ppbackward's gc pause (blocks inside it, all
+# threads) is only reported: a B, W or leak tool still inside it belongs to a thread or object the test left alive.
+def _process_state() -> dict[str, object]:
+    import ppbackward
+    import ppbackward._gc_pause as pause
+
+    return {
+        "the automatic gc (gc.isenabled)": gc.isenabled(),
+        "ppbackward's gc pause (blocks inside it)": pause._depth,
+        "the profile function (sys.setprofile)": sys.getprofile(),
+        "the trace function (sys.settrace)": sys.gettrace(),
+        "ppbackward installed into torch": ppbackward.is_installed(),
+        "torch's intra-op threads": torch.get_num_threads(),
+        "torch's grad mode": torch.is_grad_enabled(),
+        "torch's anomaly mode": torch.is_anomaly_enabled(),
+    }
+
+
+def _put_back(before: dict[str, object]) -> None:
+    import ppbackward
+
+    (gc.enable if before["the automatic gc (gc.isenabled)"] else gc.disable)()
+    sys.setprofile(before["the profile function (sys.setprofile)"])  # type: ignore[arg-type]
+    sys.settrace(before["the trace function (sys.settrace)"])  # type: ignore[arg-type]
+    if ppbackward.is_installed() and not before["ppbackward installed into torch"]:
+        ppbackward.uninstall()
+    torch.set_num_threads(before["torch's intra-op threads"])  # type: ignore[arg-type]
+    torch.set_grad_enabled(before["torch's grad mode"])  # type: ignore[arg-type]
+    torch.autograd.set_detect_anomaly(before["torch's anomaly mode"])  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def _process_state_kept(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Note [each test leaves the process as it found it]."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    changed = [f"{what}: {before[what]!r} -> {after[what]!r}" for what in before if after[what] != before[what]]
+    if not changed:
+        return
+    _put_back(before)
+    request.node.warn(
+        pytest.PytestWarning(
+            f"{request.node.nodeid} changed the process for the tests after it; put back (Note [each test leaves the "
+            f"process as it found it] in tests/conftest.py): " + "; ".join(changed)
         )
+    )

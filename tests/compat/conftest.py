@@ -96,7 +96,7 @@ def cyclic_garbage():
 
     def measure(fn) -> Garbage:
         _collect_all()
-        enabled = gc.isenabled()
+        enabled, flags = gc.isenabled(), gc.get_debug()
         gc.disable()
         gc.set_debug(gc.DEBUG_SAVEALL)
         try:
@@ -104,11 +104,14 @@ def cyclic_garbage():
             _collect_all()
             found = Garbage(gc.garbage)
         finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            _collect_all()
+            # the switch and the flags first: a collection below that raises (another thread's that never
+            # ends) or a timeout's signal must not leave the suite with the gc off (Note [each test leaves
+            # the collector on] in tests/conftest.py)
+            gc.set_debug(flags)
             if enabled:
                 gc.enable()
+            gc.garbage.clear()
+            _collect_all()
         return found
 
     return measure

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import pytest
 
+import ppbackward._gc_pause as pause
+import ppbackward._tools.bench.calls as calls_module
 from ppbackward._tools.bench.calls import CallCounts, count_calls, count_slow_path
 from ppbackward._tools.bench.impls import UPSTREAM_B, UPSTREAM_W
 from ppbackward._tools.harness.models import Config
@@ -62,15 +64,17 @@ class _Disturbed(NamedTuple):
 def _count_with_collections() -> _Disturbed:
     """``count_calls`` of the small stage with a gc callback registered (as the leak tools register ``_on_gc``),
     the young threshold at 1 and the collector switched on for the run, whatever an earlier test left (Note
-    [each test leaves the collector on] in tests/conftest.py): a collection would start inside B and inside W
+    [each test leaves the process as it found it] in tests/conftest.py): a collection would start inside B and inside W
     but for the counter's pause. The switch and the threshold are put back after."""
     seen = {"automatic": 0, "while_counted": 0}
 
     def on_gc(phase, info):
         if phase == "start":
             seen["automatic"] += info["generation"] == 0
-            seen["while_counted"] += sys.getprofile() is not None  # the counter's profiler: set inside _counted
+            # the counter's own profiler, set only inside ``_counted`` (not one another test left on)
+            seen["while_counted"] += getattr(sys.getprofile(), "__qualname__", "") == _COUNTER_PROFILER
 
+    assert pause._depth == 0, f"ppbackward's gc pause is held ({pause._depth} blocks): no collection could be due"
     was_on = gc.isenabled()
     threshold = gc.get_threshold()
     gc.enable()
@@ -87,6 +91,7 @@ def _count_with_collections() -> _Disturbed:
 
 
 _REAL_GC_DISABLE = gc.disable
+_COUNTER_PROFILER = f"{calls_module._counted.__qualname__}.<locals>.prof"
 
 
 def test_a_collection_during_the_count_adds_no_frames():
@@ -105,8 +110,6 @@ def test_negative_control_without_the_pause_a_collection_adds_frames(monkeypatch
     backward are counted, and the same disturbed run counts the callback's frames. (A CI run on 2026-12-05 counted
     no difference here: the collector had been left switched off before this module, so no collection was due;
     ``_count_with_collections`` now switches it on, and the first assertion says whether collections ran.)"""
-    import ppbackward._tools.bench.calls as calls_module
-
     base = count_calls(CONFIGS[0])
     monkeypatch.setattr(calls_module.gc, "disable", lambda: None)
     disturbed = _count_with_collections()

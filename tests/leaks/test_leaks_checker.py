@@ -200,7 +200,7 @@ def test_a_block_that_clears_the_gc_debug_flags_still_has_its_leak_caught(collec
         with check_tensor_leaks(strict=False, max_chains=0) as clean:  # negative control
             gc.set_debug(0)
             _clean_work()
-            gc.collect()
+            _gc_phase.full_collect()
         assert clean.ok and clean.num_tensors == 0 and clean.num_garbage == 0
         assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
     finally:
@@ -557,7 +557,7 @@ def test_checkers_armed_at_overlapping_times_restore_the_flags_found_before_the_
             pass
         assert gc.get_debug() == gc.DEBUG_UNCOLLECTABLE
         _make_cycle()
-        gc.collect()
+        _gc_phase.full_collect()
         assert gc.garbage == []
     finally:
         gc.set_debug(old)

@@ -79,11 +79,15 @@ def _profile_phase(stage: Stage, impl: str, reps: int) -> dict[str, Any]:
         gc.disable()
         try:
             prof_b.enable()
-            groups = run_b(impl, stage, out)
-            prof_b.disable()
+            try:
+                groups = run_b(impl, stage, out)
+            finally:  # a B that raises must not leave the profiler on in the caller's process
+                prof_b.disable()
             prof_w.enable()
-            run_w(impl, stage, groups)
-            prof_w.disable()
+            try:
+                run_w(impl, stage, groups)
+            finally:
+                prof_w.disable()
         finally:
             gc.enable()
         del groups, out
