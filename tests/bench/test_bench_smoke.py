@@ -11,6 +11,7 @@ variant exact, and a hung rank stopped by the hang clock (Note [hang clock] in
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import os
@@ -126,6 +127,22 @@ def test_where_time_goes_counts():
             shares = d["profile"][phase]
             assert shares["engine_calls"] >= 1
             assert set(shares) >= {"total_ms", "engine_ms", "analysis_ms", "hooks_ms", "python_other_ms"}
+
+
+@pytest.mark.parametrize("phase", ["b", "w"])
+def test_the_profile_phase_leaves_no_profiler_and_the_gc_as_it_was_when_b_or_w_raises(monkeypatch, phase):
+    """A B or W that raises under the bench's profile (cProfile per phase, the automatic gc paused) leaves the
+    caller's process with no profiler set and the gc switched on (it left cProfile on before)."""
+    from ppbackward._tools.bench import profile as _profile
+
+    def fail(*args):
+        raise RuntimeError(f"{phase} failed")
+
+    monkeypatch.setattr(_profile, f"run_{phase}", fail)
+    with pytest.raises(RuntimeError, match=f"{phase} failed"):
+        _profile._profile_phase(_models.build(_models.Config(1, 16, 4)), "ppbackward", 1)
+    assert sys.getprofile() is None
+    assert gc.isenabled()
 
 
 @pytest.mark.parametrize("bad", ["4x64", "4x63x16", "axbxc", ""])

@@ -106,7 +106,7 @@ def cyclic_garbage():
         finally:
             # the switch and the flags first: a collection below that raises (another thread's that never
             # ends) or a timeout's signal must not leave the suite with the gc off (Note [each test leaves
-            # the collector on] in tests/conftest.py)
+            # the process as it found it] in tests/conftest.py)
             gc.set_debug(flags)
             if enabled:
                 gc.enable()

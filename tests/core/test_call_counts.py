@@ -52,6 +52,12 @@ def test_a_tensor_hook_on_an_intermediate_costs_b_and_w_only_the_hooks_own_frame
     assert hooked.bw - base.bw == hooked.full - base.full, (base, hooked)
 
 
+_REAL_GC_DISABLE = gc.disable
+# the code of the counter's profiler (a function defined inside ``_counted``): how the gc callback tells it from a
+# profiler some other test left on
+_COUNTER_PROFILER = next(c for c in calls_module._counted.__code__.co_consts if getattr(c, "co_name", "") == "prof")
+
+
 class _Disturbed(NamedTuple):
     """A count of the small stage with collections due all the time, and what the gc callback saw."""
 
@@ -63,16 +69,15 @@ class _Disturbed(NamedTuple):
 
 def _count_with_collections() -> _Disturbed:
     """``count_calls`` of the small stage with a gc callback registered (as the leak tools register ``_on_gc``),
-    the young threshold at 1 and the collector switched on for the run, whatever an earlier test left (Note
-    [each test leaves the process as it found it] in tests/conftest.py): a collection would start inside B and inside W
+    the young threshold at 1 and the collector switched on for the run, whatever an earlier test left (Note [each
+    test leaves the process as it found it] in tests/conftest.py): a collection would start inside B and inside W
     but for the counter's pause. The switch and the threshold are put back after."""
     seen = {"automatic": 0, "while_counted": 0}
 
     def on_gc(phase, info):
         if phase == "start":
             seen["automatic"] += info["generation"] == 0
-            # the counter's own profiler, set only inside ``_counted`` (not one another test left on)
-            seen["while_counted"] += getattr(sys.getprofile(), "__qualname__", "") == _COUNTER_PROFILER
+            seen["while_counted"] += getattr(sys.getprofile(), "__code__", None) is _COUNTER_PROFILER
 
     assert pause._depth == 0, f"ppbackward's gc pause is held ({pause._depth} blocks): no collection could be due"
     was_on = gc.isenabled()
@@ -90,10 +95,6 @@ def _count_with_collections() -> _Disturbed:
     return _Disturbed(counts, seen["automatic"], seen["while_counted"], was_on)
 
 
-_REAL_GC_DISABLE = gc.disable
-_COUNTER_PROFILER = f"{calls_module._counted.__qualname__}.<locals>.prof"
-
-
 def test_a_collection_during_the_count_adds_no_frames():
     """The count is B's and W's frames only: with a gc callback registered (as the leak tools register
     ``_on_gc``) and collections due all the time, none starts while B, W or the full backward is counted, and
@@ -107,9 +108,9 @@ def test_a_collection_during_the_count_adds_no_frames():
 
 def test_negative_control_without_the_pause_a_collection_adds_frames(monkeypatch):
     """The check above can fail: with the counter's gc pause taken out, collections start while B, W and the full
-    backward are counted, and the same disturbed run counts the callback's frames. (A CI run on 2026-12-05 counted
-    no difference here: the collector had been left switched off before this module, so no collection was due;
-    ``_count_with_collections`` now switches it on, and the first assertion says whether collections ran.)"""
+    backward are counted, and the same disturbed run counts the callback's frames (with the collector switched off
+    before it, no collection is due and the counts are equal: why ``_count_with_collections`` switches it on; Note
+    [each test leaves the process as it found it] in tests/conftest.py)."""
     base = count_calls(CONFIGS[0])
     monkeypatch.setattr(calls_module.gc, "disable", lambda: None)
     disturbed = _count_with_collections()

@@ -229,8 +229,9 @@ def _function_class_lifetime() -> weakref.ref:
 
 def test_a_custom_function_class_dies_after_b_and_w():
     node_type = _function_class_lifetime()
-    full_collect()  # a class is in a cycle with its methods: the collector frees it (not gc.collect(): Note
-    # [a collection that surely ran] in ppbackward.leaks._gc_phase)
+    # a class is in a cycle with its methods: the collector frees it (full_collect, not gc.collect(): Note [a
+    # collection that surely ran] in ppbackward.leaks._gc_phase)
+    full_collect()
     assert node_type() is None
 
 

@@ -45,6 +45,7 @@ import torch
 
 from ppbackward._saved import observing_only
 from ppbackward._tools.bench.impls import run_b, run_w
+from ppbackward._tools.bench.timing import gc_paused
 from ppbackward._tools.harness.models import Stage, reset_grads
 from ppbackward._tools.memory import alive_bytes, saved_storages
 from ppbackward.leaks._storage import (
@@ -153,21 +154,19 @@ def measure_hooked(impl: str, stage: Stage) -> dict[str, Any]:
     unpacks; and alive after W (the stage output dropped)."""
     reset_grads(stage)
     hooks = _CopyHooks()
-    gc.collect()
-    gc.disable()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-            out = stage.model(stage.x)
-        packed = hooks.alive_bytes()
-        hooks.phase = "B"
-        groups = run_b(impl, stage, out)
-        held = hooks.alive_bytes()
-        hooks.phase = "W"
-        run_w(impl, stage, groups)
-        del groups, out
-        after_w = hooks.alive_bytes()
+        with gc_paused():
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                out = stage.model(stage.x)
+            packed = hooks.alive_bytes()
+            hooks.phase = "B"
+            groups = run_b(impl, stage, out)
+            held = hooks.alive_bytes()
+            hooks.phase = "W"
+            run_w(impl, stage, groups)
+            del groups, out
+            after_w = hooks.alive_bytes()
     finally:
-        gc.enable()
         reset_grads(stage)
     floor = sum(hooks.read_in_w.values())
     return {
@@ -183,21 +182,19 @@ def measure_split(impl: str, stage: Stage) -> dict[str, Any]:
     """Held (no hooks) and floor (unpack hooks) bytes of ``impl`` on ``stage``; see module docstring."""
     saved_hooked, floor = _floor(impl, stage)
     reset_grads(stage)
-    gc.collect()
-    gc.disable()
     try:
-        out = stage.model(stage.x)
-        storages = saved_storages([out.grad_fn], exclude=[*stage.params, stage.x, out])
-        saved = alive_bytes(storages)
-        groups = run_b(impl, stage, out)
-        held = alive_bytes(storages)  # `out` is still referenced, as PipelineStage keeps it until W
-        gc.collect()
-        held_after_gc = alive_bytes(storages)
-        run_w(impl, stage, groups)
-        del groups, out
-        after_w = alive_bytes(storages)
+        with gc_paused():
+            out = stage.model(stage.x)
+            storages = saved_storages([out.grad_fn], exclude=[*stage.params, stage.x, out])
+            saved = alive_bytes(storages)
+            groups = run_b(impl, stage, out)
+            held = alive_bytes(storages)  # `out` is still referenced, as PipelineStage keeps it until W
+            gc.collect()
+            held_after_gc = alive_bytes(storages)
+            run_w(impl, stage, groups)
+            del groups, out
+            after_w = alive_bytes(storages)
     finally:
-        gc.enable()
         reset_grads(stage)
     return {
         "saved_bytes": saved,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import cProfile
 import functools
-import gc
 import pstats
 import re
 from typing import Any, Callable
@@ -27,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._tools.bench.impls import run_b, run_w
 from ppbackward._tools.bench.quiet import quiet_profiler
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
@@ -76,8 +76,7 @@ def _profile_phase(stage: Stage, impl: str, reps: int) -> dict[str, Any]:
     for _ in range(reps):
         reset_grads(stage)
         out = stage.model(stage.x)
-        gc.disable()
-        try:
+        with automatic_gc_paused(always=True):
             prof_b.enable()
             try:
                 groups = run_b(impl, stage, out)
@@ -88,8 +87,6 @@ def _profile_phase(stage: Stage, impl: str, reps: int) -> dict[str, Any]:
                 run_w(impl, stage, groups)
             finally:
                 prof_w.disable()
-        finally:
-            gc.enable()
         del groups, out
     reset_grads(stage)
     return {"b": _split(prof_b, impl, reps), "w": _split(prof_w, impl, reps)}

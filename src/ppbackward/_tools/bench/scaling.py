@@ -11,12 +11,12 @@ same graphs for contrast.
 from __future__ import annotations
 
 import functools
-import gc
 import time
 from typing import Any
 
 from torch.distributed.pipelining import _backward as _upstream
 
+from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._graph import analyze, gradient_edge
 from ppbackward._tools.harness.models import Config, build
 
@@ -48,13 +48,10 @@ def graph_size(roots: list[Any], stop: set[Any]) -> tuple[int, int]:
 def _min_time(fn: Any, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
-        gc.disable()
-        try:
+        with automatic_gc_paused(always=True):
             t0 = time.perf_counter()
             fn()
             best = min(best, time.perf_counter() - t0)
-        finally:
-            gc.enable()
     return best
 
 

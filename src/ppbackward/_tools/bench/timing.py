@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ppbackward._gc_pause import automatic_gc_paused
 from ppbackward._tools.bench.impls import VARIANTS, run_variant
 from ppbackward._tools.harness.models import Config, Stage, build, reset_grads
 from ppbackward._tools.repeats import rotations
@@ -93,13 +94,12 @@ def one_torch_thread() -> Iterator[None]:
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Collect, then keep the gc off for the block (Note [interleaved repeats])."""
+    """Collect, then keep the automatic gc off for the block (Note [interleaved repeats]) and as it was after: through
+    ppbackward's pause (Note [no collection inside B and W] in ``ppbackward._gc_pause``), so a caller's switched-off
+    collector stays off and a B on another thread keeps its pause."""
     gc.collect()
-    gc.disable()
-    try:
+    with automatic_gc_paused(always=True):
         yield
-    finally:
-        gc.enable()
 
 
 def prepare_regime(stage: Stage, regime: str) -> None:
