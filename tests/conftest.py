@@ -105,8 +105,8 @@ def graph_kept(monkeypatch):
 # leak tool still inside it belongs to a thread or object the test left alive), inference mode (no setter), an
 # install the test undid (its options are unknown), and a profile or trace function the test replaced (a profiler
 # or debugger attached to the session swaps its own; one a test added where there was none is taken out). The
-# profile and trace functions are the main thread's. The first import of ``ppbackward.leaks._gc_phase`` adds its
-# ``_on_gc`` to ``gc.callbacks`` (imported here, so it is in place from the start).
+# profile and trace functions are the main thread's. ``gc.callbacks`` is compared without the callbacks a library adds
+# once for the process (``ppbackward.leaks._gc_phase``'s ``_on_gc``, imported here; hypothesis' own).
 class ProcessStateChanged(pytest.PytestWarning):
     """A test, or what ran between two tests, changed process-wide state (Note [each test leaves the process as it
     found it])."""
@@ -128,7 +128,15 @@ def _uninstall_added(before: object) -> bool:
 
 
 def _callbacks() -> tuple:
-    return tuple(cb for cb in gc.callbacks if cb is not _gc_phase._on_gc)
+    """``gc.callbacks`` but ppbackward's ``_on_gc`` and those of libraries that add one for the process on first use
+    (hypothesis' gc-time accounting): the leak tools' and the tests' own."""
+    return tuple(
+        cb for cb in gc.callbacks
+        if cb is not _gc_phase._on_gc and not getattr(cb, "__module__", "").startswith(_PROCESS_CALLBACKS_OF)
+    )
+
+
+_PROCESS_CALLBACKS_OF = ("hypothesis.",)
 
 
 def _callbacks_put_back(before: object) -> bool:
