@@ -44,6 +44,25 @@ _depth = 0  # B and W calls inside the pause now, all threads together
 _disabled_here = False  # whether the outermost of them disabled the collector
 
 
+# Note [a fork inside a pause]: ``os.fork`` copies the counter and the switch into the child but none of the
+# threads that hold the pause, and a ``multiprocessing`` or ``DataLoader`` worker forked meanwhile (a leak checker
+# around a step that starts workers; a B on another thread) never leaves the blocks it was forked in: it ran with
+# the automatic collector off for its whole life. So the child switches the collector back on where the pause had
+# switched it off, and counts as not having switched it off (a block the child does leave then leaves the switch
+# alone); the lock is made anew (another thread may have held it at the fork). The leak checker does the same for
+# its debug flags (Note [a fork inside a checker] in ``ppbackward.leaks._checker``).
+def _after_fork_in_child() -> None:
+    global _lock, _disabled_here
+    _lock = threading.RLock()
+    if _depth > 0 and _disabled_here:
+        _disabled_here = False
+        gc.enable()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; looked up at each fork, so a test can take it out
+    os.register_at_fork(after_in_child=lambda: _after_fork_in_child())
+
+
 def collector_enabled() -> bool:
     """``gc.isenabled()``, but ``True`` while the collector is off only because B or W paused it."""
     with _lock:

@@ -62,15 +62,17 @@ _PROXY_TYPES = (weakref.ProxyType, weakref.CallableProxyType)
 _FLAGS_LOCK = threading.Lock()
 _armed_checkers = 0
 _flags_before = 0
+_garbage_before = 0  # len(gc.garbage) when the first armed checker armed
 
 
 def _arm_debug_flags() -> None:
     """Count one more armed checker and set ``gc.DEBUG_SAVEALL`` (Note [armed checkers share the debug flags])."""
-    global _armed_checkers, _flags_before
+    global _armed_checkers, _flags_before, _garbage_before
     with _FLAGS_LOCK:
         flags = gc.get_debug()
         if _armed_checkers == 0:
             _flags_before = flags
+            _garbage_before = len(gc.garbage)
         _armed_checkers += 1
         gc.set_debug(flags | gc.DEBUG_SAVEALL)
 
@@ -80,11 +82,32 @@ def _disarm_debug_flags() -> None:
     share the debug flags])."""
     global _armed_checkers
     with _FLAGS_LOCK:
+        if _armed_checkers == 0:  # armed before a fork, leaving in the child (Note [a fork inside a checker])
+            return
         _armed_checkers -= 1
         if _armed_checkers == 0:
             gc.set_debug(_flags_before)
         else:
             gc.set_debug(gc.get_debug() | gc.DEBUG_SAVEALL)  # the block may have cleared it (_SaveAll's Note)
+
+
+# Note [a fork inside a checker]: a process forked while checkers are armed (a ``multiprocessing`` or
+# ``DataLoader`` worker started inside the block) inherits ``gc.DEBUG_SAVEALL``, the checkers' ``_SaveAll``
+# callbacks that put it back at every collection, and what they saved in ``gc.garbage``; a worker never leaves the
+# block, so every cycle it made stayed in ``gc.garbage`` for its whole life. So the child disarms them all: the
+# flags the first checker found, no ``_SaveAll`` callback, ``gc.garbage`` cut back to its length before the first
+# checker armed, no armed checker counted (one that exits in the child then finds nothing to disarm), a new lock.
+# The gc pause's own fork handler switches the collector back on (Note [a fork inside a pause] in
+# ``ppbackward._gc_pause``). A checker exiting in the child reports on what it finds there.
+def _after_fork_in_child() -> None:
+    global _FLAGS_LOCK, _armed_checkers
+    _FLAGS_LOCK = threading.Lock()
+    if _armed_checkers == 0:
+        return
+    _armed_checkers = 0
+    gc.callbacks[:] = [cb for cb in gc.callbacks if not isinstance(cb, _SaveAll)]
+    gc.set_debug(_flags_before)
+    del gc.garbage[_garbage_before:]
 
 
 # Note [checker survives the block's gc flags]
@@ -378,3 +401,7 @@ def check_tensor_leaks(
         assert report.ok and report.num_tensors == 0
     """
     return _TensorLeakCheck(strict, warmup, max_chains, max_depth, output_dir)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; looked up at each fork, so a test can take it out
+    os.register_at_fork(after_in_child=lambda: _after_fork_in_child())

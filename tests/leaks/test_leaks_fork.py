@@ -1,0 +1,92 @@
+"""A process forked inside a leak checker or ppbackward's gc pause starts with the gc as the user had it (Note [a fork
+inside a checker] in ppbackward.leaks._checker, Note [a fork inside a pause] in ppbackward._gc_pause): a
+``multiprocessing`` or ``DataLoader`` worker never leaves the block it was forked in."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import pytest
+
+import ppbackward._gc_pause as pause
+import ppbackward.leaks._checker as checker_module
+from ppbackward.leaks import check_tensor_leaks
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+
+
+def _in_child(leave=None) -> dict:
+    """Fork; the child makes cyclic garbage as library code does, collects, optionally runs ``leave`` (the block's
+    exit, as a bare fork that goes on would), and sends back what its gc looks like."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(read)
+            for _ in range(100):
+                d: dict = {}
+                d["me"] = d
+            gc.collect()
+            if leave is not None:
+                leave()
+            state = {
+                "enabled": gc.isenabled(),
+                "debug": gc.get_debug(),
+                "garbage": len(gc.garbage),
+                "save_all_callbacks": sum(isinstance(cb, checker_module._SaveAll) for cb in gc.callbacks),
+            }
+            os.write(write, json.dumps(state).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    return json.loads(text)
+
+
+AS_THE_USER_HAD_IT = {"enabled": True, "debug": 0, "garbage": 0, "save_all_callbacks": 0}
+
+
+def test_a_worker_forked_inside_a_checker_starts_with_the_gc_as_the_user_had_it():
+    assert gc.isenabled() and gc.get_debug() == 0 and not gc.garbage
+    with check_tensor_leaks(strict=False) as report:
+        child = _in_child()
+    assert child == AS_THE_USER_HAD_IT
+    assert report.ok  # the parent's checker is unharmed
+
+
+def test_a_fork_that_leaves_the_checker_in_the_child_finds_nothing_to_disarm():
+    """A bare ``os.fork`` that goes on runs the checker's exit in the child too: nothing is disarmed twice, the
+    flags stay as the user had them."""
+    box = check_tensor_leaks(strict=False)
+    box.__enter__()
+    try:
+        child = _in_child(leave=lambda: box.__exit__(None, None, None))
+    finally:
+        box.__exit__(None, None, None)
+    assert child == AS_THE_USER_HAD_IT
+
+
+def test_a_worker_forked_inside_the_gc_pause_runs_with_the_collector_on():
+    with pause.automatic_gc_paused(always=True):
+        assert not gc.isenabled()
+        child = _in_child()
+        assert not gc.isenabled()  # the parent's pause holds
+    assert gc.isenabled()
+    assert child["enabled"]
+
+
+def test_negative_control_without_the_fork_handlers_the_worker_keeps_the_checkers_gc(monkeypatch):
+    monkeypatch.setattr(checker_module, "_after_fork_in_child", lambda: None)
+    monkeypatch.setattr(pause, "_after_fork_in_child", lambda: None)
+    with check_tensor_leaks(strict=False):
+        child = _in_child()
+    assert not child["enabled"]
+    # the 100 cycles but the last (its dict still named by the loop)
+    assert child["debug"] & gc.DEBUG_SAVEALL and child["garbage"] >= 99 and child["save_all_callbacks"] == 1
