@@ -112,7 +112,10 @@ def tensor_leak_check(request: pytest.FixtureRequest) -> Any:
         returns (so a test body sees it empty). Arguments come from a ``no_tensor_leaks`` marker
         when the test also has one.
     """
-    return _checker_for(request.node).report
+    checker = _checker_for(request.node)
+    if checker.report.done:  # the same test run again (a rerun plugin): a report of this run, not the last one's
+        checker.report = type(checker.report)()
+    return checker.report
 
 
 # Note [an earlier failure is not this test's garbage]: pytest keeps the last failing test's exception in

@@ -316,3 +316,30 @@ def test_a_basetemp_that_cannot_be_made_fails_no_test_of_its_own(pytester):
     result = _run(pytester, f"--basetemp={pytester.path / 'afile' / 'base'}")
     result.assert_outcomes(passed=3, failed=5)
     assert "NotADirectoryError" not in result.stdout.str()
+
+
+def test_the_fixtures_report_is_the_one_filled_after_the_call(pytester):
+    """What ``tensor_leak_check`` returns is the report of the test call, filled once the call returned: a fixture
+    that reads it at teardown sees the verdict (it was an empty report the checker had replaced on entry)."""
+    pytester.makepyfile(
+        test_teardown="""
+import pytest
+import torch
+
+SEEN = []
+
+@pytest.fixture
+def verdict(tensor_leak_check):
+    yield
+    SEEN.append((tensor_leak_check.done, tensor_leak_check.ok, tensor_leak_check.num_tensors))
+
+def test_leaky(verdict):
+    box = {"t": torch.ones(3)}
+    box["self"] = box
+
+def test_zz_seen():
+    assert SEEN == [(True, False, 1)], SEEN
+"""
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=1, failed=1)  # test_leaky fails with the report, and its fixture saw it

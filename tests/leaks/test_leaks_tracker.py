@@ -160,6 +160,29 @@ def test_a_reference_cycle_is_freed_only_by_gc():
     assert (verified.bytes_alive, verified.bytes_freed_only_by_gc, verified.bytes_held_after_gc) == (20, 20, 0)
 
 
+class _LazyProxy:
+    """A lazy-object proxy, as libraries write them: ``__class__`` forwards to a target not bound yet, and raises."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_target", None)
+
+    @property  # type: ignore[misc]
+    def __class__(self):
+        raise RuntimeError("proxy target not bound yet")
+
+
+def test_a_holder_whose_class_raises_is_named_and_the_report_does_not_fail():
+    """The holder search reads each object's type, never its ``__class__``: a proxy whose ``__class__`` raises held
+    the activation, and ``report()`` raised the proxy's error (hostile tester)."""
+    holder = _LazyProxy()
+    with track_activations() as tracker:
+        holder.out = torch.ones(3, requires_grad=True).exp()
+    report = tracker.report()
+    assert _rows(report.held_after_gc) == [("ExpBackward0", (3,), 12, "alive", False)]
+    assert any("_LazyProxy" in chain for chain in report.held_by), report.held_by
+    del holder
+
+
 def test_a_free_by_refcount_while_another_thread_collects_is_by_refcount():
     """Note [freed by gc vs refcount]: the collector's phase is per thread. The tracker used to read any
     thread's collection as its own and count this tensor, freed by ``del``, as freed only by gc."""

@@ -41,8 +41,14 @@ _MAX_KEYS_SHOWN = 4
 _LOCALS_SEEN = sys.version_info >= (3, 13)  # frame.f_locals is a view, not a copy the frame keeps (PEP 667)
 
 
+
+def _is(obj: Any, cls: type | tuple[type, ...]) -> bool:
+    """``isinstance`` by the object's type alone: the heap holds objects whose ``__class__`` is a property that runs
+    code or raises (a lazy proxy), and a chain search must neither run nor fail on it."""
+    return issubclass(type(obj), cls)
+
 def _is_node(obj: Any) -> bool:
-    return isinstance(obj, torch.autograd.graph.Node)
+    return _is(obj, torch.autograd.graph.Node)
 
 
 def _where(code: types.CodeType, line: int | None = None) -> str:
@@ -52,7 +58,7 @@ def _where(code: types.CodeType, line: int | None = None) -> str:
 def _describe(obj: Any) -> str:
     """One line naming ``obj`` without calling its ``repr`` (which may be huge or run user code)."""
     try:
-        if isinstance(obj, torch.Tensor):
+        if _is(obj, torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 _, nbytes = unique_storage_bytes([obj])
                 dtype = str(obj.dtype).replace("torch.", "")
@@ -64,23 +70,23 @@ def _describe(obj: Any) -> str:
         if _is_node(obj):
             _, nbytes = unique_storage_bytes(saved_tensors(obj, unpack=False))
             return f"autograd node {obj.name()} (saved for backward: {nbytes} bytes)"
-        if isinstance(obj, types.FunctionType):
+        if _is(obj, types.FunctionType):
             return f"function {obj.__qualname__} ({_where(obj.__code__)})"
-        if isinstance(obj, types.MethodType):
+        if _is(obj, types.MethodType):
             return f"bound method {getattr(obj.__func__, '__qualname__', '?')}"
-        if isinstance(obj, types.CellType):
+        if _is(obj, types.CellType):
             return "cell"
-        if isinstance(obj, types.FrameType):
+        if type(obj) is types.FrameType:
             return f"frame of {obj.f_code.co_name} ({_where(obj.f_code, obj.f_lineno)})"
-        if isinstance(obj, functools.partial):
+        if _is(obj, functools.partial):
             return f"functools.partial of {getattr(obj.func, '__qualname__', type(obj.func).__name__)}"
-        if isinstance(obj, dict):
+        if _is(obj, dict):
             keys = [repr(k) if isinstance(k, (str, int)) else type(k).__name__ for k in list(obj)[:_MAX_KEYS_SHOWN]]
             more = ", ..." if len(obj) > _MAX_KEYS_SHOWN else ""
             return f"{type(obj).__name__} with {len(obj)} key(s) [{', '.join(keys)}{more}]"
-        if isinstance(obj, (list, tuple, set, frozenset)):
+        if _is(obj, (list, tuple, set, frozenset)):
             return f"{type(obj).__name__} (len {len(obj)})"
-        if isinstance(obj, types.ModuleType):
+        if _is(obj, types.ModuleType):
             return f"module {obj.__name__}"
     except Exception:  # describing must never fail the check
         pass
@@ -97,21 +103,21 @@ _ATTRS = (
 def _edge_label(src: Any, dst: Any) -> str:
     """How ``src`` refers to ``dst``: ``"['key']"``, ``"[3]"``, ``".cell_contents"``, or ``""``."""
     try:
-        if isinstance(src, dict):
+        if _is(src, dict):
             for k, v in src.items():
                 if v is dst:
                     return f"[{k!r}]" if isinstance(k, (str, int)) else f"[<{type(k).__name__} key>]"
                 if k is dst:
                     return "(a key)"
-        if isinstance(src, (list, tuple)):
+        if _is(src, (list, tuple)):
             for i, v in enumerate(src):
                 if v is dst:
                     return f"[{i}]"
-        if isinstance(src, (set, frozenset)):
+        if _is(src, (set, frozenset)):
             return "(a member)"
-        if _is_node(src) and isinstance(dst, dict):
+        if _is_node(src) and _is(dst, dict):
             return "(its hook dict)"  # the only Python objects a C++ node lets gc traverse
-        if isinstance(src, types.FrameType) and _LOCALS_SEEN:  # before 3.13 f_locals is a copy the frame keeps
+        if type(src) is types.FrameType and _LOCALS_SEEN:  # before 3.13 f_locals is a copy the frame keeps
             for k, v in src.f_locals.items():
                 if v is dst:
                     return f".f_locals[{k!r}]"
@@ -267,7 +273,7 @@ def write_graph(chain: list[Any], path: str) -> str | None:
 
 
 def _is_root(obj: Any) -> bool:
-    return isinstance(obj, (types.ModuleType, types.FrameType))
+    return _is(obj, (types.ModuleType, types.FrameType))
 
 
 class Holders(NamedTuple):
@@ -393,7 +399,7 @@ def _end_rank(obj: Any, depth: dict[int, int]) -> tuple[bool, bool, int]:
 
 def _is_own_frame(obj: Any) -> bool:
     """A frame of this package's reporting code (the search is not what holds the object)."""
-    return isinstance(obj, types.FrameType) and obj.f_code.co_filename.startswith(_PACKAGE_DIR)
+    return type(obj) is types.FrameType and obj.f_code.co_filename.startswith(_PACKAGE_DIR)
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -406,7 +412,7 @@ def format_holders(holders: Holders) -> str:
     chain = holders.chain
     folded = [
         item for i, item in enumerate(chain)
-        if not (isinstance(item, dict) and i + 1 < len(chain) and _is_dict_of(chain[i + 1], item))
+        if not (_is(item, dict) and i + 1 < len(chain) and _is_dict_of(chain[i + 1], item))
     ]
     lines = [f"[0] {_describe(folded[0])}"]
     for i in range(1, len(folded)):
@@ -443,7 +449,7 @@ def _instance_dict(obj: Any) -> Any:
     never on another C type's object (reading a function's ``__dict__`` makes one: a module's globals dict
     has every function of the module among its referrers)."""
     kind = type(obj)
-    if isinstance(obj, types.ModuleType):
+    if _is(obj, types.ModuleType):
         descriptor: Any = _MODULE_DICT
     elif kind.__flags__ & _HEAPTYPE:
         for klass in kind.__mro__:

@@ -197,7 +197,8 @@ class _TensorLeakCheck:
     def __enter__(self) -> LeakReport:
         if self._armed:
             raise RuntimeError("check_tensor_leaks: this checker is already active; create a new one per block")
-        self.report = LeakReport()  # a checker entered again reports on the new block only
+        if self.report.done:  # a checker entered again reports on the new block only; an unused report is the
+            self.report = LeakReport()  # one filled (what the pytest fixture handed out before the call)
         if self._warmup is not None:
             self._warmup()  # before arming: one-time lazy imports and caches are not leaks
         self._prev_enabled = collector_enabled()  # not gc.isenabled(): a B on another thread may pause it
