@@ -13,3 +13,15 @@ class UnreadableGradFn(torch.Tensor):
     @property
     def grad_fn(self):
         raise RuntimeError("cannot call get_autograd_meta() on undefined tensor")
+
+
+class DeclinesStorageReads(torch.Tensor):
+    """A subclass whose ``__torch_function__`` returns ``NotImplemented`` for the reads the leak tools make to count
+    bytes (``layout``, ``is_meta``, ``untyped_storage``), as the protocol lets it for what it does not handle: Python
+    then raises ``TypeError`` on the read."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.layout.__get__, torch.Tensor.is_meta.__get__, torch.Tensor.untyped_storage):
+            return NotImplemented
+        return super().__torch_function__(func, types, args, kwargs or {})

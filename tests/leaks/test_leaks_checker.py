@@ -19,7 +19,7 @@ import torch
 
 from ppbackward.leaks import LeakReport, TensorLeakError, _gc_phase, check_tensor_leaks
 from tests.leaks.gc_threads import another_thread_collecting
-from tests.leaks.odd_tensors import UnreadableGradFn
+from tests.leaks.odd_tensors import DeclinesStorageReads, UnreadableGradFn
 
 
 def _make_cycle(n: int = 4) -> weakref.ref:
@@ -87,6 +87,21 @@ def test_a_leaked_tensor_whose_grad_fn_cannot_be_read_is_reported_not_raised(tmp
         del t, box
     assert (report.num_tensors, report.tensor_bytes) == (1, 8)
     assert report.chains[0].splitlines()[0] == "[0] UnreadableGradFn float32[2] on cpu, 8 bytes"
+    shutil.rmtree(report.output_dir)
+
+
+def test_a_subclass_declining_the_storage_reads_is_counted_by_its_own_bytes():
+    """The bytes are counted with subclasses' ``__torch_function__`` off: one that returns ``NotImplemented`` for
+    ``layout`` made the checker raise ``TypeError`` instead of reporting (hostile tester)."""
+    t = torch.ones(3).as_subclass(DeclinesStorageReads)
+    with pytest.raises(TypeError):
+        t.layout  # noqa: B018  # what the checker met
+    with check_tensor_leaks(strict=False) as report:
+        box: dict = {"t": t * 2}
+        box["self"] = box
+        del box
+    assert (report.num_tensors, report.tensor_bytes) == (1, 12)
+    assert report.chains[0].splitlines()[0] == "[0] DeclinesStorageReads float32[3] on cpu, 12 bytes"
     shutil.rmtree(report.output_dir)
 
 

@@ -303,7 +303,10 @@ class _TensorLeakCheck:
         report.num_tensors = len(tensors)
         report.num_nodes = len(nodes)
         saved_by_nodes = [t for n in nodes for t in saved_tensors(n, unpack=False)]
-        report.num_storages, report.tensor_bytes = unique_storage_bytes(tensors + saved_by_nodes)
+        # a subclass's __torch_function__ would answer ``t.layout`` and the storage reads (and may return
+        # NotImplemented or raise): the bytes are the tensors' own, as the chains' descriptions read them
+        with torch._C.DisableTorchFunctionSubclass():
+            report.num_storages, report.tensor_bytes = unique_storage_bytes(tensors + saved_by_nodes)
         del saved_by_nodes
         # chains for the tensors that hold a graph first (what keeps activations alive), in gc order
         tensors.sort(key=lambda t: grad_fn_or_none(t) is None)
