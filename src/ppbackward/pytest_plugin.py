@@ -155,6 +155,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
         yield
         return
     _forget_the_last_failure()  # Note [an earlier failure is not this test's garbage]
+    if checker is not None:
+        checker.run_warmup()  # outside the tracker too: a one-time cache is no activation held either
     if tracker is not None:
         tracker.__enter__()
     try:

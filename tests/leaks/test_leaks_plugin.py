@@ -343,3 +343,29 @@ def test_zz_seen():
     )
     result = pytester.runpytest("-p", "no:cacheprovider", "-q")
     result.assert_outcomes(passed=1, failed=1)  # test_leaky fails with the report, and its fixture saw it
+
+
+def test_with_both_markers_the_warmup_runs_before_the_tracker_too(pytester):
+    """``no_tensor_leaks(warmup=...)`` with ``no_activations_held``: the warmup's one-time cache (a graph kept in a
+    module dict) is neither a leak nor an activation held; it ran inside the tracker and failed the test as held
+    (hostile tester)."""
+    pytester.makepyfile(
+        test_warm="""
+import pytest
+import torch
+
+_CACHE = {}
+W = torch.nn.Parameter(torch.randn(4, 4))
+
+def step():
+    if "table" not in _CACHE:  # a one-time lazy cache that keeps a graph: what warmup is for
+        _CACHE["table"] = (W * 2).tanh()
+    return (torch.randn(2, 4) @ W).sum()
+
+@pytest.mark.no_activations_held
+@pytest.mark.no_tensor_leaks(warmup=step)
+def test_step_with_warmup():
+    step().backward()
+"""
+    )
+    pytester.runpytest("-p", "no:cacheprovider", "-q").assert_outcomes(passed=1)

@@ -184,6 +184,7 @@ class _TensorLeakCheck:
         self.report = LeakReport()
         self._strict = strict
         self._warmup = warmup
+        self._warmed = False  # run_warmup() ran it for the next entry
         self._max_chains = max_chains
         self._max_depth = max_depth
         self._output_dir = folder
@@ -194,13 +195,21 @@ class _TensorLeakCheck:
         # the automatic collector's pause while armed (Note [one collection decides])
         self._paused: contextlib.AbstractContextManager[None] | None = None
 
+    def run_warmup(self) -> None:
+        """Run the ``warmup`` callable now instead of at the next entry (the pytest plugin runs it before it enters
+        an activation tracker, so that a one-time cache is not an activation held either)."""
+        if self._warmup is not None:
+            self._warmup()
+        self._warmed = True
+
     def __enter__(self) -> LeakReport:
         if self._armed:
             raise RuntimeError("check_tensor_leaks: this checker is already active; create a new one per block")
         if self.report.done:  # a checker entered again reports on the new block only; an unused report is the
             self.report = LeakReport()  # one filled (what the pytest fixture handed out before the call)
-        if self._warmup is not None:
-            self._warmup()  # before arming: one-time lazy imports and caches are not leaks
+        if not self._warmed:
+            self.run_warmup()  # before arming: one-time lazy imports and caches are not leaks
+        self._warmed = False  # the next entry runs it again
         self._prev_enabled = collector_enabled()  # not gc.isenabled(): a B on another thread may pause it
         paused = automatic_gc_paused(always=True)
         paused.__enter__()  # Note [one collection decides]
