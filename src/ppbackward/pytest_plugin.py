@@ -32,6 +32,7 @@ __all__: list[str] = []  # the public surface is the markers and the fixture
 
 _MARKER = "no_tensor_leaks"
 _CHECKER = pytest.StashKey[Any]()
+_CALLED = pytest.StashKey[bool]()  # the test's call began: the checker was entered or left out
 _ALLOWED = ("warmup", "max_chains", "max_depth", "output_dir")
 _HELD_MARKER = "no_activations_held"
 _HELD_ALLOWED = ("include_parameters", "include_leaves")
@@ -66,13 +67,14 @@ def _marker_kwargs(marker: Any, name: str, allowed: tuple[str, ...]) -> dict[str
     return dict(marker.kwargs)
 
 
-def _checker_for(item: pytest.Item) -> Any:
-    """The (not yet entered) checker of ``item``, created on first request; ``None`` if unwanted."""
+def _checker_for(item: pytest.Item, wanted: bool = False) -> Any:
+    """The (not yet entered) checker of ``item``, created on first request; ``None`` if unwanted (``wanted``: the
+    fixture asked for it, also by ``request.getfixturevalue``)."""
     checker = item.stash.get(_CHECKER, None)
     if checker is not None:
         return checker
     marker = item.get_closest_marker(_MARKER)
-    if marker is None and "tensor_leak_check" not in getattr(item, "fixturenames", ()):
+    if not wanted and marker is None and "tensor_leak_check" not in getattr(item, "fixturenames", ()):
         return None
     kwargs = _marker_kwargs(marker, _MARKER, _ALLOWED)
     from ppbackward.leaks import check_tensor_leaks
@@ -112,7 +114,12 @@ def tensor_leak_check(request: pytest.FixtureRequest) -> Any:
         returns (so a test body sees it empty). Arguments come from a ``no_tensor_leaks`` marker
         when the test also has one.
     """
-    checker = _checker_for(request.node)
+    if request.node.stash.get(_CALLED, False):
+        raise RuntimeError(
+            f"{request.node.nodeid}: tensor_leak_check was requested inside the test's call (getfixturevalue): the "
+            "call is checked from its start, so request it as an argument, a fixture's argument or with usefixtures"
+        )
+    checker = _checker_for(request.node, wanted=True)
     if checker.report.done:  # the same test run again (a rerun plugin): a report of this run, not the last one's
         checker.report = type(checker.report)()
     return checker.report
@@ -145,12 +152,19 @@ def _tracker_for(item: pytest.Item) -> Any:
     return track_activations(**kwargs)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A new run of the test (a rerun too): its call has not begun."""
+    item.stash[_CALLED] = False
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
     """Run the test call inside the checker and the tracker, and turn a leak or a held activation into a
     test failure."""
     tracker = _tracker_for(item)
     checker = _checker_for(item)
+    item.stash[_CALLED] = True
     if checker is None and tracker is None:
         yield
         return

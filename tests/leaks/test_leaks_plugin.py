@@ -369,3 +369,32 @@ def test_step_with_warmup():
 """
     )
     pytester.runpytest("-p", "no:cacheprovider", "-q").assert_outcomes(passed=1)
+
+
+def test_the_fixture_by_getfixturevalue(pytester):
+    """``request.getfixturevalue("tensor_leak_check")`` in a fixture checks the call as the argument does; in the
+    test's own body, where the call is already running unchecked, it is a clear error (it was an AttributeError on
+    ``None``; hostile tester)."""
+    pytester.makepyfile(
+        test_dynamic="""
+import pytest
+import torch
+
+@pytest.fixture
+def checked(request):
+    return request.getfixturevalue("tensor_leak_check")
+
+def test_leaky_through_a_fixture(checked):
+    box = {"t": torch.ones(3)}
+    box["self"] = box
+
+def test_in_the_body(request):
+    request.getfixturevalue("tensor_leak_check")
+"""
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-q")
+    result.stdout.fnmatch_lines([
+        "*test_dynamic.py::test_leaky_through_a_fixture leaked into reference cycles*",
+        "*tensor_leak_check was requested inside the test's call (getfixturevalue)*",
+    ])
+    result.assert_outcomes(failed=2)
