@@ -47,20 +47,31 @@ _disabled_here = False  # whether the outermost of them disabled the collector
 # Note [a fork inside a pause]: ``os.fork`` copies the counter and the switch into the child but none of the
 # threads that hold the pause, and a ``multiprocessing`` or ``DataLoader`` worker forked meanwhile (a leak checker
 # around a step that starts workers; a B on another thread) never leaves the blocks it was forked in: it ran with
-# the automatic collector off for its whole life. So the child switches the collector back on where the pause had
-# switched it off, and counts as not having switched it off (a block the child does leave then leaves the switch
-# alone); the lock is made anew (another thread may have held it at the fork). The leak checker does the same for
-# its debug flags (Note [a fork inside a checker] in ``ppbackward.leaks._checker``).
+# the automatic collector off for its whole life. So the child starts with no pause held: the counter at 0, the
+# collector switched back on where the pause had switched it off, a new fork generation (a block entered before the
+# fork and left in the child, on whichever thread, then changes nothing), a new lock. The lock is held across the
+# fork itself (``before``/``after_in_parent``), so that the child never copies an update half made by another
+# thread. The leak checker does the same for its debug flags (Note [a fork inside a checker] in
+# ``ppbackward.leaks._checker``).
+_generation = 0
+
+
 def _after_fork_in_child() -> None:
-    global _lock, _disabled_here
+    global _lock, _depth, _disabled_here, _generation
     _lock = threading.RLock()
-    if _depth > 0 and _disabled_here:
+    _generation += 1
+    _depth = 0
+    if _disabled_here:
         _disabled_here = False
         gc.enable()
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; looked up at each fork, so a test can take it out
-    os.register_at_fork(after_in_child=lambda: _after_fork_in_child())
+    os.register_at_fork(
+        before=lambda: _lock.acquire(),
+        after_in_parent=lambda: _lock.release(),
+        after_in_child=lambda: _after_fork_in_child(),
+    )
 
 
 def collector_enabled() -> bool:
@@ -94,17 +105,18 @@ def automatic_gc_paused(always: bool = False) -> Iterator[None]:
     if not (PAUSE or always):
         yield
         return
-    entered = False
+    entered: int | None = None  # the fork generation it entered in (Note [a fork inside a pause])
     try:
         with _lock:
             _depth += 1
-            entered = True
+            entered = _generation
             if _depth == 1:
                 _disabled_here = gc.isenabled()
                 gc.disable()
         yield
     finally:
-        if entered:
+        # a block entered before a fork and left in the child: the child counts it as never held
+        if entered is not None and entered == _generation:
             with _lock:
                 _depth -= 1
                 if _depth == 0 and _disabled_here:

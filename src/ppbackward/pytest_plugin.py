@@ -120,9 +120,7 @@ def tensor_leak_check(request: pytest.FixtureRequest) -> Any:
             "call is checked from its start, so request it as an argument, a fixture's argument or with usefixtures"
         )
     checker = _checker_for(request.node, wanted=True)
-    if checker.report.done:  # the same test run again (a rerun plugin): a report of this run, not the last one's
-        checker.report = type(checker.report)()
-    return checker.report
+    return checker.fresh_report()  # the same test run again (a rerun plugin): this run's report, not the last one's
 
 
 # Note [an earlier failure is not this test's garbage]: pytest keeps the last failing test's exception in
@@ -175,7 +173,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
         tracker.__enter__()
     try:
         report = checker.__enter__() if checker is not None else None
-    except BaseException:  # a warmup that raises: the tracker's saved-tensor hooks must not stay installed
+    except BaseException:  # a checker that cannot arm: the tracker's saved-tensor hooks must not stay installed
         if tracker is not None:
             tracker.__exit__(None, None, None)
         raise

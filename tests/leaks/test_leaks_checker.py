@@ -620,3 +620,22 @@ def test_a_caught_leak_s_default_graph_folder_is_left_in_no_shared_temp_dir(_own
     assert report.num_tensors >= 1 and report.output_dir is not None
     assert os.path.dirname(report.output_dir) == _own_tempdir
     assert os.path.basename(report.output_dir).startswith("ppbackward-leaks-")
+
+
+def test_a_report_left_half_filled_is_not_the_next_blocks(monkeypatch):
+    """A block whose report could not be filled (the analysis raised) leaves it not done: the next entry still
+    reports on a new one, not on that half-filled one (a "not done" test reused it; reviewer)."""
+    box = check_tensor_leaks(strict=False)
+
+    def half_filled(caught):
+        box.report.chains.append("a chain of the failed block")
+        raise RuntimeError("the analysis failed")
+
+    monkeypatch.setattr(box, "_fill", half_filled)
+    with pytest.raises(RuntimeError, match="the analysis failed"), box as first:
+        _make_cycle()
+    monkeypatch.undo()
+    assert not first.done
+    with box as second:
+        pass
+    assert second is not first and second.done and second.chains == []

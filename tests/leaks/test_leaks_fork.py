@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import threading
+import traceback
 
 import pytest
 
@@ -22,7 +24,7 @@ def _in_child(leave=None) -> dict:
     exit, as a bare fork that goes on would), and sends back what its gc looks like."""
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
+    if pid == 0:  # the child: never returns into pytest; what it raised goes back through the pipe
         code = 1
         try:
             os.close(read)
@@ -40,6 +42,8 @@ def _in_child(leave=None) -> dict:
             }
             os.write(write, json.dumps(state).encode())
             code = 0
+        except BaseException:
+            os.write(write, traceback.format_exc().encode())
         finally:
             os._exit(code)
     os.close(write)
@@ -82,6 +86,41 @@ def test_a_worker_forked_inside_the_gc_pause_runs_with_the_collector_on():
     assert child["enabled"]
 
 
+def _pause_held_on_another_thread():
+    """A thread inside ppbackward's gc pause (a B on another thread) until the returned event is set."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with pause.automatic_gc_paused(always=True):
+            inside.set()
+            leave.wait(60)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert inside.wait(60)
+    return thread, leave
+
+
+def _checker_in_child() -> None:
+    """In the child: a checker must pause and put back the collector as in any process."""
+    with check_tensor_leaks(strict=False):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_worker_forked_while_another_thread_holds_the_pause_starts_with_none_held():
+    """The thread holding the pause does not exist in the child: its share is not counted there, so the child's
+    collector is on and a checker there pauses and puts it back (with the share counted, the checker's exit switched
+    it off for good; reviewer)."""
+    thread, leave = _pause_held_on_another_thread()
+    try:
+        child = _in_child(leave=_checker_in_child)
+    finally:
+        leave.set()
+        thread.join(60)
+    assert child["enabled"] and gc.isenabled()
+
+
 def test_negative_control_without_the_fork_handlers_the_worker_keeps_the_checkers_gc(monkeypatch):
     monkeypatch.setattr(checker_module, "_after_fork_in_child", lambda: None)
     monkeypatch.setattr(pause, "_after_fork_in_child", lambda: None)
@@ -90,3 +129,14 @@ def test_negative_control_without_the_fork_handlers_the_worker_keeps_the_checker
     assert not child["enabled"]
     # the 100 cycles but the last (its dict still named by the loop)
     assert child["debug"] & gc.DEBUG_SAVEALL and child["garbage"] >= 99 and child["save_all_callbacks"] == 1
+
+
+def test_negative_control_without_the_fork_handlers_the_other_threads_pause_stays_in_the_child(monkeypatch):
+    monkeypatch.setattr(pause, "_after_fork_in_child", lambda: None)
+    thread, leave = _pause_held_on_another_thread()
+    try:
+        child = _in_child()
+    finally:
+        leave.set()
+        thread.join(60)
+    assert not child["enabled"]

@@ -41,11 +41,11 @@ _MAX_KEYS_SHOWN = 4
 _LOCALS_SEEN = sys.version_info >= (3, 13)  # frame.f_locals is a view, not a copy the frame keeps (PEP 667)
 
 
-
 def _is(obj: Any, cls: type | tuple[type, ...]) -> bool:
     """``isinstance`` by the object's type alone: the heap holds objects whose ``__class__`` is a property that runs
     code or raises (a lazy proxy), and a chain search must neither run nor fail on it."""
     return issubclass(type(obj), cls)
+
 
 def _is_node(obj: Any) -> bool:
     return _is(obj, torch.autograd.graph.Node)
@@ -81,7 +81,7 @@ def _describe(obj: Any) -> str:
         if _is(obj, functools.partial):
             return f"functools.partial of {getattr(obj.func, '__qualname__', type(obj.func).__name__)}"
         if _is(obj, dict):
-            keys = [repr(k) if isinstance(k, (str, int)) else type(k).__name__ for k in list(obj)[:_MAX_KEYS_SHOWN]]
+            keys = [repr(k) if _is(k, (str, int)) else type(k).__name__ for k in list(obj)[:_MAX_KEYS_SHOWN]]
             more = ", ..." if len(obj) > _MAX_KEYS_SHOWN else ""
             return f"{type(obj).__name__} with {len(obj)} key(s) [{', '.join(keys)}{more}]"
         if _is(obj, (list, tuple, set, frozenset)):
@@ -106,7 +106,7 @@ def _edge_label(src: Any, dst: Any) -> str:
         if _is(src, dict):
             for k, v in src.items():
                 if v is dst:
-                    return f"[{k!r}]" if isinstance(k, (str, int)) else f"[<{type(k).__name__} key>]"
+                    return f"[{k!r}]" if _is(k, (str, int)) else f"[<{type(k).__name__} key>]"
                 if k is dst:
                     return "(a key)"
         if _is(src, (list, tuple)):

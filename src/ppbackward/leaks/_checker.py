@@ -63,10 +63,15 @@ _FLAGS_LOCK = threading.Lock()
 _armed_checkers = 0
 _flags_before = 0
 _garbage_before = 0  # len(gc.garbage) when the first armed checker armed
+_generation = 0  # forks this process came through (Note [a fork inside a checker])
 
 
-def _arm_debug_flags() -> None:
-    """Count one more armed checker and set ``gc.DEBUG_SAVEALL`` (Note [armed checkers share the debug flags])."""
+def _arm_debug_flags() -> int:
+    """Count one more armed checker and set ``gc.DEBUG_SAVEALL`` (Note [armed checkers share the debug flags]).
+
+    Returns:
+        The fork generation it armed in, for :func:`_disarm_debug_flags`.
+    """
     global _armed_checkers, _flags_before, _garbage_before
     with _FLAGS_LOCK:
         flags = gc.get_debug()
@@ -75,14 +80,15 @@ def _arm_debug_flags() -> None:
             _garbage_before = len(gc.garbage)
         _armed_checkers += 1
         gc.set_debug(flags | gc.DEBUG_SAVEALL)
+        return _generation
 
 
-def _disarm_debug_flags() -> None:
+def _disarm_debug_flags(generation: int) -> None:
     """Count one armed checker less; the last one puts back the flags the first found (Note [armed checkers
-    share the debug flags])."""
+    share the debug flags]). ``generation``: what :func:`_arm_debug_flags` returned."""
     global _armed_checkers
     with _FLAGS_LOCK:
-        if _armed_checkers == 0:  # armed before a fork, leaving in the child (Note [a fork inside a checker])
+        if generation != _generation:  # armed before a fork, leaving in the child (Note [a fork inside a checker])
             return
         _armed_checkers -= 1
         if _armed_checkers == 0:
@@ -96,18 +102,21 @@ def _disarm_debug_flags() -> None:
 # callbacks that put it back at every collection, and what they saved in ``gc.garbage``; a worker never leaves the
 # block, so every cycle it made stayed in ``gc.garbage`` for its whole life. So the child disarms them all: the
 # flags the first checker found, no ``_SaveAll`` callback, ``gc.garbage`` cut back to its length before the first
-# checker armed, no armed checker counted (one that exits in the child then finds nothing to disarm), a new lock.
-# The gc pause's own fork handler switches the collector back on (Note [a fork inside a pause] in
-# ``ppbackward._gc_pause``). A checker exiting in the child reports on what it finds there.
+# checker armed (by the exit's rule: all of it if the block emptied it), no armed checker counted, a new fork
+# generation (a checker armed before the fork and exiting in the child disarms nothing there; it was disarmed, so
+# it reports nothing of the child's garbage), a new lock, held across the fork itself so that the child never
+# copies an update half made by another thread. The gc pause's own fork handler switches the collector back on
+# (Note [a fork inside a pause] in ``ppbackward._gc_pause``).
 def _after_fork_in_child() -> None:
-    global _FLAGS_LOCK, _armed_checkers
+    global _FLAGS_LOCK, _armed_checkers, _generation
     _FLAGS_LOCK = threading.Lock()
+    _generation += 1
     if _armed_checkers == 0:
         return
     _armed_checkers = 0
     gc.callbacks[:] = [cb for cb in gc.callbacks if not isinstance(cb, _SaveAll)]
     gc.set_debug(_flags_before)
-    del gc.garbage[_garbage_before:]
+    del gc.garbage[_garbage_before if len(gc.garbage) >= _garbage_before else 0 :]
 
 
 # Note [checker survives the block's gc flags]
@@ -185,6 +194,8 @@ class _TensorLeakCheck:
         self._strict = strict
         self._warmup = warmup
         self._warmed = False  # run_warmup() ran it for the next entry
+        self._flags_generation = 0  # the fork generation it armed in (Note [a fork inside a checker])
+        self._report_fresh = True  # self.report is neither filled nor half-filled by a block yet
         self._max_chains = max_chains
         self._max_depth = max_depth
         self._output_dir = folder
@@ -195,9 +206,22 @@ class _TensorLeakCheck:
         # the automatic collector's pause while armed (Note [one collection decides])
         self._paused: contextlib.AbstractContextManager[None] | None = None
 
+    def fresh_report(self) -> LeakReport:
+        """The report the next block fills: the current one if no block used it yet, else a new one."""
+        if not self._report_fresh:
+            self.report = LeakReport()
+            self._report_fresh = True
+        return self.report
+
     def run_warmup(self) -> None:
         """Run the ``warmup`` callable now instead of at the next entry (the pytest plugin runs it before it enters
-        an activation tracker, so that a one-time cache is not an activation held either)."""
+        an activation tracker, so that a one-time cache is not an activation held either).
+
+        Raises:
+            RuntimeError: the checker is armed (the warmup would run inside the checked block).
+        """
+        if self._armed:
+            raise RuntimeError("check_tensor_leaks: run_warmup() inside the checked block; call it before entering")
         if self._warmup is not None:
             self._warmup()
         self._warmed = True
@@ -205,8 +229,8 @@ class _TensorLeakCheck:
     def __enter__(self) -> LeakReport:
         if self._armed:
             raise RuntimeError("check_tensor_leaks: this checker is already active; create a new one per block")
-        if self.report.done:  # a checker entered again reports on the new block only; an unused report is the
-            self.report = LeakReport()  # one filled (what the pytest fixture handed out before the call)
+        self.fresh_report()  # a checker entered again reports on the new block only; an unused report is the one
+        self._report_fresh = False  # filled (what the pytest fixture handed out before the call)
         if not self._warmed:
             self.run_warmup()  # before arming: one-time lazy imports and caches are not leaks
         self._warmed = False  # the next entry runs it again
@@ -217,14 +241,14 @@ class _TensorLeakCheck:
         try:
             full_collect()  # Note [a collection that surely ran] in _gc_phase.py
             self._start = len(gc.garbage)
-            _arm_debug_flags()  # Note [armed checkers share the debug flags]
+            self._flags_generation = _arm_debug_flags()  # Note [armed checkers share the debug flags]
             armed = True
             gc.callbacks.append(self._save_all)  # Note [checker survives the block's gc flags]
         except BaseException:  # not armed: nothing of it left behind
             if self._save_all in gc.callbacks:
                 gc.callbacks.remove(self._save_all)
             if armed:
-                _disarm_debug_flags()
+                _disarm_debug_flags(self._flags_generation)
             paused.__exit__(None, None, None)
             raise
         self._paused = paused
@@ -258,7 +282,7 @@ class _TensorLeakCheck:
             # Note [checker restores gc state]
             if self._save_all in gc.callbacks:
                 gc.callbacks.remove(self._save_all)
-            _disarm_debug_flags()  # Note [armed checkers share the debug flags]
+            _disarm_debug_flags(self._flags_generation)  # Note [armed checkers share the debug flags]
             restore_collector(self._prev_enabled)  # an outer checker's pause, if any, holds on
         caught_any = bool(caught)
         try:
@@ -417,4 +441,8 @@ def check_tensor_leaks(
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; looked up at each fork, so a test can take it out
-    os.register_at_fork(after_in_child=lambda: _after_fork_in_child())
+    os.register_at_fork(
+        before=lambda: _FLAGS_LOCK.acquire(),
+        after_in_parent=lambda: _FLAGS_LOCK.release(),
+        after_in_child=lambda: _after_fork_in_child(),
+    )
