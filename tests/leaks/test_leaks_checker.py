@@ -465,6 +465,8 @@ def test_bad_arguments_and_reuse_are_refused():
     with pytest.raises(TypeError, match="warmup must be a callable"):
         check_tensor_leaks(warmup=3)
     for bad, message in [
+        (dict(strict="no"), "strict must be a bool, got str 'no'"),
+        (dict(strict=0), "strict must be a bool, got int 0"),
         (dict(max_chains="3"), "max_chains must be an int, got str '3'"),
         (dict(max_chains=2.5), "max_chains must be an int, got float 2.5"),
         (dict(max_depth="x"), "max_depth must be an int, got str 'x'"),

@@ -160,6 +160,13 @@ def test_a_reference_cycle_is_freed_only_by_gc():
     assert (verified.bytes_alive, verified.bytes_freed_only_by_gc, verified.bytes_held_after_gc) == (20, 20, 0)
 
 
+@pytest.mark.parametrize("name", ["include_parameters", "include_leaves"])
+def test_a_flag_that_is_not_a_bool_is_refused(name):
+    """``"no"`` is truthy: it recorded what the caller meant to leave out (hostile tester)."""
+    with pytest.raises(TypeError, match=f"track_activations: {name} must be a bool, got str 'no'"):
+        track_activations(**{name: "no"})
+
+
 class _LazyProxy:
     """A lazy-object proxy, as libraries write them: ``__class__`` forwards to a target not bound yet, and raises."""
 

@@ -172,6 +172,8 @@ class _TensorLeakCheck:
         max_depth: int,
         output_dir: str | os.PathLike[str] | None,
     ) -> None:
+        if not isinstance(strict, bool):  # "no" is truthy: a strict checker where the caller asked for none
+            raise TypeError(f"check_tensor_leaks: strict must be a bool, got {type(strict).__name__} {strict!r}")
         for name, value in (("max_chains", max_chains), ("max_depth", max_depth)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"check_tensor_leaks: {name} must be an int, got {type(value).__name__} {value!r}")
@@ -422,8 +424,8 @@ def check_tensor_leaks(
         TensorLeakError: on exit, when ``strict`` and anything leaked (``error.report`` has the report).
         ValueError: for ``max_chains < 0`` or ``max_depth < 1``, or an ``output_dir`` that exists and is
             not a folder.
-        TypeError: when ``max_chains`` or ``max_depth`` is not an int, ``warmup`` is neither ``None`` nor
-            callable, or ``output_dir`` is neither ``None``, a ``str`` nor an ``os.PathLike``.
+        TypeError: when ``strict`` is not a bool, ``max_chains`` or ``max_depth`` not an int, ``warmup``
+            neither ``None`` nor callable, or ``output_dir`` neither ``None``, a ``str`` nor an ``os.PathLike``.
         RuntimeError: the checker entered while it is active, or exited when it is not; or, on entry or
             exit, no full collection could start (called from a finaliser of this thread's own collection,
             or another thread's collection never ended for 60 s: Note [a collection that surely ran] in

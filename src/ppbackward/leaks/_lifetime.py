@@ -96,6 +96,9 @@ class ActivationTracker:
     """
 
     def __init__(self, *, include_parameters: bool = False, include_leaves: bool = False) -> None:
+        for name, value in (("include_parameters", include_parameters), ("include_leaves", include_leaves)):
+            if not isinstance(value, bool):  # "no" is truthy: it would record what the caller left out
+                raise TypeError(f"track_activations: {name} must be a bool, got {type(value).__name__} {value!r}")
         self.include_parameters = include_parameters
         self.include_leaves = include_leaves
         self._records: list[_Record] = []
@@ -406,6 +409,7 @@ def track_activations(*, include_parameters: bool = False, include_leaves: bool 
         An :class:`ActivationTracker`; use it as a context manager, then call ``report()``.
 
     Raises:
+        TypeError: ``include_parameters`` or ``include_leaves`` is not a bool.
         RuntimeError: on entry, where saved-tensor hooks are disabled
             (``torch.autograd.graph.disable_saved_tensors_hooks``), or when already active.
 
