@@ -35,7 +35,8 @@ import os
 import threading
 from collections.abc import Iterator
 
-__all__ = ["automatic_gc_paused", "collector_enabled", "restore_collector"]  # private module: what other modules use
+# private module: what other modules use
+__all__ = ["automatic_gc_paused", "collector_enabled", "fork_generation", "restore_collector"]
 
 PAUSE = os.environ.get("PPBACKWARD_PAUSE_GC", "1").strip() != "0"  # the opt-out, read once
 
@@ -54,6 +55,12 @@ _disabled_here = False  # whether the outermost of them disabled the collector
 # thread. The leak checker does the same for its debug flags (Note [a fork inside a checker] in
 # ``ppbackward.leaks._checker``).
 _generation = 0
+
+
+def fork_generation() -> int:
+    """How many forks this process came through (Note [a fork inside a pause]): a block that records it on entry
+    and finds another on exit was entered before a fork and is left in the child."""
+    return _generation
 
 
 def _after_fork_in_child() -> None:

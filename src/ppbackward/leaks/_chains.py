@@ -76,7 +76,7 @@ def _describe(obj: Any) -> str:
             return f"bound method {getattr(obj.__func__, '__qualname__', '?')}"
         if _is(obj, types.CellType):
             return "cell"
-        if type(obj) is types.FrameType:
+        if _is(obj, types.FrameType):
             return f"frame of {obj.f_code.co_name} ({_where(obj.f_code, obj.f_lineno)})"
         if _is(obj, functools.partial):
             return f"functools.partial of {getattr(obj.func, '__qualname__', type(obj.func).__name__)}"
@@ -117,7 +117,7 @@ def _edge_label(src: Any, dst: Any) -> str:
             return "(a member)"
         if _is_node(src) and _is(dst, dict):
             return "(its hook dict)"  # the only Python objects a C++ node lets gc traverse
-        if type(src) is types.FrameType and _LOCALS_SEEN:  # before 3.13 f_locals is a copy the frame keeps
+        if _is(src, types.FrameType) and _LOCALS_SEEN:  # before 3.13 f_locals is a copy the frame keeps
             for k, v in src.f_locals.items():
                 if v is dst:
                     return f".f_locals[{k!r}]"
@@ -399,7 +399,7 @@ def _end_rank(obj: Any, depth: dict[int, int]) -> tuple[bool, bool, int]:
 
 def _is_own_frame(obj: Any) -> bool:
     """A frame of this package's reporting code (the search is not what holds the object)."""
-    return type(obj) is types.FrameType and obj.f_code.co_filename.startswith(_PACKAGE_DIR)
+    return _is(obj, types.FrameType) and obj.f_code.co_filename.startswith(_PACKAGE_DIR)
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

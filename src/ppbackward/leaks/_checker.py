@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from ppbackward._gc_pause import automatic_gc_paused, collector_enabled, restore_collector
+from ppbackward._gc_pause import automatic_gc_paused, collector_enabled, fork_generation, restore_collector
 from ppbackward._saved import saved_tensors
 from ppbackward.leaks._chains import find_chain, format_chain, referrer_index, write_graph
 from ppbackward.leaks._gc_phase import full_collect
@@ -63,7 +63,6 @@ _FLAGS_LOCK = threading.Lock()
 _armed_checkers = 0
 _flags_before = 0
 _garbage_before = 0  # len(gc.garbage) when the first armed checker armed
-_generation = 0  # forks this process came through (Note [a fork inside a checker])
 
 
 def _arm_debug_flags() -> int:
@@ -80,7 +79,7 @@ def _arm_debug_flags() -> int:
             _garbage_before = len(gc.garbage)
         _armed_checkers += 1
         gc.set_debug(flags | gc.DEBUG_SAVEALL)
-        return _generation
+        return fork_generation()
 
 
 def _disarm_debug_flags(generation: int) -> None:
@@ -88,7 +87,7 @@ def _disarm_debug_flags(generation: int) -> None:
     share the debug flags]). ``generation``: what :func:`_arm_debug_flags` returned."""
     global _armed_checkers
     with _FLAGS_LOCK:
-        if generation != _generation:  # armed before a fork, leaving in the child (Note [a fork inside a checker])
+        if generation != fork_generation():  # armed before a fork (Note [a fork inside a checker])
             return
         _armed_checkers -= 1
         if _armed_checkers == 0:
@@ -102,15 +101,15 @@ def _disarm_debug_flags(generation: int) -> None:
 # callbacks that put it back at every collection, and what they saved in ``gc.garbage``; a worker never leaves the
 # block, so every cycle it made stayed in ``gc.garbage`` for its whole life. So the child disarms them all: the
 # flags the first checker found, no ``_SaveAll`` callback, ``gc.garbage`` cut back to its length before the first
-# checker armed (by the exit's rule: all of it if the block emptied it), no armed checker counted, a new fork
-# generation (a checker armed before the fork and exiting in the child disarms nothing there; it was disarmed, so
-# it reports nothing of the child's garbage), a new lock, held across the fork itself so that the child never
-# copies an update half made by another thread. The gc pause's own fork handler switches the collector back on
+# checker armed (by the exit's rule: all of it if the block emptied it), no armed checker counted (a checker
+# armed before the fork, in an earlier ``fork_generation()`` of the gc pause's, disarms nothing when it exits in
+# the child; it was disarmed, so it reports nothing of the child's garbage), a new lock, held across the fork
+# itself so that the child never copies an update half made by another thread. The gc pause's own fork handler
+# (registered first, so it runs first in the child) switches the collector back on and starts the new generation
 # (Note [a fork inside a pause] in ``ppbackward._gc_pause``).
 def _after_fork_in_child() -> None:
-    global _FLAGS_LOCK, _armed_checkers, _generation
+    global _FLAGS_LOCK, _armed_checkers
     _FLAGS_LOCK = threading.Lock()
-    _generation += 1
     if _armed_checkers == 0:
         return
     _armed_checkers = 0

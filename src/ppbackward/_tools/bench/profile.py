@@ -77,16 +77,9 @@ def _profile_phase(stage: Stage, impl: str, reps: int) -> dict[str, Any]:
         reset_grads(stage)
         out = stage.model(stage.x)
         with automatic_gc_paused(always=True):
-            prof_b.enable()
-            try:
-                groups = run_b(impl, stage, out)
-            finally:  # a B that raises must not leave the profiler on in the caller's process
-                prof_b.disable()
-            prof_w.enable()
-            try:
-                run_w(impl, stage, groups)
-            finally:
-                prof_w.disable()
+            # runcall: a B or W that raises leaves no profiler on in the caller's process
+            groups = prof_b.runcall(run_b, impl, stage, out)
+            prof_w.runcall(run_w, impl, stage, groups)
         del groups, out
     reset_grads(stage)
     return {"b": _split(prof_b, impl, reps), "w": _split(prof_w, impl, reps)}
